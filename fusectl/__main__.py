@@ -1,0 +1,3 @@
+from fusectl.cli import main
+
+main()

@@ -1,0 +1,305 @@
+"""The fusectl command line: load -> resolve switches -> run passes -> report -> save."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from fusectl import __version__, logs, reports
+from fusectl.dump import GraphDumper
+from fusectl.engine import PassRun, run_plan
+from fusectl.errors import FusectlError
+from fusectl.model_io import check_output_path, load_model, save_model
+from fusectl.registry import Category, load_builtin_passes
+from fusectl.shapes import apply_input_shapes, parse_input_shape
+from fusectl.switches import (
+    SwitchRequest,
+    parse_optimization_switch,
+    parse_switch_file,
+    resolve,
+    split_pass_list,
+)
+
+INTERNAL_ERROR_EXIT = 3
+
+stderr = Console(stderr=True, highlight=False)
+
+
+def _option(*names: str, **kwargs: Any) -> Callable:
+    """An option spelled as ATC writes it (--fusion_switch_file) with the dashed alias."""
+    spellings = []
+    for name in names:
+        spellings.append(name)
+        if name.startswith("--") and "_" in name:
+            spellings.append(name.replace("_", "-"))
+    return click.option(*spellings, **kwargs)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fusectl")
+def cli() -> None:
+    """ATC-style fusion optimizer for ONNX models."""
+
+
+@cli.command()
+@click.argument("model_arg", metavar="MODEL", required=False, type=click.Path(path_type=Path))
+@_option("--model", "model_opt", type=click.Path(path_type=Path), help="Input model (ATC form).")
+@_option("-o", "--output", type=click.Path(path_type=Path), help="Optimized model to write.")
+@_option(
+    "--fusion_switch_file",
+    type=click.Path(path_type=Path),
+    help="Ascend switch file: JSON {'Switch': ...} or 'PassName:on|off' lines.",
+)
+@_option("--enable_pass", multiple=True, help="Comma-separated passes to turn on (repeatable).")
+@_option("--disable_pass", multiple=True, help="Comma-separated passes to turn off (repeatable).")
+@_option("--optimization_switch", default="", help='"A:on;B:off"; beats every other switch.')
+@_option(
+    "--oo_level",
+    type=click.Choice(["O1", "O3"]),
+    default="O3",
+    show_default=True,
+    help="O1 turns every fusion off except ExceptionalPassOfO1Level.",
+)
+@_option(
+    "--target",
+    type=click.Choice(["ort", "onnx"]),
+    default="ort",
+    show_default=True,
+    help="ort allows onnxruntime contrib ops; onnx keeps to standard ONNX ops.",
+)
+@_option("--input_shape", default="", help='Fix input dims: "ids:1,128;mask:1,128".')
+@_option(
+    "--fusion_result",
+    type=click.Path(path_type=Path),
+    help="Where to write fusion_result.json [./fusion_result.json].",
+)
+@_option(
+    "--export_compile_stat",
+    type=click.Choice(["0", "1", "2"]),
+    default="1",
+    show_default=True,
+    help="0: no fusion_result.json; 1: write at exit; 2: write once passes finish.",
+)
+@_option(
+    "--fusion_result_format",
+    type=click.Choice(reports.FUSION_RESULT_FORMATS),
+    default="v3",
+    show_default=True,
+    help="Layout of fusion_result.json.",
+)
+@_option("--report", type=click.Path(path_type=Path), help="Write the per-pass JSON report.")
+@_option(
+    "--dump_graph",
+    type=click.Path(path_type=Path),
+    help="Write the model before and after each pass that changed it to DIR.",
+)
+@_option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@_option("--strict", is_flag=True, help="Unknown pass names are errors, not warnings.")
+@_option(
+    "--log",
+    "log_level",
+    type=click.Choice(list(logs.LEVELS)),
+    default=None,
+    help="Log level on stderr [warning, or ASCEND_GLOBAL_LOG_LEVEL].",
+)
+def optimize(**options: Any) -> None:
+    """Run the enabled fusion passes on MODEL and write the optimized model."""
+    _guarded(lambda: _optimize(**options))
+
+
+def _guarded(action: Callable[[], None]) -> None:
+    """One-line errors with the documented exit codes instead of tracebacks."""
+    try:
+        action()
+    except FusectlError as error:
+        stderr.print(f"fusectl: error: {error}", markup=False, soft_wrap=True)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        stderr.print("fusectl: interrupted", markup=False)
+        sys.exit(130)
+    except Exception as error:
+        logs.logger.debug("internal error", exc_info=True)
+        stderr.print(
+            f"fusectl: internal error: {type(error).__name__}: {error} "
+            "(run with --log debug for the traceback)",
+            markup=False,
+            soft_wrap=True,
+        )
+        sys.exit(INTERNAL_ERROR_EXIT)
+
+
+def _output_path(model: Path, output: Path | None) -> Path:
+    if output is None:
+        raise FusectlError("no output given: use -o OUT.onnx (or --output)")
+    # ATC's --output takes a name without extension; keep that habit working.
+    return output if output.suffix else output.with_suffix(".onnx")
+
+
+def _optimize(
+    *,
+    model_arg: Path | None,
+    model_opt: Path | None,
+    output: Path | None,
+    fusion_switch_file: Path | None,
+    enable_pass: Sequence[str],
+    disable_pass: Sequence[str],
+    optimization_switch: str,
+    oo_level: str,
+    target: str,
+    input_shape: str,
+    fusion_result: Path | None,
+    export_compile_stat: str,
+    fusion_result_format: str,
+    report: Path | None,
+    dump_graph: Path | None,
+    as_json: bool,
+    strict: bool,
+    log_level: str | None,
+) -> None:
+    logs.configure(log_level or logs.default_level())
+    if model_arg and model_opt and model_arg != model_opt:
+        raise FusectlError("two different models given (MODEL and --model)")
+    model_path = model_arg or model_opt
+    if model_path is None:
+        raise FusectlError("no model given: fusectl optimize MODEL.onnx -o OUT.onnx")
+    output = _output_path(model_path, output)
+
+    registry = load_builtin_passes()
+    request = SwitchRequest(
+        switch_file=parse_switch_file(fusion_switch_file) if fusion_switch_file else None,
+        enable=split_pass_list(enable_pass),
+        disable=split_pass_list(disable_pass),
+        optimization_switch=parse_optimization_switch(optimization_switch),
+        oo_level=oo_level,
+        target=target,
+        strict=strict,
+    )
+    plan = resolve(registry, request)
+    shapes = parse_input_shape(input_shape)
+
+    loaded = load_model(model_path)
+    check_output_path(loaded, output)
+    model = loaded.model
+    apply_input_shapes(model, shapes, model_path)
+    for message in plan.warnings + plan.notes:
+        logs.logger.warning("%s", message)
+
+    result_path = None
+    if export_compile_stat != "0":
+        result_path = fusion_result or reports.default_fusion_result_path()
+        result_path.unlink(missing_ok=True)  # never leave a stale result from an earlier run
+    dumper = GraphDumper(dump_graph) if dump_graph else None
+    before = reports.model_stats(model)
+    if dumper:
+        dumper.dump(model, "original")
+
+    def after_pass(run: PassRun, current: Any) -> None:
+        if dumper and run.ctx is not None and run.ctx.changed:
+            dumper.dump(current, run.decision.name)
+
+    result = run_plan(model, plan, target=target, after_pass=after_pass)
+    fusion_text = reports.render_fusion_result(result, fusion_result_format)
+    if result_path and export_compile_stat == "2":
+        reports.write_text_atomic(result_path, fusion_text)
+    data_path = save_model(model, output, external=loaded.uses_external_data)
+    if result_path and export_compile_stat == "1":
+        reports.write_text_atomic(result_path, fusion_text)
+
+    document = reports.report_document(
+        plan=plan,
+        result=result,
+        model_before=before,
+        model_after=model,
+        paths={
+            "model": str(model_path),
+            "output": str(output),
+            "external_data": str(data_path) if data_path else None,
+            "fusion_result": str(result_path) if result_path else None,
+            "dump_graph": str(dump_graph) if dump_graph else None,
+        },
+        options={
+            "target": target,
+            "oo_level": oo_level,
+            "fusion_switch_file": str(fusion_switch_file) if fusion_switch_file else None,
+            "enable_pass": list(request.enable),
+            "disable_pass": list(request.disable),
+            "optimization_switch": optimization_switch or None,
+            "input_shape": input_shape or None,
+        },
+    )
+    if report:
+        reports.write_text_atomic(report, json.dumps(document, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+    if log_level != "null":
+        reports.print_summary(stderr, result)
+        stderr.print(f"wrote {output}" + (f" (+ {data_path.name})" if data_path else ""))
+
+
+@cli.command("passes")
+@_option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON.")
+@_option("--category", type=click.Choice([c.value for c in Category]), default=None)
+def list_passes(as_json: bool, category: str | None) -> None:
+    """List every registered pass with its category, default, numerics and targets."""
+    specs = [p.spec for p in load_builtin_passes()]
+    if category:
+        specs = [s for s in specs if s.category.value == category]
+    if as_json:
+        click.echo(json.dumps(reports.catalogue_document(specs), indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(specs)} passes", title_justify="left")
+    for column in (
+        "name",
+        "aliases",
+        "category",
+        "default",
+        "closable",
+        "numerics",
+        "targets",
+        "min opset",
+        "description",
+    ):
+        table.add_column(column)
+    for spec in specs:
+        table.add_row(
+            spec.name,
+            ", ".join(spec.aliases),
+            spec.category.value,
+            "on" if spec.default_on else "off",
+            "yes" if spec.closable else "no",
+            spec.numerics.value,
+            ",".join(spec.targets),
+            str(spec.min_opset),
+            spec.description,
+        )
+    Console().print(table)
+
+
+@cli.command("switch-template")
+@_option(
+    "--all",
+    "all_state",
+    type=click.Choice(["on", "off"]),
+    default=None,
+    help="Set every pass to this state instead of its default.",
+)
+def switch_template(all_state: str | None) -> None:
+    """Print a fusion switch file (JSON) that names every registered pass."""
+    switch: dict[str, dict[str, str]] = {c.value: {} for c in Category}
+    for fusion_pass in load_builtin_passes():
+        spec = fusion_pass.spec
+        state = all_state or ("on" if spec.default_on else "off")
+        switch[spec.category.value][spec.name] = state
+    click.echo(json.dumps({"Switch": switch}, indent=4))
+
+
+def main() -> None:
+    cli(prog_name="fusectl")

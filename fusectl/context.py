@@ -1,0 +1,112 @@
+"""What a pass sees while it runs, and what it records: matches, effects, declines, lineage."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import onnx_ir as ir
+
+    from fusectl.registry import PassSpec
+
+LINEAGE_PASSES = "fusectl.pass_name"
+LINEAGE_NAMES = "fusectl.original_op_names"
+LINEAGE_TYPES = "fusectl.original_op_types"
+
+# How many example sites a decline reason keeps for the report.
+DECLINE_EXAMPLES = 3
+
+
+@dataclass
+class PatternStats:
+    """Counts for one pattern of a pass, as in the Ascend GraphFusionPass log line."""
+
+    name: str
+    matched: int = 0
+    effected: int = 0
+    declines: Counter[str] = field(default_factory=Counter)
+    decline_examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def decline(self, reason: str, site: str) -> None:
+        self.matched += 1
+        self.declines[reason] += 1
+        examples = self.decline_examples.setdefault(reason, [])
+        if len(examples) < DECLINE_EXAMPLES:
+            examples.append(site)
+
+
+@dataclass
+class FusionSite:
+    """One rewrite: which pattern, which original nodes, which nodes replaced them."""
+
+    pattern: str
+    original_names: list[str]
+    original_types: list[str]
+    new_names: list[str]
+
+
+@dataclass
+class PassContext:
+    """Per-run state handed to a pass: options it may consult and counters it fills."""
+
+    spec: PassSpec
+    target: str
+    opset: int
+    patterns: dict[str, PatternStats] = field(default_factory=dict)
+    sites: list[FusionSite] = field(default_factory=list)
+    changed: bool = False
+
+    def pattern(self, name: str) -> PatternStats:
+        stats = self.patterns.get(name)
+        if stats is None:
+            stats = self.patterns[name] = PatternStats(name)
+        return stats
+
+    @property
+    def matched(self) -> int:
+        return sum(p.matched for p in self.patterns.values())
+
+    @property
+    def effected(self) -> int:
+        return sum(p.effected for p in self.patterns.values())
+
+    def declines(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for stats in self.patterns.values():
+            total.update(stats.declines)
+        return total
+
+    def record_fusion(
+        self, pattern: str, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node]
+    ) -> None:
+        """Count one effect and stamp the new nodes with the lineage of the ones they replace."""
+        stats = self.pattern(pattern)
+        stats.matched += 1
+        stats.effected += 1
+        self.changed = True
+        passes: list[str] = []
+        names: list[str] = []
+        types: list[str] = []
+        for node in old_nodes:
+            props = node.metadata_props
+            if LINEAGE_NAMES in props:
+                names.extend(json.loads(props[LINEAGE_NAMES]))
+                types.extend(json.loads(props[LINEAGE_TYPES]))
+                passes.extend(p for p in json.loads(props[LINEAGE_PASSES]) if p not in passes)
+            else:
+                names.append(node.name or "")
+                types.append(node.op_type)
+        if self.spec.name not in passes:
+            passes.append(self.spec.name)
+        for node in new_nodes:
+            node.metadata_props[LINEAGE_PASSES] = json.dumps(passes)
+            node.metadata_props[LINEAGE_NAMES] = json.dumps(names)
+            node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
+        self.sites.append(
+            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes])
+        )

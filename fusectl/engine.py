@@ -1,0 +1,69 @@
+"""Runs the resolved plan: each enabled pass in order, timed and counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from fusectl import logs
+from fusectl.context import PassContext
+from fusectl.switches import Decision, Plan
+
+
+@dataclass
+class PassRun:
+    """One entry of the plan after the run: its decision, and what it did if it ran."""
+
+    decision: Decision
+    ctx: PassContext | None = None
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+
+@dataclass
+class RunResult:
+    runs: list[PassRun]
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+
+
+AfterPass = Callable[[PassRun, ir.Model], None]
+
+
+def model_opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
+def run_plan(
+    model: ir.Model,
+    plan: Plan,
+    *,
+    target: str,
+    after_pass: AfterPass | None = None,
+) -> RunResult:
+    """Apply every enabled pass of the plan to ``model`` in place, in plan order."""
+    start = time.perf_counter()
+    nodes_before = len(model.graph)
+    runs: list[PassRun] = []
+    for decision in plan.decisions:
+        run = PassRun(decision)
+        runs.append(run)
+        if not decision.enabled:
+            logs.skipped(decision)
+            continue
+        ctx = PassContext(decision.fusion_pass.spec, target, model_opset(model))
+        run.nodes_before = len(model.graph)
+        began = time.perf_counter()
+        decision.fusion_pass.run(model, ctx)
+        run.seconds = time.perf_counter() - began
+        run.nodes_after = len(model.graph)
+        run.ctx = ctx
+        logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
+        if after_pass is not None:
+            after_pass(run, model)
+    return RunResult(runs, nodes_before, len(model.graph), time.perf_counter() - start)

@@ -1,0 +1,261 @@
+"""Pattern passes: onnxscript rewriter patterns driven with Ascend match/effect semantics.
+
+onnxscript's own driver counts only the rewrites it applied and drops a candidate silently when a
+condition fails or an intermediate value has other users. Ascend counts such a candidate as a
+match without effect, and users need the reason. So the matching and the replacement come from
+onnxscript, and this module drives them: it checks removability and the pass's own conditions,
+records every decline with its reason, names new nodes deterministically and stamps lineage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern as oxs_pattern
+
+from fusectl.registry import FusionPass
+
+if TYPE_CHECKING:
+    from onnxscript.rewriter._basics import MatchContext
+
+    from fusectl.context import PassContext
+
+
+class Decline(Exception):
+    """Raised by a check or rewrite to turn a structural match down, with the reason."""
+
+
+CheckFn = Callable[..., str | None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pattern of a pass: a target, a replacement, and an optional extra check.
+
+    ``pattern(op, **vars)`` and ``rewrite(op, site, **bindings)`` use the onnxscript rewriter's
+    op-builder style. ``check(site, **bindings)`` returns None to accept or a short reason to
+    decline (it may also raise Decline). Commutative inputs (Add, Mul, ...) match in either order
+    unless ``commute`` is False.
+    """
+
+    name: str
+    pattern: Callable[..., Any]
+    rewrite: Callable[..., Any]
+    check: CheckFn | None = None
+    commute: bool = True
+
+
+class Site:
+    """A structural match as a pass's check and rewrite see it."""
+
+    def __init__(self, ctx: PassContext, match: MatchContext) -> None:
+        self.ctx = ctx
+        self.root: ir.Node = match.root
+        self.nodes: tuple[ir.Node, ...] = tuple(match.nodes)
+        self.outputs: tuple[ir.Value, ...] = tuple(match.output_values)
+
+    @property
+    def label(self) -> str:
+        return _node_label(self.root)
+
+    def name(self, suffix: str) -> str:
+        """A deterministic name for a value or initializer this rewrite creates."""
+        return f"{self.ctx.spec.name}/{self.label}/{suffix}"
+
+    def constant(self, value: ir.Value | None) -> np.ndarray | None:
+        """The value's constant contents (an initializer or a Constant node), else None.
+
+        Reading it is what pulls external weights into memory, so checks call it last. An
+        initializer that is also a graph input is a default the caller may override, so it is
+        not a constant (onnxruntime draws the same line).
+        """
+        if value is None or value.is_graph_input():
+            return None
+        tensor = ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
+
+    def require_constant(self, value: ir.Value | None, what: str) -> np.ndarray:
+        """The value's constant contents, or a Decline naming what is not constant."""
+        array = self.constant(value)
+        if array is None and value is not None and value.is_graph_input():
+            raise Decline(f"{what} is a graph input (an overridable initializer), not a constant")
+        if array is None:
+            raise Decline(f"{what} is not a constant")
+        return array
+
+    def node(self, op_type: str) -> ir.Node:
+        """The matched node of the given op type (patterns name each op type once)."""
+        return next(node for node in self.nodes if node.op_type == op_type)
+
+    def initializer(self, op: Any, array: np.ndarray, suffix: str) -> ir.Value:
+        """Add a new constant for the replacement, named after this site."""
+        name = self.name(suffix)
+        return op.initializer(ir.tensor(array, name=name), name=name)
+
+
+def _node_label(node: ir.Node) -> str:
+    return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
+
+
+def _intermediate_in_use(site: Site) -> str | None:
+    """Why the matched nodes cannot be removed, if some value they compute is needed elsewhere."""
+    nodes = set(site.nodes)
+    kept = set(site.outputs)
+    for node in site.nodes:
+        for value in node.outputs:
+            if value in kept:
+                continue
+            if value.is_graph_output():
+                return f"intermediate '{value.name}' is a graph output"
+            for consumer, _ in value.uses():
+                if consumer not in nodes:
+                    return (
+                        f"intermediate '{value.name}' is also used by "
+                        f"{consumer.op_type} '{_node_label(consumer)}'"
+                    )
+    return None
+
+
+@dataclass
+class _Outcome:
+    """What the wrapped condition and replacement saw for the current candidate."""
+
+    site: Site | None = None
+    reason: str | None = None
+
+
+class _CompiledRule:
+    """One Rule turned into onnxscript rewrite rules (one per commuted input order)."""
+
+    def __init__(self, rule: Rule, spec_min_opset: int, emits: tuple[str, ...]) -> None:
+        self.rule = rule
+        self.outcome = _Outcome()
+        self.ctx: PassContext | None = None
+        self._min_opset = spec_min_opset
+        self._emits = emits
+        base = oxs_pattern.RewriteRule(
+            rule.pattern,
+            self._replace,
+            self._condition,
+            name=rule.name,
+            remove_nodes=False,  # removability is checked (and explained) in _condition
+        )
+        variants = base.commute() if rule.commute else [base]
+        if not base._target_pattern.has_single_output_node:
+            raise ValueError(f"pattern {rule.name}: only single-output-node patterns are supported")
+        self.root_op = base._target_pattern.output_node.op_identifier()
+        self.variants = [(variant, _producer_ops(variant)) for variant in variants]
+
+    def _condition(self, context: MatchContext, **bindings: Any) -> bool:
+        assert self.ctx is not None
+        site = Site(self.ctx, context)
+        self.outcome.site = site
+        reason = _intermediate_in_use(site)
+        if reason is None and self.ctx.opset < self._min_opset:
+            what = "/".join(self._emits) or "the fused op"
+            reason = f"{what} needs opset >= {self._min_opset}, model has {self.ctx.opset}"
+        if reason is None and self.rule.check is not None:
+            try:
+                reason = self.rule.check(site, **bindings) or None
+            except Decline as decline:
+                reason = str(decline)
+        self.outcome.reason = reason
+        return reason is None
+
+    def _replace(self, op: Any, **bindings: Any) -> Any:
+        assert self.outcome.site is not None
+        try:
+            return self.rule.rewrite(op, self.outcome.site, **bindings)
+        except Decline as decline:
+            self.outcome.reason = str(decline)
+            return None
+
+
+def _producer_ops(rule: oxs_pattern.RewriteRule) -> tuple[tuple[int, Any], ...]:
+    """(input index, op) for each root input the pattern requires a specific node to produce."""
+    root = rule._target_pattern.output_node
+    required = []
+    for index, value in enumerate(root.inputs):
+        producer = value.producer() if value is not None else None
+        if producer is not None and producer.op_identifier() is not None:
+            required.append((index, producer.op_identifier()))
+    return tuple(required)
+
+
+def _producers_fit(node: ir.Node, producers: tuple[tuple[int, Any], ...]) -> bool:
+    """A cheap test that rules out most nodes before the full matcher runs."""
+    inputs = node.inputs
+    for index, op in producers:
+        if index >= len(inputs) or inputs[index] is None:
+            return False
+        producer = inputs[index].producer()
+        if producer is None or producer.op_identifier() != op:
+            return False
+    return True
+
+
+class PatternPass(FusionPass):
+    """A pass made of onnxscript-style rules, each tried at every node in graph order."""
+
+    rules: ClassVar[tuple[Rule, ...]]
+    _compiled: list[_CompiledRule] | None = None
+
+    def compiled_rules(self) -> list[_CompiledRule]:
+        if self._compiled is None:
+            self._compiled = [
+                _CompiledRule(rule, self.spec.min_opset, self.spec.emits) for rule in self.rules
+            ]
+        return self._compiled
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        for compiled in self.compiled_rules():
+            stats = ctx.pattern(compiled.rule.name)
+            compiled.ctx = ctx
+            for node in graph:
+                if compiled.root_op is not None and node.op_identifier() != compiled.root_op:
+                    continue
+                declined: str | None = None
+                for variant, producers in compiled.variants:
+                    if not _producers_fit(node, producers):
+                        continue
+                    compiled.outcome = _Outcome()
+                    delta = variant.try_rewrite(model, graph, node)
+                    if delta is not None:
+                        _apply(graph, node, delta, compiled.outcome.site, ctx, compiled.rule.name)
+                        declined = None
+                        break
+                    if compiled.outcome.reason is not None and declined is None:
+                        declined = compiled.outcome.reason
+                if declined is not None:
+                    stats.decline(declined, _node_label(node))
+            compiled.ctx = None
+
+
+def _apply(
+    graph: ir.Graph,
+    root: ir.Node,
+    delta: oxs_pattern.ReplacementSubgraph,
+    site: Site | None,
+    ctx: PassContext,
+    pattern_name: str,
+) -> None:
+    assert site is not None
+    match = delta.match
+    base = f"{ctx.spec.name}/{site.label}"
+    replaced = set(delta.new_outputs)
+    for index, node in enumerate(delta.new_nodes):
+        node.name = base if index == 0 else f"{base}_{index}"
+        for position, value in enumerate(node.outputs):
+            if value not in replaced and not value.name:
+                value.name = f"{node.name}:{position}"
+    for initializer in delta.new_initializers:
+        graph.initializers[initializer.name] = initializer
+    ir.convenience.replace_nodes_and_values(
+        graph, root, match.nodes, delta.new_nodes, match.outputs, delta.new_outputs
+    )
+    ctx.record_fusion(pattern_name, match.nodes, delta.new_nodes)

@@ -1,0 +1,183 @@
+"""The pass catalogue: how a pass is declared, and the one registry every pass lives in.
+
+Built-in passes and user plugins register through the same decorator, so the CLI, the switch
+resolver and the reports never need to know where a pass came from.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import enum
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from fusectl.context import PassContext
+
+
+class Category(str, enum.Enum):
+    """The two Ascend namespaces; a switch file addresses each separately."""
+
+    GRAPH = "GraphFusion"
+    UB = "UBFusion"
+
+
+class Numerics(str, enum.Enum):
+    """How far a pass's output may drift from the original in floating point."""
+
+    EXACT = "exact"
+    REASSOCIATING = "reassociating"
+    APPROXIMATE = "approximate"
+
+
+# Ascend FE priority bands (lower runs earlier). User-file priorities take 0-2999 (see
+# fusectl.switches); built-in passes declare one of these or fall into the default band.
+BUILTIN_TOP = range(3000, 4000)
+BUILTIN_MAIN = range(4000, 5000)
+BUILTIN_DOWN = range(5000, 6000)
+CUSTOM_DEFAULT_PRIORITY = 6000
+BUILTIN_DEFAULT_PRIORITY = 8000
+DOWN_BAND_OFFSET = 10000
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+ALL_TARGETS = ("ort", "onnx")
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """Everything the catalogue, the switch resolver and the reports need to know of a pass."""
+
+    name: str
+    category: Category
+    description: str
+    aliases: tuple[str, ...] = ()
+    default_on: bool = True
+    closable: bool = True
+    numerics: Numerics = Numerics.EXACT
+    priority: int | None = None
+    targets: tuple[str, ...] = ALL_TARGETS
+    min_opset: int = 1
+    emits: tuple[str, ...] = ()
+    providers: tuple[str, ...] = ("all",)
+    origin: str = "built-in"
+    counted: bool = True
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        for label in (self.name, *self.aliases):
+            if not _NAME_RE.match(label) or label == "ALL":
+                raise ValueError(
+                    f"pass name {label!r} is not valid: use letters, digits, '_', '.', '-'"
+                )
+        if self.required and self.closable:
+            raise ValueError(f"pass {self.name}: a required pass cannot be closable")
+
+    @property
+    def effective_priority(self) -> int:
+        """Where this pass runs within its category when no switch file reorders it."""
+        if self.priority is None:
+            return (
+                BUILTIN_DEFAULT_PRIORITY if self.origin == "built-in" else CUSTOM_DEFAULT_PRIORITY
+            )
+        if self.priority in BUILTIN_DOWN:
+            return self.priority + DOWN_BAND_OFFSET
+        return self.priority
+
+
+class FusionPass(abc.ABC):
+    """A registered pass: a spec plus an in-place transformation of the model."""
+
+    spec: ClassVar[PassSpec]
+
+    @abc.abstractmethod
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        """Rewrite ``model`` in place, recording matches, effects and declines on ``ctx``."""
+
+
+@dataclass
+class PassRegistry:
+    """Passes by canonical name, in registration order, with their aliases."""
+
+    _passes: dict[str, FusionPass] = field(default_factory=dict)
+    _lookup: dict[str, str] = field(default_factory=dict)
+
+    def register(self, fusion_pass: FusionPass, *, replace: bool = False) -> None:
+        spec = fusion_pass.spec
+        labels = (spec.name, *spec.aliases)
+        if spec.name in self._passes and not replace:
+            raise ValueError(
+                f"a pass named {spec.name!r} is already registered "
+                f"({self._passes[spec.name].spec.origin}); pass replace=True to replace it"
+            )
+        if spec.name in self._passes:
+            self.unregister(spec.name)
+        for label in labels:
+            owner = self._lookup.get(label)
+            if owner is not None:
+                raise ValueError(f"name {label!r} of pass {spec.name} is already used by {owner}")
+        self._passes[spec.name] = fusion_pass
+        for label in labels:
+            self._lookup[label] = spec.name
+
+    def unregister(self, name: str) -> None:
+        removed = self._passes.pop(name)
+        for label in (removed.spec.name, *removed.spec.aliases):
+            self._lookup.pop(label, None)
+
+    def canonical(self, name: str) -> str | None:
+        """The canonical name for a canonical name or alias, or None when unknown."""
+        return self._lookup.get(name)
+
+    def suggest(self, name: str) -> str | None:
+        """The closest known name, for 'did you mean' hints."""
+        folded = {label.lower(): label for label in self._lookup}
+        hits = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.6)
+        return folded[hits[0]] if hits else None
+
+    def __getitem__(self, name: str) -> FusionPass:
+        return self._passes[name]
+
+    def __iter__(self) -> Iterator[FusionPass]:
+        return iter(list(self._passes.values()))
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+
+REGISTRY = PassRegistry()
+
+PassT = TypeVar("PassT", bound=type[FusionPass])
+
+
+def register_pass(
+    cls: PassT | None = None, *, replace: bool = False
+) -> PassT | Callable[[PassT], PassT]:
+    """Class decorator that instantiates a FusionPass subclass and adds it to the registry."""
+
+    def decorate(pass_cls: PassT) -> PassT:
+        REGISTRY.register(pass_cls(), replace=replace)
+        return pass_cls
+
+    return decorate if cls is None else decorate(cls)
+
+
+_builtins_loaded = False
+
+
+def load_builtin_passes() -> PassRegistry:
+    """Import every module of fusectl.passes (each registers its passes) exactly once."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        package = importlib.import_module("fusectl.passes")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    return REGISTRY

@@ -1,0 +1,226 @@
+"""What a run tells its users: fusion_result.json, the --report document, the summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+from rich.console import Console
+from rich.table import Table
+
+from fusectl import __version__
+from fusectl.engine import PassRun, RunResult
+from fusectl.errors import FusectlError
+from fusectl.registry import Category, PassSpec
+from fusectl.switches import Plan, Source
+
+FUSION_RESULT_FORMATS = ("v3", "list", "object")
+GRAPH_ID = "0_0"
+
+
+def _counted_runs(result: RunResult) -> list[PassRun]:
+    return [
+        run
+        for run in result.runs
+        if run.ctx is not None and run.ctx.spec.counted and run.ctx.matched > 0
+    ]
+
+
+def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
+    """The Ascend fusion_result.json content: counts as strings, matched passes only."""
+    sections: dict[str, dict[str, dict[str, str]]] = {}
+    for run in _counted_runs(result):
+        assert run.ctx is not None
+        spec = run.ctx.spec
+        entry = {"effect_times": str(run.ctx.effected), "match_times": str(run.ctx.matched)}
+        if spec.category is Category.UB and fmt != "object":
+            entry["repository_hit_times"] = "0"
+        key = "ub_fusion" if spec.category is Category.UB else "graph_fusion"
+        sections.setdefault(key, {})[spec.name] = entry
+    if fmt == "v3":
+        return {f"session_and_graph_id_{GRAPH_ID}": sections} if sections else {}
+    graph = {**sections, "session_and_graph_id": GRAPH_ID}
+    if fmt == "list":
+        return [graph] if sections else []
+    return graph if sections else {}
+
+
+def render_fusion_result(result: RunResult, fmt: str = "v3") -> str:
+    # Sorted keys and a 4-space indent, without a trailing newline, as Ascend FE writes it.
+    return json.dumps(fusion_result_document(result, fmt), indent=4, sort_keys=True)
+
+
+def default_fusion_result_path() -> Path:
+    """./fusion_result.json, or $ASCEND_WORK_PATH/FE/<pid>/fusion_result.json as ATC does."""
+    work = os.environ.get("ASCEND_WORK_PATH")
+    if work:
+        directory = Path(work) / "FE" / str(os.getpid())
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return directory / "fusion_result.json"
+        except OSError:
+            pass
+    return Path("fusion_result.json")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        staging.write_text(text, encoding="utf-8")
+        os.replace(staging, path)
+    except OSError as error:
+        staging.unlink(missing_ok=True)
+        raise FusectlError(f"cannot write: {error.strerror or error}", path=path) from None
+
+
+def _spec_document(spec: PassSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "aliases": list(spec.aliases),
+        "category": spec.category.value,
+        "default": "on" if spec.default_on else "off",
+        "closable": spec.closable,
+        "numerics": spec.numerics.value,
+        "priority": spec.effective_priority,
+        "targets": list(spec.targets),
+        "min_opset": spec.min_opset,
+        "emits": list(spec.emits),
+        "providers": list(spec.providers),
+        "origin": spec.origin,
+        "description": spec.description,
+    }
+
+
+def catalogue_document(specs: list[PassSpec]) -> list[dict[str, Any]]:
+    return [_spec_document(spec) for spec in specs]
+
+
+def _run_document(run: PassRun, order: int) -> dict[str, Any]:
+    decision = run.decision
+    entry: dict[str, Any] = {
+        "name": decision.name,
+        "category": decision.fusion_pass.spec.category.value,
+        "state": "on" if decision.enabled else "off",
+        "reason": decision.source.value,
+        "reason_detail": decision.detail,
+        "order": order,
+        "priority": decision.priority,
+        "numerics": decision.fusion_pass.spec.numerics.value,
+    }
+    ctx = run.ctx
+    if ctx is None:
+        return entry
+    declines = ctx.declines()
+    entry.update(
+        matched=ctx.matched,
+        effected=ctx.effected,
+        declined=sum(declines.values()),
+        near_misses=[
+            {
+                "reason": reason,
+                "count": count,
+                "examples": [
+                    site
+                    for stats in ctx.patterns.values()
+                    for site in stats.decline_examples.get(reason, [])
+                ][:3],
+            }
+            for reason, count in declines.most_common()
+        ],
+        patterns={
+            stats.name: {"matched": stats.matched, "effected": stats.effected}
+            for stats in ctx.patterns.values()
+        },
+        time_ms=round(run.seconds * 1e3, 3),
+        nodes_before=run.nodes_before,
+        nodes_after=run.nodes_after,
+        sites=[
+            {
+                "pattern": site.pattern,
+                "original_nodes": site.original_names,
+                "original_types": site.original_types,
+                "new_nodes": site.new_names,
+            }
+            for site in ctx.sites
+        ],
+    )
+    return entry
+
+
+def model_stats(model: ir.Model) -> dict[str, Any]:
+    ops = Counter(
+        f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        for node in model.graph
+    )
+    return {
+        "nodes": len(model.graph),
+        "initializers": len(model.graph.initializers),
+        "op_types": dict(sorted(ops.items())),
+    }
+
+
+def report_document(
+    *,
+    plan: Plan,
+    result: RunResult,
+    model_before: dict[str, Any],
+    model_after: ir.Model,
+    paths: dict[str, str | None],
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """The --report / --json document: every pass with state, reason and effect."""
+    return {
+        "fusectl_version": __version__,
+        "paths": paths,
+        "options": options,
+        "model": {"before": model_before, "after": model_stats(model_after)},
+        "time_s": round(result.seconds, 4),
+        "warnings": plan.warnings,
+        "notes": plan.notes,
+        "passes": [_run_document(run, order) for order, run in enumerate(result.runs)],
+        "fusion_result": fusion_result_document(result),
+    }
+
+
+def print_summary(console: Console, result: RunResult) -> None:
+    """A table of the passes that did something or were switched explicitly."""
+    table = Table(title="fusectl passes", title_justify="left")
+    for column, justify in (
+        ("pass", "left"),
+        ("category", "left"),
+        ("state", "left"),
+        ("matched", "right"),
+        ("effected", "right"),
+        ("ms", "right"),
+        ("nodes", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    quiet = 0
+    for run in result.runs:
+        decision, ctx = run.decision, run.ctx
+        spec = decision.fusion_pass.spec
+        if spec.required:
+            continue
+        explicit = decision.source not in (Source.DEFAULT,)
+        if (ctx is None or ctx.matched == 0) and not explicit:
+            quiet += 1
+            continue
+        state = ("on" if decision.enabled else "off") + f" ({decision.source.value})"
+        table.add_row(
+            spec.name,
+            spec.category.value,
+            state,
+            str(ctx.matched) if ctx else "-",
+            str(ctx.effected) if ctx else "-",
+            f"{run.seconds * 1e3:.1f}" if ctx else "-",
+            f"{run.nodes_before}->{run.nodes_after}" if ctx else "-",
+        )
+    console.print(table)
+    console.print(
+        f"nodes {result.nodes_before} -> {result.nodes_after} in {result.seconds:.3f} s; "
+        f"{quiet} more pass(es) ran by default and matched nothing or were off by default"
+    )

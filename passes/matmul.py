@@ -1,0 +1,66 @@
+"""MatMul + bias: a 2-D MatMul followed by a constant bias Add becomes one Gemm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+from fusectl.patterns import Decline, PatternPass, Rule, Site
+from fusectl.registry import Category, Numerics, PassSpec, register_pass
+
+_GEMM_TYPES = frozenset(
+    {
+        ir.DataType.FLOAT,
+        ir.DataType.FLOAT16,
+        ir.DataType.DOUBLE,
+        ir.DataType.BFLOAT16,
+        ir.DataType.INT32,
+        ir.DataType.INT64,
+        ir.DataType.UINT32,
+        ir.DataType.UINT64,
+    }
+)
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _matmul_add(op, a, b, bias):
+    return op.Add(op.MatMul(a, b), bias)
+
+
+def _to_gemm(op: Any, site: Site, a: ir.Value, b: ir.Value, bias: ir.Value) -> ir.Value:
+    for value, what in ((a, "MatMul input A"), (b, "MatMul input B")):
+        rank = _rank(value)
+        if rank is None:
+            raise Decline(f"rank of {what} '{value.name}' is unknown")
+        if rank != 2:
+            raise Decline(f"{what} '{value.name}' is {rank}-D; Gemm needs 2-D")
+    if a.dtype not in _GEMM_TYPES:
+        raise Decline(f"Gemm does not support element type {a.dtype}")
+    bias_array = site.require_constant(bias, "bias")
+    # Gemm broadcasts C to [M, N] one way only; the Add must not have grown the MatMul output.
+    n = b.shape[1]
+    if bias_array.ndim > 2:
+        raise Decline(f"bias of shape {list(bias_array.shape)} has more than 2 axes")
+    padded = (1,) * (2 - bias_array.ndim) + bias_array.shape
+    if padded[0] != 1 or padded[1] not in (1, n):
+        raise Decline(f"bias of shape {list(bias_array.shape)} does not broadcast along N={n}")
+    return op.Gemm(a, b, bias)
+
+
+@register_pass
+class MatMulBiasAddFusionPass(PatternPass):
+    spec = PassSpec(
+        name="MatMulBiasAddFusionPass",
+        category=Category.GRAPH,
+        description="2-D MatMul followed by a constant bias Add -> Gemm",
+        aliases=("matmul_elem_biasadd_fusion", "MatMulAddFusion"),
+        numerics=Numerics.REASSOCIATING,
+        priority=5120,
+        min_opset=7,
+        emits=("Gemm",),
+    )
+    rules = (Rule("MatMulBiasAdd", _matmul_add, _to_gemm),)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import os as _os
+
 from fusectl.context import PassContext
 from fusectl.patterns import Decline, PatternPass, Rule, Site
 from fusectl.registry import (
@@ -34,3 +36,11 @@ __all__ = [
     "__version__",
     "register_pass",
 ]
+
+# Installed, the built-in passes are the subpackage fusectl.passes; in a source checkout they
+# are the repository's top-level passes/ folder. Let `python -m fusectl` work from a checkout.
+_here = _os.path.dirname(__file__)
+if not _os.path.isdir(_os.path.join(_here, "passes")) and _os.path.isfile(
+    _os.path.join(_here, _os.pardir, "passes", "__init__.py")
+):
+    __path__.append(_os.path.dirname(_here))  # type: ignore[name-defined]

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.table import Table
 
 from fusectl import __version__, logs, reports
 from fusectl.dump import GraphDumper
@@ -246,41 +247,30 @@ def _optimize(
 @_option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON.")
 @_option("--category", type=click.Choice([c.value for c in Category]), default=None)
 def list_passes(as_json: bool, category: str | None) -> None:
-    """List every registered pass with its category, default, numerics and targets."""
-    specs = [p.spec for p in load_builtin_passes()]
+    """List every registered pass in default execution order."""
+    registry = load_builtin_passes()
+    specs = [d.fusion_pass.spec for d in resolve(registry, SwitchRequest()).decisions]
     if category:
         specs = [s for s in specs if s.category.value == category]
     if as_json:
         click.echo(json.dumps(reports.catalogue_document(specs), indent=2))
         return
-    from rich.table import Table
-
-    table = Table(title=f"{len(specs)} passes", title_justify="left")
-    for column in (
-        "name",
-        "aliases",
-        "category",
-        "default",
-        "closable",
-        "numerics",
-        "targets",
-        "min opset",
-        "description",
-    ):
-        table.add_column(column)
-    for spec in specs:
-        table.add_row(
-            spec.name,
-            ", ".join(spec.aliases),
-            spec.category.value,
-            "on" if spec.default_on else "off",
-            "yes" if spec.closable else "no",
-            spec.numerics.value,
-            ",".join(spec.targets),
-            str(spec.min_opset),
-            spec.description,
-        )
-    Console().print(table)
+    console = Console()
+    for group in Category:
+        members = [s for s in specs if s.category is group]
+        if not members:
+            continue
+        table = Table(title=f"{group.value} ({len(members)})", title_justify="left", box=None)
+        table.add_column("name", no_wrap=True, style="bold")
+        table.add_column("default", no_wrap=True)
+        table.add_column("numerics", no_wrap=True)
+        table.add_column("what it does (aliases)")
+        for spec in members:
+            state = "required" if spec.required else ("on" if spec.default_on else "off")
+            aliases = f" ({', '.join(spec.aliases)})" if spec.aliases else ""
+            table.add_row(spec.name, state, spec.numerics.value, spec.description + aliases)
+        console.print(table)
+        console.print()
 
 
 @cli.command("switch-template")

@@ -92,7 +92,8 @@ class PassContext:
         passes: list[str] = []
         names: list[str] = []
         types: list[str] = []
-        for node in old_nodes:
+        # The matcher lists the root first; reversed, a chain reads in execution order.
+        for node in reversed(old_nodes):
             props = node.metadata_props
             if LINEAGE_NAMES in props:
                 names.extend(json.loads(props[LINEAGE_NAMES]))

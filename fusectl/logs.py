@@ -34,7 +34,10 @@ def configure(level: str) -> None:
         logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter("[%(levelname)s] fusectl(%(process)d):%(asctime)s %(message)s")
+        logging.Formatter(
+            "[%(levelname)s] fusectl(%(process)d):%(asctime)s.%(msecs)03d %(message)s",
+            datefmt="%Y-%m-%d-%H:%M:%S",
+        )
     )
     logger.addHandler(handler)
     logger.setLevel(LEVELS[level])

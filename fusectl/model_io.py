@@ -133,7 +133,10 @@ def save_model(model: ir.Model, output: Path, *, external: bool) -> Path | None:
     """
     external = external or weight_bytes(model) > INLINE_WEIGHTS_LIMIT
     data_path = external_data_path(output) if external else None
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    except OSError as error:
+        raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
     try:
         staged_model = staging / output.name
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)

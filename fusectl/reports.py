@@ -187,40 +187,33 @@ def report_document(
 
 
 def print_summary(console: Console, result: RunResult) -> None:
-    """A table of the passes that did something or were switched explicitly."""
+    """A table of the passes that matched something or were switched explicitly."""
     table = Table(title="fusectl passes", title_justify="left")
-    for column, justify in (
-        ("pass", "left"),
-        ("category", "left"),
-        ("state", "left"),
-        ("matched", "right"),
-        ("effected", "right"),
-        ("ms", "right"),
-        ("nodes", "right"),
-    ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_column("pass", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for column in ("matched", "effected", "ms", "nodes"):
+        table.add_column(column, justify="right", no_wrap=True)
     quiet = 0
     for run in result.runs:
         decision, ctx = run.decision, run.ctx
         spec = decision.fusion_pass.spec
         if spec.required:
             continue
-        explicit = decision.source not in (Source.DEFAULT,)
-        if (ctx is None or ctx.matched == 0) and not explicit:
+        if (ctx is None or ctx.matched == 0) and decision.source is Source.DEFAULT:
             quiet += 1
             continue
-        state = ("on" if decision.enabled else "off") + f" ({decision.source.value})"
+        state = "on" if decision.enabled else f"off ({decision.source.value})"
+        delta = run.nodes_after - run.nodes_before
         table.add_row(
             spec.name,
-            spec.category.value,
             state,
             str(ctx.matched) if ctx else "-",
             str(ctx.effected) if ctx else "-",
             f"{run.seconds * 1e3:.1f}" if ctx else "-",
-            f"{run.nodes_before}->{run.nodes_after}" if ctx else "-",
+            f"{delta:+d}" if ctx else "-",
         )
     console.print(table)
     console.print(
         f"nodes {result.nodes_before} -> {result.nodes_after} in {result.seconds:.3f} s; "
-        f"{quiet} more pass(es) ran by default and matched nothing or were off by default"
+        f"{quiet} other pass(es) matched nothing or are off by default"
     )

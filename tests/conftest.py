@@ -1,0 +1,111 @@
+"""Test helpers: run fusectl as users do, and compare models on onnxruntime."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from fusectl.cli import cli
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+class Run:
+    """The outcome of one `fusectl optimize` invocation."""
+
+    def __init__(self, result: Any, output: Path, report: Path, fusion_result: Path) -> None:
+        self.exit_code: int = result.exit_code
+        self.stdout: str = result.stdout
+        self.stderr: str = result.stderr
+        self.output = output
+        self.report = json.loads(report.read_text()) if report.exists() else None
+        self.fusion_result_path = fusion_result
+        self.fusion_result = (
+            json.loads(fusion_result.read_text()) if fusion_result.exists() else None
+        )
+
+    def passed(self, name: str) -> dict[str, Any]:
+        assert self.report is not None, self.stderr
+        return next(p for p in self.report["passes"] if p["name"] == name)
+
+    def counts(self, name: str) -> tuple[int, int]:
+        entry = self.passed(name)
+        return entry.get("matched", 0), entry.get("effected", 0)
+
+    def op_counts(self) -> Counter[str]:
+        return Counter(node.op_type for node in onnx.load(str(self.output)).graph.node)
+
+
+def run_cli(*args: str | Path) -> Any:
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def optimize(model: Path, tmp_path: Path, *args: str | Path, expect: int = 0) -> Run:
+    """`fusectl optimize MODEL -o OUT --report R --fusion_result F [args]` in-process."""
+    output = tmp_path / f"{model.stem}_opt.onnx"
+    report = tmp_path / f"{model.stem}_report.json"
+    fusion_result = tmp_path / f"{model.stem}_fusion_result.json"
+    result = run_cli(
+        "optimize",
+        model,
+        "-o",
+        output,
+        "--report",
+        report,
+        "--fusion_result",
+        fusion_result,
+        *args,
+    )
+    assert result.exit_code == expect, result.stderr + result.stdout
+    return Run(result, output, report, fusion_result)
+
+
+def random_feeds(
+    model_path: Path, seed: int = 0, dims: dict[str, int] | None = None
+) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input; symbolic dimensions take `dims` or 2."""
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in session.get_inputs():
+        shape = [d if isinstance(d, int) else (dims or {}).get(str(d), 2) for d in value.shape]
+        if "int" in value.type:
+            feeds[value.name] = rng.integers(0, 4, shape).astype(
+                np.int64 if "int64" in value.type else np.int32
+            )
+        else:
+            dtype = np.float16 if "float16" in value.type else np.float32
+            feeds[value.name] = rng.normal(size=shape).astype(dtype)
+    return feeds
+
+
+def run_model(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def assert_same_outputs(
+    original: Path, optimized: Path, *, atol: float = 1e-4, rtol: float = 1e-3, seed: int = 0
+) -> None:
+    """Both models give the same outputs on onnxruntime (optimizer off) for seeded inputs."""
+    feeds = random_feeds(original, seed)
+    expected = run_model(original, feeds)
+    actual = run_model(optimized, feeds)
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("zoo")

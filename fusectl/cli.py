@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from fusectl import __version__, logs, reports
@@ -20,6 +21,7 @@ from fusectl.model_io import check_output_path, load_model, save_model
 from fusectl.registry import Category, load_builtin_passes
 from fusectl.shapes import apply_input_shapes, parse_input_shape
 from fusectl.switches import (
+    Decision,
     SwitchRequest,
     parse_optimization_switch,
     parse_switch_file,
@@ -200,11 +202,29 @@ def _optimize(
     if dumper:
         dumper.dump(model, "original")
 
+    # A transient progress line, only where a person watches a terminal.
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=stderr,
+        transient=True,
+        disable=not stderr.is_terminal or log_level == "null",
+    )
+    task = progress.add_task("fusing", total=len(plan.enabled()))
+
+    def before_pass(decision: Decision) -> None:
+        progress.update(task, description=decision.name)
+
     def after_pass(run: PassRun, current: Any) -> None:
+        progress.advance(task)
         if dumper and run.ctx is not None and run.ctx.changed:
             dumper.dump(current, run.decision.name)
 
-    result = run_plan(model, plan, target=target, after_pass=after_pass)
+    with progress:
+        result = run_plan(
+            model, plan, target=target, before_pass=before_pass, after_pass=after_pass
+        )
     fusion_text = reports.render_fusion_result(result, fusion_result_format)
     if result_path and export_compile_stat == "2":
         reports.write_text_atomic(result_path, fusion_text)

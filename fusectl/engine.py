@@ -33,6 +33,7 @@ class RunResult:
 
 
 AfterPass = Callable[[PassRun, ir.Model], None]
+BeforePass = Callable[[Decision], None]
 
 
 def model_opset(model: ir.Model) -> int:
@@ -44,6 +45,7 @@ def run_plan(
     plan: Plan,
     *,
     target: str,
+    before_pass: BeforePass | None = None,
     after_pass: AfterPass | None = None,
 ) -> RunResult:
     """Apply every enabled pass of the plan to ``model`` in place, in plan order."""
@@ -56,6 +58,8 @@ def run_plan(
         if not decision.enabled:
             logs.skipped(decision)
             continue
+        if before_pass is not None:
+            before_pass(decision)
         ctx = PassContext(decision.fusion_pass.spec, target, model_opset(model))
         run.nodes_before = len(model.graph)
         began = time.perf_counter()

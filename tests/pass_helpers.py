@@ -1,0 +1,110 @@
+"""Small onnx.helper models and assertions shared by tests/test_pass_*.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tests.conftest import FIXTURES, Run, assert_same_outputs, optimize
+
+# onnx 1.23 writes IR version 14 by default, which onnxruntime 1.31 does not load.
+IR_VERSION = 8
+
+
+def const(name: str, array: np.ndarray | Sequence, dtype: type = np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array, dtype=dtype), name)
+
+
+def value(name: str, shape: Sequence[int | str] | None, elem: int = onnx.TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def save_model(
+    path: Path,
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    initializers: Sequence[onnx.TensorProto] = (),
+    *,
+    opset: int = 17,
+    value_info: Sequence[onnx.ValueInfoProto] = (),
+    check: bool = True,
+) -> Path:
+    """Write a one-graph model; checked unless the test builds an invalid one on purpose."""
+    graph = helper.make_graph(
+        nodes, path.stem, inputs, outputs, list(initializers), value_info=list(value_info)
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION
+    )
+    if check:
+        onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def fixture_path(name: str) -> Path:
+    path = FIXTURES / f"{name}.onnx"
+    assert path.exists(), f"{path} is missing: run tests/fixtures/make_fixtures.py"
+    return path
+
+
+def reasons(run: Run, name: str) -> dict[str, int]:
+    """The pass's near-miss reasons with their counts."""
+    return {miss["reason"]: miss["count"] for miss in run.passed(name)["near_misses"]}
+
+
+def check_output(run: Run) -> None:
+    onnx.checker.check_model(onnx.load(str(run.output)), full_check=True)
+
+
+def optimize_checked(
+    model: Path, tmp_path: Path, *args: str, compare: bool = True, atol: float = 1e-4
+) -> Run:
+    """Optimize, then check the output with the full checker and against the original on ORT."""
+    run = optimize(model, tmp_path, *args)
+    check_output(run)
+    if compare:
+        assert_same_outputs(model, run.output, atol=atol)
+    return run
+
+
+def conv_batchnorm_params(channels: int, prefix: str = "bn", seed: int = 0) -> list:
+    """scale, bias, mean, variance initializers for a BatchNormalization of `channels`."""
+    rng = np.random.default_rng(seed)
+    return [
+        const(f"{prefix}_scale", rng.uniform(0.5, 1.5, channels)),
+        const(f"{prefix}_bias", rng.normal(0.0, 0.1, channels)),
+        const(f"{prefix}_mean", rng.normal(0.0, 0.1, channels)),
+        const(f"{prefix}_var", rng.uniform(0.5, 1.5, channels)),
+    ]
+
+
+def plain_input_not_constant(what: str) -> re.Pattern[str]:
+    """The decline for a value that is a plain graph input (no initializer behind it).
+
+    fusectl currently words it like the overridable-initializer case ("... is a graph input
+    (an overridable initializer), not a constant"); "... is not a constant" is accepted too.
+    """
+    return re.compile(
+        re.escape(what) + r" is (a graph input \(an overridable initializer\), )?not a constant"
+    )
+
+
+def assert_declined(
+    run: Run, name: str, reason: str | re.Pattern[str], example: str, *, count: int = 1
+) -> None:
+    """The pass matched `count` candidates, effected none, and gave this one reason."""
+    assert run.counts(name) == (count, 0)
+    (miss,) = run.passed(name)["near_misses"]
+    if isinstance(reason, re.Pattern):
+        assert reason.fullmatch(miss["reason"]), miss["reason"]
+    else:
+        assert miss["reason"] == reason
+    assert miss["count"] == count
+    assert example in miss["examples"]

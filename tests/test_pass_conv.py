@@ -1,0 +1,577 @@
+"""ConvBatchnormFusionPass and ConvBiasAddFusionPass: exporter fixtures, near misses, the zoo."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests import zoo
+from tests.conftest import assert_same_outputs, optimize
+from tests.pass_helpers import (
+    assert_declined,
+    check_output,
+    const,
+    conv_batchnorm_params,
+    fixture_path,
+    optimize_checked,
+    plain_input_not_constant,
+    reasons,
+    save_model,
+    value,
+)
+
+BN = "ConvBatchnormFusionPass"
+BIAS_ADD = "ConvBiasAddFusionPass"
+
+# ---------------------------------------------------------------------------------------------
+# Real exporter output (tests/fixtures/make_fixtures.py). Per fixture: (matched, effected,
+# near-miss reasons) for each pass, and the op counts of the optimized model.
+# cnn = Conv(no bias)+BN+ReLU, Conv(bias)+BN, depthwise Conv+BN, Conv + [4,1,1] bias, Linear.
+# ---------------------------------------------------------------------------------------------
+
+NOT_CONSTANT_BIAS = "Conv bias is not a constant"
+CNN_EXPECTED = {
+    # TorchScript, training=PRESERVE: the three BNs survive export and all fold.
+    "cnn_torchscript": {
+        BN: (3, 3, {}),
+        BIAS_ADD: (1, 1, {}),
+        "ops": {"Conv": 4, "Relu": 1, "Flatten": 1, "Gemm": 1},
+    },
+    # TorchScript defaults (EVAL): the exporter already folded every BN.
+    "cnn_torchscript_eval": {
+        BN: (0, 0, {}),
+        BIAS_ADD: (1, 1, {}),
+        "ops": {"Conv": 4, "Relu": 1, "Flatten": 1, "Gemm": 1},
+    },
+    # dynamo defaults (optimize=True): onnxscript's optimizer already folded every BN.
+    "cnn_dynamo": {
+        BN: (0, 0, {}),
+        BIAS_ADD: (1, 1, {}),
+        "ops": {"Conv": 4, "Relu": 1, "Reshape": 1, "Gemm": 1},
+    },
+    # dynamo, optimize=False: bias-less Convs get a zero bias computed by Expand(CastLike(0)),
+    # which is not a constant, so only the Conv that has a real bias folds its BN.
+    "cnn_dynamo_noopt": {
+        BN: (3, 1, {NOT_CONSTANT_BIAS: 2}),
+        BIAS_ADD: (1, 0, {NOT_CONSTANT_BIAS: 1}),
+        "ops": {
+            "Conv": 4,
+            "BatchNormalization": 2,
+            "Add": 1,
+            "Relu": 1,
+            "Reshape": 1,
+            "Gemm": 1,
+            "Shape": 3,
+            "Expand": 6,
+            "CastLike": 3,
+            "Constant": 6,
+            "Concat": 1,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(CNN_EXPECTED))
+def test_exported_cnn(name: str, tmp_path: Path) -> None:
+    expected = CNN_EXPECTED[name]
+    run = optimize_checked(fixture_path(name), tmp_path)
+    for pass_name in (BN, BIAS_ADD):
+        matched, effected, near_misses = expected[pass_name]
+        assert run.counts(pass_name) == (matched, effected), pass_name
+        assert reasons(run, pass_name) == near_misses, pass_name
+    assert run.op_counts() == Counter(expected["ops"])
+
+
+def test_exported_cnn_fusion_result(tmp_path: Path) -> None:
+    run = optimize(fixture_path("cnn_torchscript"), tmp_path)
+    assert run.fusion_result == {
+        "session_and_graph_id_0_0": {
+            "graph_fusion": {
+                BN: {"effect_times": "3", "match_times": "3"},
+                BIAS_ADD: {"effect_times": "1", "match_times": "1"},
+            }
+        }
+    }
+
+
+def test_exported_cnn_fused_sites(tmp_path: Path) -> None:
+    """The depthwise Conv keeps its group attribute; each fused Conv names its originals."""
+    run = optimize(fixture_path("cnn_torchscript"), tmp_path)
+    sites = run.passed(BN)["sites"]
+    assert [site["original_types"] for site in sites] == [["Conv", "BatchNormalization"]] * 3
+    groups = sorted(
+        next((a.i for a in node.attribute if a.name == "group"), 1)
+        for node in onnx.load(str(run.output)).graph.node
+        if node.op_type == "Conv"
+    )
+    assert groups == [1, 1, 1, 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv + BatchNormalization built with onnx.helper
+# ---------------------------------------------------------------------------------------------
+
+C = 4
+X = value("x", [1, 3, 6, 6])
+EMPTY_BIAS_XFAIL = pytest.mark.xfail(
+    strict=True, reason="fusectl bug: Conv(x, w, '') matches neither the 2- nor the 3-input rule"
+)
+
+
+def _weight(name: str = "w", shape: tuple[int, ...] = (C, 3, 3, 3), seed: int = 1):
+    return const(name, np.random.default_rng(seed).normal(0.0, 0.3, shape))
+
+
+def _conv(inputs: list[str], output: str = "conv", name: str = "conv", **attrs):
+    return helper.make_node("Conv", inputs, [output], name=name, pads=[1, 1, 1, 1], **attrs)
+
+
+def _bn(data: str = "conv", output: str = "y", prefix: str = "bn", name: str = "bn", **attrs):
+    params = [f"{prefix}_{p}" for p in ("scale", "bias", "mean", "var")]
+    return helper.make_node("BatchNormalization", [data, *params], [output], name=name, **attrs)
+
+
+def _conv_bn_model(path: Path, **overrides) -> Path:
+    """x -> Conv(w[, b]) -> BN -> y, with parts replaced by keyword."""
+    spec = {
+        "nodes": [_conv(["x", "w"]), _bn()],
+        "inputs": [X],
+        "outputs": [value("y", [1, C, 6, 6])],
+        "initializers": [_weight(), *conv_batchnorm_params(C)],
+    }
+    spec.update(overrides)
+    opset = spec.pop("opset", 17)
+    check = spec.pop("check", True)
+    return save_model(path, opset=opset, check=check, **spec)
+
+
+def _fires_conv_bias(path: Path) -> Path:
+    return _conv_bn_model(
+        path,
+        nodes=[_conv(["x", "w", "b"]), _bn()],
+        initializers=[_weight(), const("b", [0.1, -0.2, 0.3, 0.0]), *conv_batchnorm_params(C)],
+    )
+
+
+def _fires_conv1d(path: Path) -> Path:
+    return _conv_bn_model(
+        path,
+        nodes=[helper.make_node("Conv", ["x", "w"], ["conv"], name="conv"), _bn()],
+        inputs=[value("x", [2, 3, 7])],
+        outputs=[value("y", [2, C, 5])],
+        initializers=[_weight(shape=(C, 3, 3)), *conv_batchnorm_params(C)],
+    )
+
+
+def _fires_empty_bias_input(path: Path) -> Path:
+    """Conv(x, w, "") : the optional bias named but left out."""
+    return _conv_bn_model(path, nodes=[_conv(["x", "w", ""]), _bn()])
+
+
+def _fires_shared_weight(path: Path) -> Path:
+    """Two Convs share one weight initializer, each with its own BN."""
+    return _conv_bn_model(
+        path,
+        nodes=[
+            _conv(["x", "w"]),
+            _bn(),
+            _conv(["x", "w"], output="conv2", name="conv2"),
+            _bn("conv2", "y2", prefix="bn2", name="bn2"),
+        ],
+        outputs=[value("y", [1, C, 6, 6]), value("y2", [1, C, 6, 6])],
+        initializers=[
+            _weight(),
+            *conv_batchnorm_params(C),
+            *conv_batchnorm_params(C, prefix="bn2", seed=2),
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "effected"),
+    [
+        (_fires_conv_bias, 1),
+        (_fires_conv1d, 1),
+        pytest.param(_fires_empty_bias_input, 1, marks=EMPTY_BIAS_XFAIL),
+        (_fires_shared_weight, 2),
+    ],
+    ids=["conv_bias", "conv1d", "empty_bias_input", "shared_weight"],
+)
+def test_conv_batchnorm_fires(build, effected: int, tmp_path: Path) -> None:
+    model = build(tmp_path / f"{build.__name__.lstrip('_')}.onnx")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(BN) == (effected, effected)
+    assert reasons(run, BN) == {}
+    assert run.op_counts() == Counter({"Conv": effected})
+
+
+def test_conv_batchnorm_float16(tmp_path: Path) -> None:
+    """Folded in float64, stored back in float16."""
+    f16 = onnx.TensorProto.FLOAT16
+    model = _conv_bn_model(
+        tmp_path / "fp16.onnx",
+        inputs=[value("x", [1, 3, 6, 6], f16)],
+        outputs=[value("y", [1, C, 6, 6], f16)],
+        initializers=[
+            const(t.name, onnx.numpy_helper.to_array(t), np.float16)
+            for t in [_weight(), *conv_batchnorm_params(C)]
+        ],
+    )
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(BN) == (1, 1)
+    assert run.op_counts() == Counter({"Conv": 1})
+    assert_same_outputs(model, run.output, atol=1e-2, rtol=1e-2)
+
+
+def test_conv_add_batchnorm_chain(tmp_path: Path) -> None:
+    """Conv -> Add(bias) -> BN: the Add folds first (lower priority), then the BN."""
+    model = _conv_bn_model(
+        tmp_path / "conv_add_bn.onnx",
+        nodes=[
+            _conv(["x", "w"]),
+            helper.make_node("Add", ["conv", "add_bias"], ["a"], name="add"),
+            _bn("a"),
+        ],
+        initializers=[
+            _weight(),
+            const("add_bias", np.arange(C, dtype=np.float32).reshape(C, 1, 1) / 10),
+            *conv_batchnorm_params(C),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(BIAS_ADD) == (1, 1)
+    assert run.counts(BN) == (1, 1)
+    assert run.op_counts() == Counter({"Conv": 1})
+
+
+def _conv_output_is_graph_output(path: Path) -> Path:
+    return _conv_bn_model(path, outputs=[value("y", [1, C, 6, 6]), value("conv", [1, C, 6, 6])])
+
+
+def _conv_output_shared(path: Path) -> Path:
+    return _conv_bn_model(
+        path,
+        nodes=[_conv(["x", "w"]), _bn(), helper.make_node("Relu", ["conv"], ["r"], name="relu")],
+        outputs=[value("y", [1, C, 6, 6]), value("r", [1, C, 6, 6])],
+    )
+
+
+def _training_mode(path: Path) -> Path:
+    # The one-output form with training_mode=1 fails the full checker ("number of op outputs
+    # should be 3"), so this is the three-output form with unused running statistics.
+    bn = helper.make_node(
+        "BatchNormalization",
+        ["conv", "bn_scale", "bn_bias", "bn_mean", "bn_var"],
+        ["y", "running_mean", "running_var"],
+        name="bn",
+        training_mode=1,
+    )
+    return _conv_bn_model(path, nodes=[_conv(["x", "w"]), bn], opset=15)
+
+
+def _mean_is_graph_input(path: Path) -> Path:
+    scale, bias, _, var = conv_batchnorm_params(C)
+    return _conv_bn_model(
+        path, inputs=[X, value("bn_mean", [C])], initializers=[_weight(), scale, bias, var]
+    )
+
+
+def _variance_is_overridable_initializer(path: Path) -> Path:
+    return _conv_bn_model(path, inputs=[X, value("bn_var", [C])])
+
+
+def _weight_is_graph_input(path: Path) -> Path:
+    return _conv_bn_model(
+        path,
+        inputs=[X, value("w", [C, 3, 3, 3])],
+        initializers=conv_batchnorm_params(C),
+    )
+
+
+def _conv_bias_is_graph_input(path: Path) -> Path:
+    return _conv_bn_model(path, nodes=[_conv(["x", "w", "b"]), _bn()], inputs=[X, value("b", [C])])
+
+
+def _channel_mismatch(path: Path) -> Path:
+    # Not a valid model (BN parameters must have C entries); fusectl must still leave it alone.
+    return _conv_bn_model(path, initializers=[_weight(), *conv_batchnorm_params(1)], check=False)
+
+
+def _params_behind_identity(path: Path) -> Path:
+    """As the TorchScript exporter writes BN parameters equal to others (e.g. fresh BNs)."""
+    bn = helper.make_node(
+        "BatchNormalization", ["conv", "scale", "bn_bias", "bn_mean", "bn_var"], ["y"], name="bn"
+    )
+    return _conv_bn_model(
+        path,
+        nodes=[
+            helper.make_node("Identity", ["bn_scale"], ["scale"], name="identity"),
+            _conv(["x", "w"]),
+            bn,
+        ],
+    )
+
+
+def _spatial_zero(path: Path) -> Path:
+    # opset 8 BN with spatial=0 wants [C, H, W] statistics; onnxruntime rejects these.
+    return _conv_bn_model(path, nodes=[_conv(["x", "w"]), _bn(spatial=0)], opset=8, check=False)
+
+
+CONV_BN_DECLINES = [
+    (_conv_output_is_graph_output, "intermediate 'conv' is a graph output", True),
+    (_conv_output_shared, "intermediate 'conv' is also used by Relu 'relu'", True),
+    (_training_mode, "BatchNormalization is in training mode", True),
+    (_mean_is_graph_input, plain_input_not_constant("BatchNormalization mean"), True),
+    (
+        _variance_is_overridable_initializer,
+        "BatchNormalization variance is a graph input (an overridable initializer), not a constant",
+        True,
+    ),
+    (_params_behind_identity, "BatchNormalization scale is not a constant", True),
+    (_weight_is_graph_input, plain_input_not_constant("Conv weight"), True),
+    (_conv_bias_is_graph_input, plain_input_not_constant("Conv bias"), True),
+    (_channel_mismatch, "BatchNormalization parameters do not have 4 channels", False),
+    (_spatial_zero, "BatchNormalization has spatial=0", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "reason", "valid"),
+    CONV_BN_DECLINES,
+    ids=[build.__name__.lstrip("_") for build, _, _ in CONV_BN_DECLINES],
+)
+def test_conv_batchnorm_declines(build, reason, valid: bool, tmp_path: Path) -> None:
+    model = build(tmp_path / f"{build.__name__.lstrip('_')}.onnx")
+    run = optimize_checked(model, tmp_path) if valid else optimize(model, tmp_path)
+    assert_declined(run, BN, reason, "bn")
+    assert run.op_counts()["BatchNormalization"] == 1
+    assert run.fusion_result == {
+        "session_and_graph_id_0_0": {
+            "graph_fusion": {BN: {"effect_times": "0", "match_times": "1"}}
+        }
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv + per-channel bias Add built with onnx.helper
+# ---------------------------------------------------------------------------------------------
+
+
+def _conv_add_model(
+    path: Path,
+    bias: np.ndarray | None,
+    *,
+    conv_inputs: tuple[str, ...] = ("x", "w"),
+    bias_first: bool = False,
+    x_shape: tuple[int, ...] = (1, 3, 6, 6),
+    y_shape: tuple[int, ...] | None = None,
+    extra_nodes: tuple = (),
+    extra_outputs: tuple = (),
+    extra_inputs: tuple = (),
+    initializers: tuple = (),
+    check: bool = True,
+) -> Path:
+    add_inputs = ["bias", "conv"] if bias_first else ["conv", "bias"]
+    inits = [_weight(), *initializers]
+    if bias is not None:
+        inits.append(const("bias", bias, bias.dtype.type))
+    return save_model(
+        path,
+        [
+            _conv(list(conv_inputs)),
+            helper.make_node("Add", add_inputs, ["y"], name="add"),
+            *extra_nodes,
+        ],
+        [value("x", list(x_shape)), *extra_inputs],
+        [value("y", list(y_shape or (x_shape[0], C, *x_shape[2:]))), *extra_outputs],
+        inits,
+        check=check,
+    )
+
+
+def _per_channel(shape: tuple[int, ...]) -> np.ndarray:
+    return np.arange(1, C + 1, dtype=np.float32).reshape(shape) / 10
+
+
+BIAS_ADD_FIRES = {
+    "c11": {"bias": _per_channel((C, 1, 1))},
+    "1c11": {"bias": _per_channel((1, C, 1, 1))},
+    "bias_first": {"bias": _per_channel((1, C, 1, 1)), "bias_first": True},
+    "scalar": {"bias": np.array(0.5, np.float32)},
+    "one": {"bias": np.array([0.5], np.float32)},
+    "conv_has_bias": {
+        "bias": _per_channel((C, 1, 1)),
+        "conv_inputs": ("x", "w", "b"),
+        "initializers": (const("b", [0.1, -0.2, 0.3, 0.0]),),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        *sorted(BIAS_ADD_FIRES),
+        pytest.param("empty_conv_bias_input", marks=EMPTY_BIAS_XFAIL),
+    ],
+)
+def test_conv_bias_add_fires(case: str, tmp_path: Path) -> None:
+    kwargs = BIAS_ADD_FIRES.get(case) or {
+        "bias": _per_channel((C, 1, 1)),
+        "conv_inputs": ("x", "w", ""),
+    }
+    model = _conv_add_model(tmp_path / f"bias_{case}.onnx", **kwargs)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(BIAS_ADD) == (1, 1)
+    assert reasons(run, BIAS_ADD) == {}
+    assert run.op_counts() == Counter({"Conv": 1})
+    conv = onnx.load(str(run.output)).graph.node[0]
+    assert len(conv.input) == 3
+
+
+def test_conv_bias_add_alias_switch(tmp_path: Path) -> None:
+    """The Ascend name AABiasaddConvFusion switches the pass off."""
+    model = _conv_add_model(tmp_path / "alias.onnx", _per_channel((C, 1, 1)))
+    run = optimize(model, tmp_path, "--disable_pass", "AABiasaddConvFusion")
+    assert run.counts(BIAS_ADD) == (0, 0)
+    assert run.op_counts() == Counter({"Conv": 1, "Add": 1})
+
+
+BIAS_ADD_DECLINES = {
+    # [C] broadcasts along the last spatial axis (W == C here), not along channels.
+    "bias_c": (
+        {"bias": _per_channel((C,)), "x_shape": (1, 3, 6, C)},
+        "added bias of shape [4] does not broadcast per output channel",
+        True,
+    ),
+    "bias_spatial": (
+        {"bias": np.full((1, C, 6, 6), 0.5, np.float32)},
+        "added bias of shape [1, 4, 6, 6] does not broadcast per output channel",
+        True,
+    ),
+    "bias_c111": (
+        {"bias": _per_channel((C, 1, 1, 1)), "y_shape": (C, C, 6, 6)},
+        "added bias of shape [4, 1, 1, 1] does not broadcast per output channel",
+        True,
+    ),
+    "bias_rank5": (
+        {"bias": _per_channel((1, 1, C, 1, 1)), "y_shape": (1, 1, C, 6, 6)},
+        "added bias of shape [1, 1, 4, 1, 1] has more axes than the conv output",
+        True,
+    ),
+    "bias_graph_input": (
+        {"bias": None, "extra_inputs": (value("bias", [C, 1, 1]),)},
+        plain_input_not_constant("added bias"),
+        True,
+    ),
+    "bias_overridable": (
+        {"bias": _per_channel((C, 1, 1)), "extra_inputs": (value("bias", [C, 1, 1]),)},
+        "added bias is a graph input (an overridable initializer), not a constant",
+        True,
+    ),
+    "conv_bias_graph_input": (
+        {
+            "bias": _per_channel((C, 1, 1)),
+            "conv_inputs": ("x", "w", "b"),
+            "extra_inputs": (value("b", [C]),),
+        },
+        plain_input_not_constant("Conv bias"),
+        True,
+    ),
+    "conv_output_shared": (
+        {
+            "bias": _per_channel((C, 1, 1)),
+            "extra_nodes": (helper.make_node("Relu", ["conv"], ["r"], name="relu"),),
+            "extra_outputs": (value("r", [1, C, 6, 6]),),
+        },
+        "intermediate 'conv' is also used by Relu 'relu'",
+        True,
+    ),
+    "conv_output_is_graph_output": (
+        {"bias": _per_channel((C, 1, 1)), "extra_outputs": (value("conv", [1, C, 6, 6]),)},
+        "intermediate 'conv' is a graph output",
+        True,
+    ),
+    # Not valid ONNX (Add needs one element type); fusectl must still leave it alone.
+    "dtype_mismatch": (
+        {"bias": _per_channel((C, 1, 1)).astype(np.float64), "check": False},
+        "added bias has type float64, weight has float32",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIAS_ADD_DECLINES))
+def test_conv_bias_add_declines(case: str, tmp_path: Path) -> None:
+    kwargs, reason, valid = BIAS_ADD_DECLINES[case]
+    model = _conv_add_model(tmp_path / f"bias_{case}.onnx", **kwargs)
+    run = optimize_checked(model, tmp_path) if valid else optimize(model, tmp_path)
+    assert_declined(run, BIAS_ADD, reason, "add")
+    assert run.op_counts()["Add"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The onnx wheel's zoo CNNs: every BatchNormalization fed by a Conv is folded.
+# ---------------------------------------------------------------------------------------------
+
+# vgg19, zfnet512 and bvlc_alexnet have no BatchNormalization at all, yet weigh 575, 349 and
+# 244 MB once materialized (about 40 s together on 2 cores), so they run only on request.
+ZOO_CONV_BN_PAIRS = {
+    "resnet50": 53,
+    "densenet121": 59,  # its other 62 BNs follow a Concat or a pooling
+    "inception_v1": 0,
+    "inception_v2": 69,
+    "shufflenet": 49,
+    "squeezenet": 0,
+    "vgg19": 0,
+    "zfnet512": 0,
+    "bvlc_alexnet": 0,
+}
+HEAVY_ZOO = {"vgg19", "zfnet512", "bvlc_alexnet"}
+FULL_ZOO = os.environ.get("FUSECTL_FULL_ZOO") == "1"
+
+
+def _zoo_model(name: str, zoo_dir: Path) -> Path:
+    path = zoo_dir / f"{name}.onnx"
+    return path if path.exists() else zoo.materialize(name, zoo_dir)
+
+
+def _conv_bn_pairs(model: onnx.ModelProto) -> int:
+    producers = {out: node for node in model.graph.node for out in node.output}
+    return sum(
+        1
+        for node in model.graph.node
+        if node.op_type == "BatchNormalization"
+        and getattr(producers.get(node.input[0]), "op_type", None) == "Conv"
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name in HEAVY_ZOO and not FULL_ZOO,
+                reason="large and BN-free: set FUSECTL_FULL_ZOO=1 to run",
+            ),
+        )
+        for name in zoo.ZOO
+    ],
+)
+def test_zoo_conv_batchnorm_folded(name: str, zoo_dir: Path, tmp_path: Path) -> None:
+    model = _zoo_model(name, zoo_dir)
+    pairs = _conv_bn_pairs(onnx.load(str(model), load_external_data=False))
+    assert pairs == ZOO_CONV_BN_PAIRS[name]
+    run = optimize(model, tmp_path)
+    assert run.counts(BN) == (pairs, pairs)
+    assert reasons(run, BN) == {}
+    optimized = onnx.load(str(run.output))
+    assert _conv_bn_pairs(optimized) == 0
+    check_output(run)
+    assert_same_outputs(model, run.output, atol=1e-4)

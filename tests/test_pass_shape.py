@@ -1,0 +1,213 @@
+"""ReshapeReshapeFusionPass: exporter fixtures, near misses built with onnx.helper."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests.conftest import optimize
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    optimize_checked,
+    reasons,
+    save_model,
+    value,
+)
+
+RR = "ReshapeReshapeFusionPass"
+NOT_CONSTANT = "outer target shape is not a constant"
+COPIES_ZERO = "outer target shape copies a dimension (0) of the inner result"
+
+# ---------------------------------------------------------------------------------------------
+# Real exporter output (tests/fixtures/make_fixtures.py). views = four view/reshape pairs
+# (one with -1 on both sides, one ending in view(x.size(0), -1)) and one chain of three.
+# ---------------------------------------------------------------------------------------------
+
+VIEWS_EXPECTED = {
+    # Constant target shapes: 4 pairs + 2 for the chain of three (the second fusion sees the
+    # first one's result). The inner Reshapes and their Constants are then dead.
+    "views_torchscript": (
+        5,
+        5,
+        {},
+        {"Reshape": 4, "Constant": 7, "Mul": 1, "Add": 1, "Sub": 1},
+    ),
+    # Dynamic batch: view(x.size(0), -1) gets a Shape/Gather/Unsqueeze/Concat target.
+    "views_torchscript_dynbatch": (
+        5,
+        4,
+        {NOT_CONSTANT: 1},
+        {
+            "Reshape": 5,
+            "Constant": 10,
+            "Shape": 1,
+            "Gather": 1,
+            "Unsqueeze": 1,
+            "Concat": 1,
+            "Mul": 1,
+            "Add": 1,
+            "Sub": 1,
+        },
+    ),
+    # The dynamo exporter's optimizer already collapsed every chain.
+    "views_dynamo": (0, 0, {}, {"Reshape": 3, "Mul": 1, "Add": 1, "Sub": 1}),
+    # optimize=False: every target shape is a Concat of Constants, not a constant.
+    "views_dynamo_noopt": (
+        5,
+        0,
+        {NOT_CONSTANT: 5},
+        {"Reshape": 9, "Constant": 23, "Concat": 9, "Cast": 3, "Mul": 1, "Add": 1, "Sub": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS_EXPECTED))
+def test_exported_views(name: str, tmp_path: Path) -> None:
+    matched, effected, near_misses, ops = VIEWS_EXPECTED[name]
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(RR) == (matched, effected)
+    assert reasons(run, RR) == near_misses
+    assert run.op_counts() == Counter(ops)
+
+
+def test_exported_views_fusion_result_and_alias(tmp_path: Path) -> None:
+    run = optimize(fixture_path("views_torchscript"), tmp_path)
+    assert run.fusion_result == {
+        "session_and_graph_id_0_0": {
+            "graph_fusion": {RR: {"effect_times": "5", "match_times": "5"}}
+        }
+    }
+    off = optimize(fixture_path("views_torchscript"), tmp_path, "--disable_pass", "shape_reshape")
+    assert off.counts(RR) == (0, 0)
+    assert off.op_counts()["Reshape"] == 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Reshape -> Reshape built with onnx.helper: x [2,3,4] -> r1 (s1) -> y (s2).
+# ---------------------------------------------------------------------------------------------
+
+
+def _reshape_model(
+    path: Path,
+    s2: list[int] | None,
+    *,
+    s1: list[int] | None = (6, 4),
+    x_shape: tuple[int, ...] = (2, 3, 4),
+    y_shape: tuple[int, ...] = (4, 6),
+    outer_attrs: dict | None = None,
+    pre_nodes: tuple = (),
+    extra_nodes: tuple = (),
+    extra_inputs: tuple = (),
+    extra_outputs: tuple = (),
+    opset: int = 17,
+) -> Path:
+    initializers = []
+    if s1 is not None:
+        initializers.append(const("s1", s1, np.int64))
+    if s2 is not None:
+        initializers.append(const("s2", s2, np.int64))
+    return save_model(
+        path,
+        [
+            *pre_nodes,
+            helper.make_node("Reshape", ["x", "s1"], ["r1"], name="inner"),
+            helper.make_node("Reshape", ["r1", "s2"], ["y"], name="outer", **(outer_attrs or {})),
+            *extra_nodes,
+        ],
+        [value("x", list(x_shape)), *extra_inputs],
+        [value("y", list(y_shape)), *extra_outputs],
+        initializers,
+        opset=opset,
+    )
+
+
+SHAPE_OF_Z = (helper.make_node("Shape", ["z"], ["s2"], name="shape_of_z"),)
+Z = value("z", [4, 6])
+
+RR_FIRES = {
+    "constant": {"s2": [4, 6]},
+    "minus_one": {"s2": [-1, 6]},
+    # The inner target shape may be anything: it does not survive.
+    "inner_shape_computed": {
+        "s1": None,
+        "s2": [4, 6],
+        "pre_nodes": (helper.make_node("Shape", ["z"], ["s1"], name="shape_of_z"),),
+        "extra_inputs": (value("z", [6, 4]),),
+    },
+    # allowzero=1 (opset 14): a 0 is a real zero-sized dimension, not a copy.
+    "zero_with_allowzero": {
+        "s1": [0, 4],
+        "s2": [4, 0],
+        "x_shape": (0, 2, 2),
+        "y_shape": (4, 0),
+        "outer_attrs": {"allowzero": 1},
+        "opset": 14,
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(RR_FIRES))
+def test_reshape_reshape_fires(case: str, tmp_path: Path) -> None:
+    model = _reshape_model(tmp_path / f"rr_{case}.onnx", **RR_FIRES[case])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RR) == (1, 1)
+    assert reasons(run, RR) == {}
+    ops = run.op_counts()
+    assert ops["Reshape"] == 1
+    (reshape,) = (n for n in onnx.load(str(run.output)).graph.node if n.op_type == "Reshape")
+    assert list(reshape.input) == ["x", "s2"]
+    allowzero = RR_FIRES[case].get("outer_attrs", {}).get("allowzero")
+    assert [a.i for a in reshape.attribute if a.name == "allowzero"] == (
+        [allowzero] if allowzero is not None else []
+    )
+
+
+RR_DECLINES = {
+    "zero_without_allowzero": ({"s2": [0, -1], "y_shape": (6, 4)}, COPIES_ZERO),
+    "zero_allowzero_0": (
+        {"s2": [0, -1], "y_shape": (6, 4), "outer_attrs": {"allowzero": 0}, "opset": 14},
+        COPIES_ZERO,
+    ),
+    "shape_computed": (
+        {"s2": None, "pre_nodes": SHAPE_OF_Z, "extra_inputs": (Z,)},
+        NOT_CONSTANT,
+    ),
+    "shape_overridable": (
+        {"s2": [4, 6], "extra_inputs": (value("s2", [2], onnx.TensorProto.INT64),)},
+        NOT_CONSTANT,
+    ),
+    "inner_is_graph_output": (
+        {"s2": [4, 6], "extra_outputs": (value("r1", [6, 4]),)},
+        "intermediate 'r1' is a graph output",
+    ),
+    "inner_shared": (
+        {
+            "s2": [4, 6],
+            "extra_nodes": (helper.make_node("Relu", ["r1"], ["r"], name="relu"),),
+            "extra_outputs": (value("r", [6, 4]),),
+        },
+        "intermediate 'r1' is also used by Relu 'relu'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RR_DECLINES))
+def test_reshape_reshape_declines(case: str, tmp_path: Path) -> None:
+    kwargs, reason = RR_DECLINES[case]
+    model = _reshape_model(tmp_path / f"rr_{case}.onnx", **kwargs)
+    # An overridable shape input would get random feeds; the original is run as it stands.
+    run = optimize_checked(model, tmp_path, compare=case != "shape_overridable")
+    assert_declined(run, RR, reason, "outer")
+    assert run.op_counts()["Reshape"] == 2
+    assert run.fusion_result == {
+        "session_and_graph_id_0_0": {
+            "graph_fusion": {RR: {"effect_times": "0", "match_times": "1"}}
+        }
+    }

@@ -19,7 +19,7 @@ from fusectl.engine import PassRun, run_plan
 from fusectl.errors import FusectlError
 from fusectl.model_io import check_output_path, load_model, save_model
 from fusectl.registry import Category, load_builtin_passes
-from fusectl.shapes import apply_input_shapes, parse_input_shape
+from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 from fusectl.switches import (
     Decision,
     SwitchRequest,
@@ -223,7 +223,12 @@ def _optimize(
 
     with progress:
         result = run_plan(
-            model, plan, target=target, before_pass=before_pass, after_pass=after_pass
+            model,
+            plan,
+            target=target,
+            shapes=ShapeOracle(model, loaded.proto),
+            before_pass=before_pass,
+            after_pass=after_pass,
         )
     fusion_text = reports.render_fusion_result(result, fusion_result_format)
     if result_path and export_compile_stat == "2":

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from fusectl.registry import PassSpec
+    from fusectl.shapes import ShapeOracle
 
 LINEAGE_PASSES = "fusectl.pass_name"
 LINEAGE_NAMES = "fusectl.original_op_names"
@@ -57,6 +58,7 @@ class PassContext:
     spec: PassSpec
     target: str
     opset: int
+    shapes: ShapeOracle | None = None
     patterns: dict[str, PatternStats] = field(default_factory=dict)
     sites: list[FusionSite] = field(default_factory=list)
     changed: bool = False

@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from fusectl import logs
 from fusectl.context import PassContext
+from fusectl.shapes import ShapeOracle
 from fusectl.switches import Decision, Plan
 
 
@@ -45,6 +46,7 @@ def run_plan(
     plan: Plan,
     *,
     target: str,
+    shapes: ShapeOracle | None = None,
     before_pass: BeforePass | None = None,
     after_pass: AfterPass | None = None,
 ) -> RunResult:
@@ -60,7 +62,7 @@ def run_plan(
             continue
         if before_pass is not None:
             before_pass(decision)
-        ctx = PassContext(decision.fusion_pass.spec, target, model_opset(model))
+        ctx = PassContext(decision.fusion_pass.spec, target, model_opset(model), shapes)
         run.nodes_before = len(model.graph)
         began = time.perf_counter()
         decision.fusion_pass.run(model, ctx)

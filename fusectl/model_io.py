@@ -26,6 +26,9 @@ class LoadedModel:
     model: ir.Model
     path: Path
     external_files: frozenset[Path]
+    # The parsed file, kept for on-demand shape inference; the IR's in-memory weights are
+    # views of its tensors, so keeping it costs no extra memory.
+    proto: onnx.ModelProto
 
     @property
     def uses_external_data(self) -> bool:
@@ -70,7 +73,6 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
         raise FusectlError(f"malformed ONNX model: {error}", path=model_path) from None
-    del proto
     base_dir = model_path.parent
     ir.external_data.set_base_dir(model.graph, base_dir)
     external_files: set[Path] = set()
@@ -89,7 +91,7 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
                 path=model_path,
             )
         external_files.add(data_path.resolve())
-    return LoadedModel(model, model_path, frozenset(external_files))
+    return LoadedModel(model, model_path, frozenset(external_files), proto)
 
 
 def check_output_path(source: LoadedModel, output: Path) -> None:

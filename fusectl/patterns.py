@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern as oxs_pattern
 
+from fusectl import runtime
 from fusectl.registry import FusionPass
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ class Site:
         initializer that is also a graph input is a default the caller may override, so it is
         not a constant (onnxruntime draws the same line).
         """
+        # Exporters route shared initializers through Identity; look through it.
+        while value is not None and (producer := value.producer()) is not None:
+            if producer.op_type != "Identity" or producer.domain not in ("", "ai.onnx"):
+                break
+            value = producer.inputs[0]
         if value is None or value.is_graph_input():
             return None
         tensor = ir.convenience.get_const_tensor(value)
@@ -81,11 +87,31 @@ class Site:
     def require_constant(self, value: ir.Value | None, what: str) -> np.ndarray:
         """The value's constant contents, or a Decline naming what is not constant."""
         array = self.constant(value)
-        if array is None and value is not None and value.is_graph_input():
-            raise Decline(f"{what} is a graph input (an overridable initializer), not a constant")
-        if array is None:
-            raise Decline(f"{what} is not a constant")
-        return array
+        if array is not None:
+            return array
+        if value is not None and value.is_graph_input():
+            kind = "an overridable initializer" if value.const_value is not None else "fed"
+            raise Decline(f"{what} is a graph input ({kind}), not a constant")
+        raise Decline(f"{what} is not a constant")
+
+    def shape(self, value: ir.Value) -> ir.Shape | None:
+        """The value's shape, inferring shapes for the whole graph once if it is unknown."""
+        shapes = self.ctx.shapes
+        return shapes.shape(value) if shapes is not None else value.shape
+
+    def require_rank(self, value: ir.Value, what: str) -> int:
+        shape = self.shape(value)
+        if shape is None:
+            raise Decline(f"rank of {what} is unknown")
+        return len(shape)
+
+    def require_kernel(self, op_type: str, dtype: ir.DataType | None, domain: str = "") -> None:
+        """Decline when the target runtime cannot run the op this rewrite would emit."""
+        if self.ctx.target == "ort" and not runtime.has_kernel(
+            op_type, domain, self.ctx.opset if domain in ("", "ai.onnx") else 1, dtype
+        ):
+            name = op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
+            raise Decline(f"onnxruntime has no {name} kernel for {dtype}")
 
     def node(self, op_type: str) -> ir.Node:
         """The matched node of the given op type (patterns name each op type once)."""
@@ -110,12 +136,12 @@ def _intermediate_in_use(site: Site) -> str | None:
             if value in kept:
                 continue
             if value.is_graph_output():
-                return f"intermediate '{value.name}' is a graph output"
+                return f"an intermediate value ({node.op_type} output) is a graph output"
             for consumer, _ in value.uses():
                 if consumer not in nodes:
                     return (
-                        f"intermediate '{value.name}' is also used by "
-                        f"{consumer.op_type} '{_node_label(consumer)}'"
+                        f"an intermediate value ({node.op_type} output) is also used by "
+                        f"{consumer.op_type} outside the match"
                     )
     return None
 

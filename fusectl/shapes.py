@@ -1,12 +1,17 @@
-"""--input_shape in ATC syntax: fix the symbolic dimensions of the model's inputs."""
+"""Shapes: --input_shape in ATC syntax, and shapes inferred on demand for the passes."""
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 
 from fusectl.errors import FusectlError
+
+logger = logging.getLogger("fusectl")
 
 
 def parse_input_shape(text: str) -> dict[str, list[int]]:
@@ -65,3 +70,76 @@ def apply_input_shapes(model: ir.Model, shapes: dict[str, list[int]], path: Path
                 )
             new_dims.append(size)
         value.shape = ir.Shape(new_dims)
+
+
+class ShapeOracle:
+    """Fills in unknown value shapes with onnx shape inference, run once and only if asked.
+
+    Exporters do not always record intermediate shapes (the TorchScript exporter writes no
+    value_info), yet some rewrites depend on a rank. Inference runs on the graph as loaded,
+    stripped of weights; a fusion keeps the names and meaning of the values it preserves, so
+    shapes inferred for the original graph stay true for every value still carrying the name.
+    """
+
+    def __init__(self, model: ir.Model, proto: onnx.ModelProto | None) -> None:
+        self._model = model
+        self._proto = proto
+        self.ran = False
+
+    def shape(self, value: ir.Value) -> ir.Shape | None:
+        if value.shape is None and not self.ran:
+            self._infer()
+        return value.shape
+
+    def _infer(self) -> None:
+        self.ran = True
+        if self._proto is None:
+            return
+        try:
+            inferred = onnx.shape_inference.infer_shapes(
+                _without_weights(self._proto, self._model), strict_mode=False, data_prop=True
+            )
+        except Exception as error:  # inference is a best effort; passes decline without it
+            logger.debug("shape inference failed: %s", error)
+            return
+        types = {info.name: info.type for info in inferred.graph.value_info}
+        types.update((info.name, info.type) for info in inferred.graph.output)
+        for node in self._model.graph:
+            for value in node.outputs:
+                found = types.get(value.name or "")
+                if value.shape is None and found is not None and found.HasField("tensor_type"):
+                    value.shape = ir.serde.deserialize_type_proto_for_shape(found)
+                    if value.type is None:
+                        value.type = ir.serde.deserialize_type_proto_for_type(found)
+
+
+_SMALL_CONSTANT = 64
+
+
+def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto:
+    """The loaded graph with weights reduced to their types, for shape inference only.
+
+    Small integer initializers stay: they are the shapes and axes that data propagation reads.
+    """
+    stripped = onnx.ModelProto(ir_version=proto.ir_version)
+    stripped.opset_import.extend(proto.opset_import)
+    stripped.functions.extend(proto.functions)
+    graph = stripped.graph
+    graph.node.extend(proto.graph.node)
+    graph.output.extend(proto.graph.output)
+    graph.value_info.extend(proto.graph.value_info)
+    graph.input.extend(ir.serde.serialize_value(value) for value in model.graph.inputs)
+    declared = {value.name for value in model.graph.inputs}
+    for tensor in proto.graph.initializer:
+        small = (
+            tensor.data_type == onnx.TensorProto.INT64
+            and tensor.data_location != onnx.TensorProto.EXTERNAL
+            and math.prod(tensor.dims) <= _SMALL_CONSTANT
+        )
+        if small:
+            graph.initializer.append(tensor)
+        elif tensor.name not in declared:
+            graph.input.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)
+            )
+    return stripped

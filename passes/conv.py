@@ -15,6 +15,12 @@ def _conv_attributes(site: Site) -> dict[str, ir.Attr]:
     return dict(site.node("Conv").attributes)
 
 
+def _conv_bias(site: Site) -> ir.Value | None:
+    """The Conv's optional third input; exporters omit it or pass an empty name."""
+    inputs = site.node("Conv").inputs
+    return inputs[2] if len(inputs) > 2 else None
+
+
 def _per_channel(array: np.ndarray, channels: int, out_rank: int, what: str) -> np.ndarray:
     """Flatten a tensor added to a conv output to one value per output channel, if it is one.
 
@@ -22,10 +28,13 @@ def _per_channel(array: np.ndarray, channels: int, out_rank: int, what: str) -> 
     of an NCHW output, while a bare [C] would add along the last spatial axis.
     """
     if array.ndim > out_rank:
-        raise Decline(f"{what} of shape {list(array.shape)} has more axes than the conv output")
+        raise Decline(f"{what} has more axes than the conv output")
     padded = (1,) * (out_rank - array.ndim) + array.shape
     if padded[0] != 1 or any(d != 1 for d in padded[2:]) or padded[1] not in (1, channels):
-        raise Decline(f"{what} of shape {list(array.shape)} does not broadcast per output channel")
+        raise Decline(
+            f"{what} of rank {array.ndim} does not broadcast per output channel "
+            "(it must be [C,1,..], [1,C,1,..] or a scalar)"
+        )
     return np.broadcast_to(array.reshape(-1), (channels,))
 
 
@@ -52,9 +61,10 @@ def _fold_batchnorm(
     shift: ir.Value,
     mean: ir.Value,
     var: ir.Value,
-    b: ir.Value | None = None,
+    added: ir.Value | None = None,
     **_: Any,
 ) -> ir.Value:
+    """Conv -> BatchNormalization (-> per-channel Add) as one Conv with new weights and bias."""
     weight = site.require_constant(w, "Conv weight")
     if not np.issubdtype(weight.dtype, np.floating):
         raise Decline(f"Conv weight has non-float type {weight.dtype}")
@@ -64,14 +74,18 @@ def _fold_batchnorm(
     ]
     channels = weight.shape[0]
     if any(p.size != channels for p in params):
-        raise Decline(f"BatchNormalization parameters do not have {channels} channels")
-    conv_bias = np.zeros(channels) if b is None else site.require_constant(b, "Conv bias")
+        raise Decline("BatchNormalization parameters do not match the Conv's output channels")
+    bias = _conv_bias(site)
+    conv_bias = np.zeros(channels) if bias is None else site.require_constant(bias, "Conv bias")
     epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
     dtype = _fold_dtype(weight)
     g, beta, mu, sigma2 = (p.astype(dtype).reshape(-1) for p in params)
     factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
     new_weight = weight.astype(dtype) * factor.reshape((-1,) + (1,) * (weight.ndim - 1))
     new_bias = (conv_bias.astype(dtype).reshape(-1) - mu) * factor + beta
+    if added is not None:
+        extra = site.require_constant(added, "added bias")
+        new_bias = new_bias + _per_channel(extra, channels, weight.ndim, "added bias")
     return op.Conv(
         x,
         site.initializer(op, new_weight.astype(weight.dtype), "weight"),
@@ -80,12 +94,17 @@ def _fold_batchnorm(
     )
 
 
-def _conv_bn_with_bias(op, x, w, b, scale, shift, mean, var):
-    return op.BatchNormalization(op.Conv(x, w, b), scale, shift, mean, var)
+def _conv(op, x, w):
+    # The bias input is optional, so the pattern allows it and the rewrite reads it off the node.
+    return op.Conv(x, w, _allow_other_inputs=True)
 
 
 def _conv_bn(op, x, w, scale, shift, mean, var):
-    return op.BatchNormalization(op.Conv(x, w), scale, shift, mean, var)
+    return op.BatchNormalization(_conv(op, x, w), scale, shift, mean, var)
+
+
+def _conv_bn_add(op, x, w, scale, shift, mean, var, added):
+    return op.Add(_conv_bn(op, x, w, scale, shift, mean, var), added)
 
 
 @register_pass
@@ -93,42 +112,37 @@ class ConvBatchnormFusionPass(PatternPass):
     spec = PassSpec(
         name="ConvBatchnormFusionPass",
         category=Category.GRAPH,
-        description="Conv followed by inference BatchNormalization -> Conv with folded weights",
+        description="Conv followed by inference BatchNormalization (and a per-channel Add) "
+        "-> Conv with folded weights",
         aliases=("conv_bn_fusion",),
         numerics=Numerics.REASSOCIATING,
         priority=4060,
         emits=("Conv",),
     )
     rules = (
-        Rule("ConvBiasBatchnorm", _conv_bn_with_bias, _fold_batchnorm, _check_batchnorm),
+        Rule("ConvBatchnormAdd", _conv_bn_add, _fold_batchnorm, _check_batchnorm),
         Rule("ConvBatchnorm", _conv_bn, _fold_batchnorm, _check_batchnorm),
     )
 
 
-def _fold_bias_add(
-    op: Any, site: Site, x: ir.Value, w: ir.Value, bias: ir.Value, b: ir.Value | None = None
-) -> ir.Value:
+def _fold_bias_add(op: Any, site: Site, x: ir.Value, w: ir.Value, bias: ir.Value) -> ir.Value:
     if w.shape is None or not isinstance(w.shape[0], int):
         raise Decline("Conv weight shape is unknown")
     channels, out_rank = w.shape[0], len(w.shape)
     added = site.require_constant(bias, "added bias")
     per_channel = _per_channel(added, channels, out_rank, "added bias")
     if w.dtype is not None and added.dtype != w.dtype.numpy():
-        raise Decline(f"added bias has type {added.dtype}, weight has {w.dtype.numpy()}")
+        raise Decline("added bias and Conv weight have different element types")
     total = per_channel.astype(_fold_dtype(added))
-    if b is not None:
-        total = total + site.require_constant(b, "Conv bias").astype(total.dtype)
-    return op.Conv(
-        x, w, site.initializer(op, total.astype(added.dtype), "bias"), **_conv_attributes(site)
-    )
-
-
-def _conv_add_with_bias(op, x, w, b, bias):
-    return op.Add(op.Conv(x, w, b), bias)
+    conv_bias = _conv_bias(site)
+    if conv_bias is not None:
+        total = total + site.require_constant(conv_bias, "Conv bias").astype(total.dtype)
+    new_bias = site.initializer(op, total.astype(added.dtype), "bias")
+    return op.Conv(x, w, new_bias, **_conv_attributes(site))
 
 
 def _conv_add(op, x, w, bias):
-    return op.Add(op.Conv(x, w), bias)
+    return op.Add(_conv(op, x, w), bias)
 
 
 @register_pass
@@ -142,7 +156,4 @@ class ConvBiasAddFusionPass(PatternPass):
         priority=4010,
         emits=("Conv",),
     )
-    rules = (
-        Rule("ConvBiasAdd", _conv_add, _fold_bias_add),
-        Rule("ConvWithBiasAdd", _conv_add_with_bias, _fold_bias_add),
-    )
+    rules = (Rule("ConvBiasAdd", _conv_add, _fold_bias_add),)

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from fusectl.patterns import Decline, PatternPass, Rule, Site
 from fusectl.registry import Category, Numerics, PassSpec, register_pass
 
+# The element types ONNX's Gemm accepts; with --target ort the installed kernels decide.
 _GEMM_TYPES = frozenset(
     {
         ir.DataType.FLOAT,
@@ -23,31 +24,26 @@ _GEMM_TYPES = frozenset(
 )
 
 
-def _rank(value: ir.Value) -> int | None:
-    return None if value.shape is None else len(value.shape)
-
-
 def _matmul_add(op, a, b, bias):
     return op.Add(op.MatMul(a, b), bias)
 
 
 def _to_gemm(op: Any, site: Site, a: ir.Value, b: ir.Value, bias: ir.Value) -> ir.Value:
     for value, what in ((a, "MatMul input A"), (b, "MatMul input B")):
-        rank = _rank(value)
-        if rank is None:
-            raise Decline(f"rank of {what} '{value.name}' is unknown")
+        rank = site.require_rank(value, what)
         if rank != 2:
-            raise Decline(f"{what} '{value.name}' is {rank}-D; Gemm needs 2-D")
+            raise Decline(f"{what} is {rank}-D; Gemm needs 2-D")
     if a.dtype not in _GEMM_TYPES:
         raise Decline(f"Gemm does not support element type {a.dtype}")
+    site.require_kernel("Gemm", a.dtype)
     bias_array = site.require_constant(bias, "bias")
     # Gemm broadcasts C to [M, N] one way only; the Add must not have grown the MatMul output.
-    n = b.shape[1]
+    n = site.shape(b)[1]
     if bias_array.ndim > 2:
-        raise Decline(f"bias of shape {list(bias_array.shape)} has more than 2 axes")
+        raise Decline("bias has more than 2 axes")
     padded = (1,) * (2 - bias_array.ndim) + bias_array.shape
     if padded[0] != 1 or padded[1] not in (1, n):
-        raise Decline(f"bias of shape {list(bias_array.shape)} does not broadcast along N={n}")
+        raise Decline("bias does not broadcast along the output's last axis only")
     return op.Gemm(a, b, bias)
 
 

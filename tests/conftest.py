@@ -82,8 +82,8 @@ def random_feeds(
                 np.int64 if "int64" in value.type else np.int32
             )
         else:
-            dtype = np.float16 if "float16" in value.type else np.float32
-            feeds[value.name] = rng.normal(size=shape).astype(dtype)
+            dtypes = {"tensor(float16)": np.float16, "tensor(double)": np.float64}
+            feeds[value.name] = rng.normal(size=shape).astype(dtypes.get(value.type, np.float32))
     return feeds
 
 

@@ -119,9 +119,6 @@ def test_exported_cnn_fused_sites(tmp_path: Path) -> None:
 
 C = 4
 X = value("x", [1, 3, 6, 6])
-EMPTY_BIAS_XFAIL = pytest.mark.xfail(
-    strict=True, reason="fusectl bug: Conv(x, w, '') matches neither the 2- nor the 3-input rule"
-)
 
 
 def _weight(name: str = "w", shape: tuple[int, ...] = (C, 3, 3, 3), seed: int = 1):
@@ -193,15 +190,31 @@ def _fires_shared_weight(path: Path) -> Path:
     )
 
 
+def _params_behind_identity(path: Path) -> Path:
+    """As the TorchScript exporter writes BN parameters equal to others (e.g. fresh BNs)."""
+    bn = helper.make_node(
+        "BatchNormalization", ["conv", "scale", "bn_bias", "bn_mean", "bn_var"], ["y"], name="bn"
+    )
+    return _conv_bn_model(
+        path,
+        nodes=[
+            helper.make_node("Identity", ["bn_scale"], ["scale"], name="identity"),
+            _conv(["x", "w"]),
+            bn,
+        ],
+    )
+
+
 @pytest.mark.parametrize(
     ("build", "effected"),
     [
         (_fires_conv_bias, 1),
         (_fires_conv1d, 1),
-        pytest.param(_fires_empty_bias_input, 1, marks=EMPTY_BIAS_XFAIL),
+        pytest.param(_fires_empty_bias_input, 1),
         (_fires_shared_weight, 2),
+        (_params_behind_identity, 1),
     ],
-    ids=["conv_bias", "conv1d", "empty_bias_input", "shared_weight"],
+    ids=["conv_bias", "conv1d", "empty_bias_input", "shared_weight", "params_behind_identity"],
 )
 def test_conv_batchnorm_fires(build, effected: int, tmp_path: Path) -> None:
     model = build(tmp_path / f"{build.__name__.lstrip('_')}.onnx")
@@ -247,6 +260,31 @@ def test_conv_add_batchnorm_chain(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(BIAS_ADD) == (1, 1)
     assert run.counts(BN) == (1, 1)
+    assert run.op_counts() == Counter({"Conv": 1})
+
+
+def test_conv_batchnorm_add_chain(tmp_path: Path) -> None:
+    """Conv -> BN -> Add(per-channel): one rule folds all three into the Conv."""
+    model = _conv_bn_model(
+        tmp_path / "conv_bn_add.onnx",
+        nodes=[
+            _conv(["x", "w"]),
+            _bn(output="bn_out"),
+            helper.make_node("Add", ["add_bias", "bn_out"], ["y"], name="add"),
+        ],
+        initializers=[
+            _weight(),
+            const("add_bias", np.arange(C, dtype=np.float32).reshape(1, C, 1, 1) / 10),
+            *conv_batchnorm_params(C),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(BN) == (1, 1)
+    assert run.passed(BN)["patterns"] == {
+        "ConvBatchnormAdd": {"matched": 1, "effected": 1},
+        "ConvBatchnorm": {"matched": 0, "effected": 0},
+    }
+    assert run.counts(BIAS_ADD) == (0, 0)
     assert run.op_counts() == Counter({"Conv": 1})
 
 
@@ -303,29 +341,18 @@ def _channel_mismatch(path: Path) -> Path:
     return _conv_bn_model(path, initializers=[_weight(), *conv_batchnorm_params(1)], check=False)
 
 
-def _params_behind_identity(path: Path) -> Path:
-    """As the TorchScript exporter writes BN parameters equal to others (e.g. fresh BNs)."""
-    bn = helper.make_node(
-        "BatchNormalization", ["conv", "scale", "bn_bias", "bn_mean", "bn_var"], ["y"], name="bn"
-    )
-    return _conv_bn_model(
-        path,
-        nodes=[
-            helper.make_node("Identity", ["bn_scale"], ["scale"], name="identity"),
-            _conv(["x", "w"]),
-            bn,
-        ],
-    )
-
-
 def _spatial_zero(path: Path) -> Path:
     # opset 8 BN with spatial=0 wants [C, H, W] statistics; onnxruntime rejects these.
     return _conv_bn_model(path, nodes=[_conv(["x", "w"]), _bn(spatial=0)], opset=8, check=False)
 
 
 CONV_BN_DECLINES = [
-    (_conv_output_is_graph_output, "intermediate 'conv' is a graph output", True),
-    (_conv_output_shared, "intermediate 'conv' is also used by Relu 'relu'", True),
+    (_conv_output_is_graph_output, "an intermediate value (Conv output) is a graph output", True),
+    (
+        _conv_output_shared,
+        "an intermediate value (Conv output) is also used by Relu outside the match",
+        True,
+    ),
     (_training_mode, "BatchNormalization is in training mode", True),
     (_mean_is_graph_input, plain_input_not_constant("BatchNormalization mean"), True),
     (
@@ -333,10 +360,13 @@ CONV_BN_DECLINES = [
         "BatchNormalization variance is a graph input (an overridable initializer), not a constant",
         True,
     ),
-    (_params_behind_identity, "BatchNormalization scale is not a constant", True),
     (_weight_is_graph_input, plain_input_not_constant("Conv weight"), True),
     (_conv_bias_is_graph_input, plain_input_not_constant("Conv bias"), True),
-    (_channel_mismatch, "BatchNormalization parameters do not have 4 channels", False),
+    (
+        _channel_mismatch,
+        "BatchNormalization parameters do not match the Conv's output channels",
+        False,
+    ),
     (_spatial_zero, "BatchNormalization has spatial=0", False),
 ]
 
@@ -361,6 +391,12 @@ def test_conv_batchnorm_declines(build, reason, valid: bool, tmp_path: Path) -> 
 # ---------------------------------------------------------------------------------------------
 # Conv + per-channel bias Add built with onnx.helper
 # ---------------------------------------------------------------------------------------------
+
+
+NOT_PER_CHANNEL = (
+    "added bias of rank {rank} does not broadcast per output channel "
+    "(it must be [C,1,..], [1,C,1,..] or a scalar)"
+)
 
 
 def _conv_add_model(
@@ -417,7 +453,7 @@ BIAS_ADD_FIRES = {
     "case",
     [
         *sorted(BIAS_ADD_FIRES),
-        pytest.param("empty_conv_bias_input", marks=EMPTY_BIAS_XFAIL),
+        pytest.param("empty_conv_bias_input"),
     ],
 )
 def test_conv_bias_add_fires(case: str, tmp_path: Path) -> None:
@@ -446,22 +482,22 @@ BIAS_ADD_DECLINES = {
     # [C] broadcasts along the last spatial axis (W == C here), not along channels.
     "bias_c": (
         {"bias": _per_channel((C,)), "x_shape": (1, 3, 6, C)},
-        "added bias of shape [4] does not broadcast per output channel",
+        NOT_PER_CHANNEL.format(rank=1),
         True,
     ),
     "bias_spatial": (
         {"bias": np.full((1, C, 6, 6), 0.5, np.float32)},
-        "added bias of shape [1, 4, 6, 6] does not broadcast per output channel",
+        NOT_PER_CHANNEL.format(rank=4),
         True,
     ),
     "bias_c111": (
         {"bias": _per_channel((C, 1, 1, 1)), "y_shape": (C, C, 6, 6)},
-        "added bias of shape [4, 1, 1, 1] does not broadcast per output channel",
+        NOT_PER_CHANNEL.format(rank=4),
         True,
     ),
     "bias_rank5": (
         {"bias": _per_channel((1, 1, C, 1, 1)), "y_shape": (1, 1, C, 6, 6)},
-        "added bias of shape [1, 1, 4, 1, 1] has more axes than the conv output",
+        "added bias has more axes than the conv output",
         True,
     ),
     "bias_graph_input": (
@@ -489,18 +525,18 @@ BIAS_ADD_DECLINES = {
             "extra_nodes": (helper.make_node("Relu", ["conv"], ["r"], name="relu"),),
             "extra_outputs": (value("r", [1, C, 6, 6]),),
         },
-        "intermediate 'conv' is also used by Relu 'relu'",
+        "an intermediate value (Conv output) is also used by Relu outside the match",
         True,
     ),
     "conv_output_is_graph_output": (
         {"bias": _per_channel((C, 1, 1)), "extra_outputs": (value("conv", [1, C, 6, 6]),)},
-        "intermediate 'conv' is a graph output",
+        "an intermediate value (Conv output) is a graph output",
         True,
     ),
     # Not valid ONNX (Add needs one element type); fusectl must still leave it alone.
     "dtype_mismatch": (
         {"bias": _per_channel((C, 1, 1)).astype(np.float64), "check": False},
-        "added bias has type float64, weight has float32",
+        "added bias and Conv weight have different element types",
         False,
     ),
 }

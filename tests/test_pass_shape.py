@@ -185,7 +185,7 @@ RR_DECLINES = {
     ),
     "inner_is_graph_output": (
         {"s2": [4, 6], "extra_outputs": (value("r1", [6, 4]),)},
-        "intermediate 'r1' is a graph output",
+        "an intermediate value (Reshape output) is a graph output",
     ),
     "inner_shared": (
         {
@@ -193,7 +193,7 @@ RR_DECLINES = {
             "extra_nodes": (helper.make_node("Relu", ["r1"], ["r"], name="relu"),),
             "extra_outputs": (value("r", [6, 4]),),
         },
-        "intermediate 'r1' is also used by Relu 'relu'",
+        "an intermediate value (Reshape output) is also used by Relu outside the match",
     ),
 }
 

@@ -66,7 +66,7 @@ class PassSpec:
     targets: tuple[str, ...] = ALL_TARGETS
     min_opset: int = 1
     emits: tuple[str, ...] = ()
-    providers: tuple[str, ...] = ("all",)
+    emits_domain: str = ""
     origin: str = "built-in"
     counted: bool = True
     required: bool = False

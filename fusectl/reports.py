@@ -12,7 +12,7 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.table import Table
 
-from fusectl import __version__
+from fusectl import __version__, runtime
 from fusectl.engine import PassRun, RunResult
 from fusectl.errors import FusectlError
 from fusectl.registry import Category, PassSpec
@@ -77,6 +77,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise FusectlError(f"cannot write: {error.strerror or error}", path=path) from None
 
 
+def _providers(spec: PassSpec) -> list[str]:
+    """The installed onnxruntime's providers with a kernel for every op the pass emits."""
+    found: set[str] | None = None
+    for op_type in spec.emits:
+        have = set(runtime.providers(op_type, spec.emits_domain))
+        found = have if found is None else found & have
+    return sorted(found or ())
+
+
 def _spec_document(spec: PassSpec) -> dict[str, Any]:
     return {
         "name": spec.name,
@@ -89,7 +98,8 @@ def _spec_document(spec: PassSpec) -> dict[str, Any]:
         "targets": list(spec.targets),
         "min_opset": spec.min_opset,
         "emits": list(spec.emits),
-        "providers": list(spec.providers),
+        "emits_domain": spec.emits_domain,
+        "providers": _providers(spec),
         "origin": spec.origin,
         "description": spec.description,
     }

@@ -9,7 +9,7 @@ records every decline with its reason, names new nodes deterministically and sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 class Decline(Exception):
     """Raised by a check or rewrite to turn a structural match down, with the reason."""
+
+
+class NotACandidate(Exception):
+    """Raised by a check or rewrite when a structural match is not what the pattern means
+    (say, a Conv whose kernel does not cover its input): no match is counted."""
 
 
 CheckFn = Callable[..., str | None]
@@ -127,18 +132,19 @@ def _node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 
 
-def _intermediate_in_use(site: Site) -> str | None:
-    """Why the matched nodes cannot be removed, if some value they compute is needed elsewhere."""
-    nodes = set(site.nodes)
-    kept = set(site.outputs)
-    for node in site.nodes:
+def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | None:
+    """Why ``nodes`` cannot be removed, if a value they compute (other than ``kept``) is
+    needed elsewhere: a graph output, or an input of a node outside the set."""
+    members = set(nodes)
+    keep = set(kept)
+    for node in nodes:
         for value in node.outputs:
-            if value in kept:
+            if value in keep:
                 continue
             if value.is_graph_output():
                 return f"an intermediate value ({node.op_type} output) is a graph output"
             for consumer, _ in value.uses():
-                if consumer not in nodes:
+                if consumer not in members:
                     return (
                         f"an intermediate value ({node.op_type} output) is also used by "
                         f"{consumer.op_type} outside the match"
@@ -180,7 +186,7 @@ class _CompiledRule:
         assert self.ctx is not None
         site = Site(self.ctx, context)
         self.outcome.site = site
-        reason = _intermediate_in_use(site)
+        reason = uses_outside(site.nodes, site.outputs)
         if reason is None and self.ctx.opset < self._min_opset:
             what = "/".join(self._emits) or "the fused op"
             reason = f"{what} needs opset >= {self._min_opset}, model has {self.ctx.opset}"
@@ -189,6 +195,9 @@ class _CompiledRule:
                 reason = self.rule.check(site, **bindings) or None
             except Decline as decline:
                 reason = str(decline)
+            except NotACandidate:
+                self.outcome.site = None
+                return False
         self.outcome.reason = reason
         return reason is None
 
@@ -198,6 +207,9 @@ class _CompiledRule:
             return self.rule.rewrite(op, self.outcome.site, **bindings)
         except Decline as decline:
             self.outcome.reason = str(decline)
+            return None
+        except NotACandidate:
+            self.outcome.site = None
             return None
 
 
@@ -252,7 +264,16 @@ class PatternPass(FusionPass):
                     compiled.outcome = _Outcome()
                     delta = variant.try_rewrite(model, graph, node)
                     if delta is not None:
-                        _apply(graph, node, delta, compiled.outcome.site, ctx, compiled.rule.name)
+                        replace_subgraph(
+                            ctx,
+                            compiled.rule.name,
+                            node,
+                            delta.match.nodes,
+                            delta.new_nodes,
+                            delta.match.outputs,
+                            delta.new_outputs,
+                            delta.new_initializers,
+                        )
                         declined = None
                         break
                     if compiled.outcome.reason is not None and declined is None:
@@ -262,26 +283,63 @@ class PatternPass(FusionPass):
             compiled.ctx = None
 
 
-def _apply(
-    graph: ir.Graph,
-    root: ir.Node,
-    delta: oxs_pattern.ReplacementSubgraph,
-    site: Site | None,
+def replace_subgraph(
     ctx: PassContext,
-    pattern_name: str,
+    pattern: str,
+    root: ir.Node,
+    old_nodes: Sequence[ir.Node],
+    new_nodes: Sequence[ir.Node],
+    old_outputs: Sequence[ir.Value],
+    new_outputs: Sequence[ir.Value],
+    new_initializers: Sequence[ir.Value] = (),
 ) -> None:
-    assert site is not None
-    match = delta.match
-    base = f"{ctx.spec.name}/{site.label}"
-    replaced = set(delta.new_outputs)
-    for index, node in enumerate(delta.new_nodes):
+    """Swap matched nodes for new ones, as every pass does it: deterministic names
+    (``<Pass>/<root>``), new outputs taking the old outputs' names and uses, new nodes placed
+    at the root (which keeps the graph sorted), the effect counted and lineage stamped."""
+    graph = root.graph
+    assert graph is not None
+    produced = {value for node in new_nodes for value in node.outputs}
+    if any(value not in produced for value in new_outputs):
+        raise ValueError(f"{ctx.spec.name}: a replacement output must come from a new node")
+    base = f"{ctx.spec.name}/{_node_label(root)}"
+    replaced = set(new_outputs)
+    for index, node in enumerate(new_nodes):
         node.name = base if index == 0 else f"{base}_{index}"
         for position, value in enumerate(node.outputs):
             if value not in replaced and not value.name:
                 value.name = f"{node.name}:{position}"
-    for initializer in delta.new_initializers:
+    for initializer in new_initializers:
         graph.initializers[initializer.name] = initializer
     ir.convenience.replace_nodes_and_values(
-        graph, root, match.nodes, delta.new_nodes, match.outputs, delta.new_outputs
+        graph, root, old_nodes, new_nodes, old_outputs, new_outputs
     )
-    ctx.record_fusion(pattern_name, match.nodes, delta.new_nodes)
+    ctx.record_fusion(pattern, old_nodes, new_nodes)
+    for node in new_nodes:
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            bypass(node)
+
+
+def bypass(node: ir.Node) -> bool:
+    """Remove a pass-through node (Identity, inference Dropout) by wiring its input to its
+    consumers. A graph output keeps its name: the producer of the input takes it over, unless
+    the input is itself a graph input, output or initializer, in which case the node stays."""
+    graph = node.graph
+    assert graph is not None
+    source, result = node.inputs[0], node.outputs[0]
+    if source is None:
+        return False
+    if result.is_graph_output():
+        if (
+            source.producer() is None
+            or source.is_graph_output()
+            or source.is_graph_input()
+            or source.is_initializer()
+        ):
+            return False
+        ir.convenience.replace_all_uses_with(result, source, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        source.name = result.name
+        return True
+    ir.convenience.replace_all_uses_with(result, source)
+    graph.remove(node, safe=True)
+    return True

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
+from fusectl.patterns import Decline, NotACandidate, PatternPass, Rule, Site
 from fusectl.registry import Category, Numerics, PassSpec, register_pass
 
 
@@ -157,3 +157,214 @@ class ConvBiasAddFusionPass(PatternPass):
         emits=("Conv",),
     )
     rules = (Rule("ConvBiasAdd", _conv_add, _fold_bias_add),)
+
+
+def _fold_scale(op: Any, site: Site, x: ir.Value, w: ir.Value, scale: ir.Value) -> ir.Value:
+    """Conv -> Mul(per-channel constant): scale each output channel's filter and bias."""
+    weight = site.require_constant(w, "Conv weight")
+    if not np.issubdtype(weight.dtype, np.floating):
+        raise Decline(f"Conv weight has non-float type {weight.dtype}")
+    factors = site.require_constant(scale, "scale")
+    if factors.dtype != weight.dtype:
+        raise Decline("scale and Conv weight have different element types")
+    channels = weight.shape[0]
+    per_channel = _per_channel(factors, channels, weight.ndim, "scale").astype(_fold_dtype(weight))
+    new_weight = weight.astype(per_channel.dtype) * per_channel.reshape(
+        (-1,) + (1,) * (weight.ndim - 1)
+    )
+    inputs = [x, site.initializer(op, new_weight.astype(weight.dtype), "weight")]
+    bias = _conv_bias(site)
+    if bias is not None:
+        scaled = site.require_constant(bias, "Conv bias").astype(per_channel.dtype) * per_channel
+        inputs.append(site.initializer(op, scaled.astype(weight.dtype), "bias"))
+    return op.Conv(*inputs, **_conv_attributes(site))
+
+
+def _conv_mul(op, x, w, scale):
+    return op.Mul(_conv(op, x, w), scale)
+
+
+@register_pass
+class ConvScaleFusionPass(PatternPass):
+    spec = PassSpec(
+        name="ConvScaleFusionPass",
+        category=Category.GRAPH,
+        description="Conv followed by a per-channel constant Mul -> Conv with scaled weights",
+        aliases=("conv_scale_fusion", "ConvMulFusion"),
+        numerics=Numerics.REASSOCIATING,
+        priority=4070,
+        emits=("Conv",),
+    )
+    rules = (Rule("ConvScale", _conv_mul, _fold_scale),)
+
+
+def _pad_amounts(site: Site, pad: ir.Node) -> np.ndarray:
+    """The Pad's begin/end amounts, from the attribute (opset < 11) or the constant input."""
+    if pad.attributes.get_string("mode", "constant") != "constant":
+        raise Decline("Pad mode is not constant")
+    if len(pad.inputs) > 3 and pad.inputs[3] is not None:
+        raise Decline("Pad has an axes input")
+    if len(pad.inputs) > 1:
+        amounts = site.require_constant(pad.inputs[1], "Pad amounts").astype(np.int64)
+        value = site.constant(pad.inputs[2]) if len(pad.inputs) > 2 and pad.inputs[2] else None
+        fill = 0.0 if value is None and (len(pad.inputs) < 3 or not pad.inputs[2]) else value
+        if fill is None:
+            raise Decline("Pad value is not a constant")
+    else:
+        amounts = np.asarray(pad.attributes.get_ints("pads", []), dtype=np.int64)
+        fill = pad.attributes.get_float("value", 0.0)
+    if np.any(np.asarray(fill) != 0):
+        raise Decline("Pad value is not zero")
+    return amounts
+
+
+def _pad_conv(op, x, w):
+    return op.Conv(
+        op.Pad(x, _allow_other_inputs=True, _allow_other_attributes=True),
+        w,
+        _allow_other_inputs=True,
+    )
+
+
+def _merge_pad(op: Any, site: Site, x: ir.Value, w: ir.Value) -> ir.Value:
+    """Zero padding on spatial axes becomes the Conv's own pads."""
+    conv = site.node("Conv")
+    if conv.attributes.get_string("auto_pad", "NOTSET") != "NOTSET":
+        raise Decline("Conv uses auto_pad")
+    amounts = _pad_amounts(site, site.node("Pad"))
+    rank = len(amounts) // 2
+    begin, end = amounts[:rank], amounts[rank:]
+    if np.any(amounts < 0):
+        raise Decline("Pad crops (negative amounts)")
+    if np.any(begin[:2] != 0) or np.any(end[:2] != 0):
+        raise Decline("Pad pads the batch or channel axis")
+    spatial = rank - 2
+    current = list(conv.attributes.get_ints("pads", [0] * 2 * spatial))
+    pads = [int(p) for p in np.asarray(current) + np.concatenate([begin[2:], end[2:]])]
+    attributes = {k: v for k, v in conv.attributes.items() if k != "pads"}
+    bias = _conv_bias(site)
+    inputs = [x, w] if bias is None else [x, w, bias]
+    return op.Conv(*inputs, pads=pads, **attributes)
+
+
+@register_pass
+class PadConv2dFusionPass(PatternPass):
+    spec = PassSpec(
+        name="PadConv2dFusionPass",
+        category=Category.GRAPH,
+        description="Zero constant Pad on spatial axes followed by Conv -> Conv with those pads",
+        aliases=("pad_conv_fusion", "PadFusion"),
+        priority=4000,
+        emits=("Conv",),
+    )
+    rules = (Rule("PadConv", _pad_conv, _merge_pad),)
+
+
+def _fold_transpose_batchnorm(
+    op: Any,
+    site: Site,
+    x: ir.Value,
+    w: ir.Value,
+    scale: ir.Value,
+    shift: ir.Value,
+    mean: ir.Value,
+    var: ir.Value,
+) -> ir.Value:
+    """ConvTranspose weights are [C_in, C_out/group, k...]: scale along the output channels."""
+    conv = site.node("ConvTranspose")
+    weight = site.require_constant(w, "ConvTranspose weight")
+    if not np.issubdtype(weight.dtype, np.floating):
+        raise Decline(f"ConvTranspose weight has non-float type {weight.dtype}")
+    group = conv.attributes.get_int("group", 1)
+    channels = weight.shape[1] * group
+    params = [
+        site.require_constant(v, f"BatchNormalization {n}")
+        for v, n in ((scale, "scale"), (shift, "bias"), (mean, "mean"), (var, "variance"))
+    ]
+    if any(p.size != channels for p in params):
+        raise Decline("BatchNormalization parameters do not match the output channels")
+    inputs = conv.inputs
+    bias = inputs[2] if len(inputs) > 2 else None
+    old_bias = np.zeros(channels) if bias is None else site.require_constant(bias, "bias")
+    epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
+    dtype = _fold_dtype(weight)
+    g, beta, mu, sigma2 = (p.astype(dtype).reshape(-1) for p in params)
+    factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
+    grouped = weight.astype(dtype).reshape((group, -1, weight.shape[1], *weight.shape[2:]))
+    spatial = (1,) * (weight.ndim - 2)
+    grouped = grouped * factor.reshape((group, 1, weight.shape[1], *spatial))
+    new_bias = (old_bias.astype(dtype).reshape(-1) - mu) * factor + beta
+    return op.ConvTranspose(
+        x,
+        site.initializer(op, grouped.reshape(weight.shape).astype(weight.dtype), "weight"),
+        site.initializer(op, new_bias.astype(weight.dtype), "bias"),
+        **dict(conv.attributes),
+    )
+
+
+def _convtranspose_bn(op, x, w, scale, shift, mean, var):
+    deconv = op.ConvTranspose(x, w, _allow_other_inputs=True)
+    return op.BatchNormalization(deconv, scale, shift, mean, var)
+
+
+@register_pass
+class Conv2DTransposeBatchnormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="Conv2DTransposeBatchnormFusionPass",
+        category=Category.GRAPH,
+        description="ConvTranspose followed by inference BatchNormalization -> ConvTranspose "
+        "with folded weights",
+        aliases=("deconv_bn_fusion",),
+        numerics=Numerics.REASSOCIATING,
+        priority=4061,
+        emits=("ConvTranspose",),
+    )
+    rules = (
+        Rule(
+            "ConvTransposeBatchnorm", _convtranspose_bn, _fold_transpose_batchnorm, _check_batchnorm
+        ),
+    )
+
+
+def _fully_connected(op: Any, site: Site, x: ir.Value, w: ir.Value) -> Any:
+    """A Conv whose kernel covers its whole (unpadded) input is a matrix product."""
+    conv = site.root
+    input_shape = site.shape(x)
+    kernel = list(w.shape or [])[2:]
+    spatial = list(input_shape or [])[2:]
+    if not kernel or not all(isinstance(d, int) for d in spatial) or spatial != kernel:
+        raise NotACandidate
+    attrs = conv.attributes
+    if attrs.get_int("group", 1) != 1:
+        raise Decline("grouped Conv")
+    if any(d != 1 for d in attrs.get_ints("dilations", [1] * len(kernel))):
+        raise Decline("dilated Conv")
+    if any(p != 0 for p in attrs.get_ints("pads", [0])) or attrs.get_string(
+        "auto_pad", "NOTSET"
+    ) not in ("NOTSET", "VALID"):
+        raise Decline("padded Conv")
+    site.require_kernel("Gemm", x.dtype)
+    weight = site.require_constant(w, "Conv weight")
+    channels = weight.shape[0]
+    matrix = site.initializer(op, weight.reshape(channels, -1), "weight")
+    bias = _conv_bias(site)
+    flat = op.Flatten(x, axis=1)
+    product = op.Gemm(flat, matrix, bias, transB=1) if bias else op.Gemm(flat, matrix, transB=1)
+    shape = np.array([-1, channels] + [1] * len(kernel), dtype=np.int64)
+    return op.Reshape(product, site.initializer(op, shape, "shape"))
+
+
+@register_pass
+class ConvToFullyConnectionFusionPass(PatternPass):
+    spec = PassSpec(
+        name="ConvToFullyConnectionFusionPass",
+        category=Category.GRAPH,
+        description="Conv whose kernel covers the whole input -> Flatten + Gemm + Reshape "
+        "(same output shape)",
+        aliases=("conv_to_fully_connection",),
+        numerics=Numerics.REASSOCIATING,
+        priority=4100,
+        min_opset=7,
+        emits=("Gemm", "Flatten", "Reshape"),
+    )
+    rules = (Rule("ConvToFullyConnection", _conv, _fully_connected),)

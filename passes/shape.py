@@ -1,4 +1,5 @@
-"""Shape clean-up: chains of layout ops that collapse into one."""
+"""Layout clean-up: chains of Reshape, Transpose, Squeeze/Unsqueeze and Cast that collapse,
+and pass-through nodes (Identity, inference Dropout) that go away."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import PatternPass, Rule, Site
-from fusectl.registry import Category, PassSpec, register_pass
+from fusectl.context import PassContext
+from fusectl.patterns import Decline, PatternPass, Rule, Site, bypass
+from fusectl.registry import Category, FusionPass, PassSpec, register_pass
 
 
 def _reshape_reshape(op, x, inner_shape, shape):
@@ -40,3 +42,212 @@ class ReshapeReshapeFusionPass(PatternPass):
         emits=("Reshape",),
     )
     rules = (Rule("ReshapeReshape", _reshape_reshape, _single_reshape, _check_outer_shape),)
+
+
+def _perm(node: ir.Node, rank: int | None) -> list[int] | None:
+    perm = node.attributes.get_ints("perm", None)
+    if perm is not None:
+        return list(perm)
+    return None if rank is None else list(reversed(range(rank)))
+
+
+def _transpose_transpose(op, x):
+    return op.Transpose(op.Transpose(x, _allow_other_attributes=True), _allow_other_attributes=True)
+
+
+def _compose_transposes(op: Any, site: Site, x: ir.Value) -> ir.Value:
+    inner = site.root.inputs[0].producer()
+    shape = site.shape(x)
+    rank = None if shape is None else len(shape)
+    first, second = _perm(inner, rank), _perm(site.root, rank)
+    if first is None or second is None:
+        raise Decline("a Transpose has no perm and the input rank is unknown")
+    combined = [first[axis] for axis in second]
+    if combined == sorted(combined):
+        return op.Identity(x)
+    return op.Transpose(x, perm=combined)
+
+
+@register_pass
+class TransposeTransposeFusionPass(PatternPass):
+    spec = PassSpec(
+        name="TransposeTransposeFusionPass",
+        category=Category.GRAPH,
+        description="Transpose of a Transpose -> one Transpose, or nothing when they cancel",
+        aliases=("transpose_transpose_fusion", "TransposeOptimizer"),
+        emits=("Transpose",),
+    )
+    rules = (Rule("TransposeTranspose", _transpose_transpose, _compose_transposes),)
+
+
+def _axes(site: Site, node: ir.Node) -> list[int] | None:
+    """Squeeze/Unsqueeze axes from the attribute (opset < 13) or the constant input."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = site.constant(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    axes = node.attributes.get_ints("axes", None)
+    return None if axes is None else list(axes)
+
+
+def _normalized(axes: list[int], rank: int | None) -> list[int] | None:
+    if all(a >= 0 for a in axes):
+        return sorted(axes)
+    return None if rank is None else sorted(a % rank for a in axes)
+
+
+def _squeeze_unsqueeze(op, x):
+    inner = op.Squeeze(x, _allow_other_inputs=True, _allow_other_attributes=True)
+    return op.Unsqueeze(inner, _allow_other_inputs=True, _allow_other_attributes=True)
+
+
+def _unsqueeze_squeeze(op, x):
+    inner = op.Unsqueeze(x, _allow_other_inputs=True, _allow_other_attributes=True)
+    return op.Squeeze(inner, _allow_other_inputs=True, _allow_other_attributes=True)
+
+
+def _cancel_axes(op: Any, site: Site, x: ir.Value) -> ir.Value:
+    """Squeeze and Unsqueeze over the same axes undo each other (both index the wider rank)."""
+    inner = site.root.inputs[0].producer()
+    squeeze = inner if inner.op_type == "Squeeze" else site.root
+    inner_axes, outer_axes = _axes(site, inner), _axes(site, site.root)
+    if inner_axes is None or outer_axes is None:
+        raise Decline("axes are not constant (or Squeeze has none)")
+    wide = site.shape(squeeze.inputs[0])
+    rank = None if wide is None else len(wide)
+    first, second = _normalized(inner_axes, rank), _normalized(outer_axes, rank)
+    if first is None or second is None:
+        raise Decline("negative axes and the rank is unknown")
+    if first != second:
+        raise Decline("Squeeze and Unsqueeze use different axes")
+    return op.Identity(x)
+
+
+@register_pass
+class SqueezeUnsqueezeFusionPass(PatternPass):
+    spec = PassSpec(
+        name="SqueezeUnsqueezeFusionPass",
+        category=Category.GRAPH,
+        description="Squeeze then Unsqueeze (or the reverse) over the same axes -> removed",
+        aliases=("squeeze_unsqueeze_fusion",),
+        emits=("Identity",),
+    )
+    rules = (
+        Rule("SqueezeUnsqueeze", _squeeze_unsqueeze, _cancel_axes),
+        Rule("UnsqueezeSqueeze", _unsqueeze_squeeze, _cancel_axes),
+    )
+
+
+_D = ir.DataType
+# For each type, the types that hold every one of its values exactly.
+_LOSSLESS: dict[ir.DataType, frozenset[ir.DataType]] = {
+    _D.BOOL: frozenset(
+        {
+            _D.INT8,
+            _D.UINT8,
+            _D.INT16,
+            _D.UINT16,
+            _D.INT32,
+            _D.UINT32,
+            _D.INT64,
+            _D.UINT64,
+            _D.FLOAT16,
+            _D.BFLOAT16,
+            _D.FLOAT,
+            _D.DOUBLE,
+        }
+    ),
+    _D.UINT8: frozenset(
+        {
+            _D.INT16,
+            _D.UINT16,
+            _D.INT32,
+            _D.UINT32,
+            _D.INT64,
+            _D.UINT64,
+            _D.FLOAT16,
+            _D.BFLOAT16,
+            _D.FLOAT,
+            _D.DOUBLE,
+        }
+    ),
+    _D.INT8: frozenset(
+        {_D.INT16, _D.INT32, _D.INT64, _D.FLOAT16, _D.BFLOAT16, _D.FLOAT, _D.DOUBLE}
+    ),
+    _D.UINT16: frozenset({_D.INT32, _D.UINT32, _D.INT64, _D.UINT64, _D.FLOAT, _D.DOUBLE}),
+    _D.INT16: frozenset({_D.INT32, _D.INT64, _D.FLOAT, _D.DOUBLE}),
+    _D.UINT32: frozenset({_D.INT64, _D.UINT64, _D.DOUBLE}),
+    _D.INT32: frozenset({_D.INT64, _D.DOUBLE}),
+    _D.FLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
+    _D.BFLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
+    _D.FLOAT: frozenset({_D.DOUBLE}),
+}
+
+
+def _cast_cast(op, x):
+    return op.Cast(op.Cast(x, _allow_other_attributes=True), _allow_other_attributes=True)
+
+
+def _merge_casts(op: Any, site: Site, x: ir.Value) -> ir.Value:
+    """Cast(Cast(x, T1), T2) is Cast(x, T2) exactly when T1 loses nothing of x's type."""
+    inner = site.root.inputs[0].producer()
+    source = x.dtype
+    if source is None:
+        raise Decline("the element type of the first Cast's input is unknown")
+    middle = ir.DataType(inner.attributes.get_int("to"))
+    final = ir.DataType(site.root.attributes.get_int("to"))
+    if middle != source and middle not in _LOSSLESS.get(source, frozenset()):
+        raise Decline(f"casting {source.name} to {middle.name} loses values")
+    if final == source:
+        return op.Identity(x)
+    return op.Cast(x, to=final)
+
+
+@register_pass
+class CastCastFusionPass(PatternPass):
+    spec = PassSpec(
+        name="CastCastFusionPass",
+        category=Category.GRAPH,
+        description="Cast of a Cast -> one Cast (or none) when the middle type loses nothing",
+        aliases=("cast_cast_fusion", "CastChainElimination"),
+        emits=("Cast",),
+    )
+    rules = (Rule("CastCast", _cast_cast, _merge_casts),)
+
+
+@register_pass
+class IdentityEliminationPass(FusionPass):
+    """Not a pattern: every Identity and inference Dropout is a candidate on its own."""
+
+    spec = PassSpec(
+        name="IdentityEliminationPass",
+        category=Category.GRAPH,
+        description="Identity and inference-mode Dropout nodes removed",
+        aliases=("EliminateIdentity", "EliminateDropout", "dropout_identity_removal"),
+        priority=3000,
+        emits=(),
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for node in model.graph:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in ("Identity", "Dropout"):
+                continue
+            stats = ctx.pattern(node.op_type)
+            reason = _dropout_is_active(node) if node.op_type == "Dropout" else None
+            if reason is None and not bypass(node):
+                reason = "it links a graph input or initializer straight to a graph output"
+            if reason is None:
+                ctx.record_fusion(node.op_type, [node], [])
+            else:
+                stats.decline(reason, node.name or node.op_type)
+
+
+def _dropout_is_active(node: ir.Node) -> str | None:
+    if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
+        return "the Dropout mask is used"
+    if node.attributes.get_int("is_test", 1) == 0:
+        return "Dropout is in training mode (is_test=0)"
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        mode = ir.convenience.get_const_tensor(node.inputs[2])
+        if mode is None or bool(mode.numpy()):
+            return "Dropout training_mode is not a constant false"
+    return None

@@ -49,6 +49,13 @@ EXPECTED_FUSION_RESULT = """{
                 "effect_times": "1",
                 "match_times": "1"
             }
+        },
+        "ub_fusion": {
+            "ConvActivationFusionPass": {
+                "effect_times": "2",
+                "match_times": "2",
+                "repository_hit_times": "0"
+            }
         }
     }
 }"""
@@ -59,11 +66,11 @@ def test_sample_is_optimized_checked_and_equivalent(sample: Path, tmp_path: Path
     run = optimize(sample, tmp_path)
     assert digest(sample) == before, "the input model must never change"
     assert run.fusion_result_path.read_text() == EXPECTED_FUSION_RESULT
-    assert run.op_counts() == {"Conv": 3, "Relu": 2, "Reshape": 1, "Gemm": 1}
+    assert run.op_counts() == {"FusedConv": 2, "Conv": 1, "Reshape": 1, "Gemm": 1}
     onnx.checker.check_model(str(run.output), full_check=True)
     assert_same_outputs(sample, run.output)
     assert run.report["model"]["before"]["nodes"] == 12
-    assert run.report["model"]["after"]["nodes"] == 7
+    assert run.report["model"]["after"]["nodes"] == 5
 
 
 def test_fused_nodes_carry_lineage(sample: Path, tmp_path: Path) -> None:
@@ -97,7 +104,8 @@ def test_older_fusion_result_layouts(sample: Path, tmp_path: Path) -> None:
     }
     obj = optimize(sample, tmp_path, "--fusion_result_format", "object").fusion_result
     assert obj["session_and_graph_id"] == "0_0"
-    assert set(obj) == {"graph_fusion", "session_and_graph_id"}
+    assert set(obj) == {"graph_fusion", "session_and_graph_id", "ub_fusion"}
+    assert "repository_hit_times" not in obj["ub_fusion"]["ConvActivationFusionPass"]
 
 
 def test_disabled_passes_are_absent_from_fusion_result(sample: Path, tmp_path: Path) -> None:
@@ -239,7 +247,8 @@ def test_dump_graph_writes_each_changed_stage_sharing_weights(sample: Path, tmp_
         "0002_ConvBatchnormFusionPass.onnx",
         "0003_ReshapeReshapeFusionPass.onnx",
         "0004_MatMulBiasAddFusionPass.onnx",
-        "0005_DeadNodeEliminationPass.onnx",
+        "0005_ConvActivationFusionPass.onnx",
+        "0006_DeadNodeEliminationPass.onnx",
     ]
     referenced = 0
     for name in names:

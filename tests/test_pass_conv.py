@@ -28,6 +28,7 @@ from tests.pass_helpers import (
 
 BN = "ConvBatchnormFusionPass"
 BIAS_ADD = "ConvBiasAddFusionPass"
+ACT = "ConvActivationFusionPass"
 
 # ---------------------------------------------------------------------------------------------
 # Real exporter output (tests/fixtures/make_fixtures.py). Per fixture: (matched, effected,
@@ -41,25 +42,29 @@ CNN_EXPECTED = {
     "cnn_torchscript": {
         BN: (3, 3, {}),
         BIAS_ADD: (1, 1, {}),
-        "ops": {"Conv": 4, "Relu": 1, "Flatten": 1, "Gemm": 1},
+        ACT: (1, 1, {}),
+        "ops": {"Conv": 3, "FusedConv": 1, "Flatten": 1, "Gemm": 1},
     },
     # TorchScript defaults (EVAL): the exporter already folded every BN.
     "cnn_torchscript_eval": {
         BN: (0, 0, {}),
         BIAS_ADD: (1, 1, {}),
-        "ops": {"Conv": 4, "Relu": 1, "Flatten": 1, "Gemm": 1},
+        ACT: (1, 1, {}),
+        "ops": {"Conv": 3, "FusedConv": 1, "Flatten": 1, "Gemm": 1},
     },
     # dynamo defaults (optimize=True): onnxscript's optimizer already folded every BN.
     "cnn_dynamo": {
         BN: (0, 0, {}),
         BIAS_ADD: (1, 1, {}),
-        "ops": {"Conv": 4, "Relu": 1, "Reshape": 1, "Gemm": 1},
+        ACT: (1, 1, {}),
+        "ops": {"Conv": 3, "FusedConv": 1, "Reshape": 1, "Gemm": 1},
     },
     # dynamo, optimize=False: bias-less Convs get a zero bias computed by Expand(CastLike(0)),
     # which is not a constant, so only the Conv that has a real bias folds its BN.
     "cnn_dynamo_noopt": {
         BN: (3, 1, {NOT_CONSTANT_BIAS: 2}),
         BIAS_ADD: (1, 0, {NOT_CONSTANT_BIAS: 1}),
+        ACT: (0, 0, {}),  # the Relu follows the BatchNormalization that could not fold
         "ops": {
             "Conv": 4,
             "BatchNormalization": 2,
@@ -81,7 +86,7 @@ CNN_EXPECTED = {
 def test_exported_cnn(name: str, tmp_path: Path) -> None:
     expected = CNN_EXPECTED[name]
     run = optimize_checked(fixture_path(name), tmp_path)
-    for pass_name in (BN, BIAS_ADD):
+    for pass_name in (BN, BIAS_ADD, ACT):
         matched, effected, near_misses = expected[pass_name]
         assert run.counts(pass_name) == (matched, effected), pass_name
         assert reasons(run, pass_name) == near_misses, pass_name
@@ -95,7 +100,10 @@ def test_exported_cnn_fusion_result(tmp_path: Path) -> None:
             "graph_fusion": {
                 BN: {"effect_times": "3", "match_times": "3"},
                 BIAS_ADD: {"effect_times": "1", "match_times": "1"},
-            }
+            },
+            "ub_fusion": {
+                ACT: {"effect_times": "1", "match_times": "1", "repository_hit_times": "0"}
+            },
         }
     }
 
@@ -108,7 +116,7 @@ def test_exported_cnn_fused_sites(tmp_path: Path) -> None:
     groups = sorted(
         next((a.i for a in node.attribute if a.name == "group"), 1)
         for node in onnx.load(str(run.output)).graph.node
-        if node.op_type == "Conv"
+        if node.op_type in ("Conv", "FusedConv")
     )
     assert groups == [1, 1, 1, 8]
 
@@ -381,10 +389,8 @@ def test_conv_batchnorm_declines(build, reason, valid: bool, tmp_path: Path) -> 
     run = optimize_checked(model, tmp_path) if valid else optimize(model, tmp_path)
     assert_declined(run, BN, reason, "bn")
     assert run.op_counts()["BatchNormalization"] == 1
-    assert run.fusion_result == {
-        "session_and_graph_id_0_0": {
-            "graph_fusion": {BN: {"effect_times": "0", "match_times": "1"}}
-        }
+    assert run.fusion_result["session_and_graph_id_0_0"]["graph_fusion"] == {
+        BN: {"effect_times": "0", "match_times": "1"}
     }
 
 

@@ -34,8 +34,8 @@ THREE_D = "MatMul input A is 3-D; Gemm needs 2-D"
 
 MLP_EXPECTED = {
     # The TorchScript exporter writes no value_info: fusectl infers the missing ranks.
-    "mlp_torchscript": (5, 4, {THREE_D: 1}, {"MatMul": 1, "Add": 1, "Gemm": 5, "Relu": 2}),
-    "mlp_dynamo": (5, 4, {THREE_D: 1}, {"MatMul": 1, "Add": 1, "Gemm": 5, "Relu": 2}),
+    "mlp_torchscript": (5, 4, {THREE_D: 1}, {"MatMul": 1, "Add": 1, "Gemm": 3, "FusedGemm": 2}),
+    "mlp_dynamo": (5, 4, {THREE_D: 1}, {"MatMul": 1, "Add": 1, "Gemm": 3, "FusedGemm": 2}),
 }
 
 
@@ -56,14 +56,22 @@ def test_exported_mlp_torchscript_after_shape_inference(tmp_path: Path) -> None:
     run = optimize_checked(inferred, tmp_path)
     assert run.counts(MM) == (5, 4)
     assert reasons(run, MM) == {THREE_D: 1}
-    assert run.op_counts() == Counter({"MatMul": 1, "Add": 1, "Gemm": 5, "Relu": 2})
+    assert run.op_counts() == Counter({"MatMul": 1, "Add": 1, "Gemm": 3, "FusedGemm": 2})
 
 
 def test_exported_mlp_fusion_result_and_alias(tmp_path: Path) -> None:
     run = optimize(fixture_path("mlp_dynamo"), tmp_path)
     assert run.fusion_result == {
         "session_and_graph_id_0_0": {
-            "graph_fusion": {MM: {"effect_times": "4", "match_times": "5"}}
+            "graph_fusion": {MM: {"effect_times": "4", "match_times": "5"}},
+            # Two of the new Gemms feed a Relu: the UB pass fuses them into FusedGemm.
+            "ub_fusion": {
+                "GemmActivationFusionPass": {
+                    "effect_times": "2",
+                    "match_times": "2",
+                    "repository_hit_times": "0",
+                }
+            },
         }
     }
     off = optimize(

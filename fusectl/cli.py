@@ -11,7 +11,6 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from fusectl import __version__, logs, reports
 from fusectl.dump import GraphDumper
@@ -280,21 +279,17 @@ def list_passes(as_json: bool, category: str | None) -> None:
     if as_json:
         click.echo(json.dumps(reports.catalogue_document(specs), indent=2))
         return
-    console = Console()
+    console = Console(highlight=False)
     for group in Category:
         members = [s for s in specs if s.category is group]
         if not members:
             continue
-        table = Table(title=f"{group.value} ({len(members)})", title_justify="left", box=None)
-        table.add_column("name", no_wrap=True, style="bold")
-        table.add_column("default", no_wrap=True)
-        table.add_column("numerics", no_wrap=True)
-        table.add_column("what it does (aliases)")
+        console.print(f"[bold underline]{group.value}[/] ({len(members)} passes, run order)")
         for spec in members:
             state = "required" if spec.required else ("on" if spec.default_on else "off")
-            aliases = f" ({', '.join(spec.aliases)})" if spec.aliases else ""
-            table.add_row(spec.name, state, spec.numerics.value, spec.description + aliases)
-        console.print(table)
+            aliases = f"  [dim]aka {', '.join(spec.aliases)}[/]" if spec.aliases else ""
+            console.print(f"  [bold]{spec.name}[/]  {state}, {spec.numerics.value}{aliases}")
+            console.print(f"      {spec.description}", markup=False)
         console.print()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -312,4 +314,21 @@ def switch_template(all_state: str | None) -> None:
 
 
 def main() -> None:
-    cli(prog_name="fusectl")
+    """The console entry point: a one-shot process, so it skips what only long runs need.
+
+    The cyclic garbage collector would scan the model's graph (a web of reference cycles)
+    again and again for nothing, and tearing down a 100k-node graph at exit takes seconds;
+    with output flushed, the process can simply end.
+    """
+    gc.disable()
+    try:
+        cli(prog_name="fusectl")
+        code: int | str | None = 0
+    except SystemExit as stop:
+        code = stop.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -23,7 +23,7 @@ from fusectl.registry import FusionPass
 if TYPE_CHECKING:
     from onnxscript.rewriter._basics import MatchContext
 
-    from fusectl.context import PassContext
+    from fusectl.context import PassContext, PatternStats
 
 
 class Decline(Exception):
@@ -179,7 +179,13 @@ class _CompiledRule:
         variants = base.commute() if rule.commute else [base]
         if not base._target_pattern.has_single_output_node:
             raise ValueError(f"pattern {rule.name}: only single-output-node patterns are supported")
-        self.root_op = base._target_pattern.output_node.op_identifier()
+        graph_pattern = base._target_pattern
+        self.root_op = graph_pattern.output_node.op_identifier()
+        self.ops = {
+            op
+            for index in range(graph_pattern.num_nodes())
+            if (op := graph_pattern.node(index).op_identifier()) is not None
+        }
         self.variants = [(variant, _producer_ops(variant)) for variant in variants]
 
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
@@ -251,36 +257,60 @@ class PatternPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
+        # One scan buckets the nodes by op; a rule then visits only nodes of its root op, and
+        # is skipped outright when an op it needs is absent from the graph.
+        by_op: dict[Any, list[ir.Node]] = {}
+        for node in graph:
+            by_op.setdefault(node.op_identifier(), []).append(node)
         for compiled in self.compiled_rules():
             stats = ctx.pattern(compiled.rule.name)
+            if compiled.root_op is None:
+                candidates = list(graph)
+            elif compiled.ops.issubset(by_op):
+                candidates = by_op[compiled.root_op]
+            else:
+                continue
             compiled.ctx = ctx
-            for node in graph:
-                if compiled.root_op is not None and node.op_identifier() != compiled.root_op:
-                    continue
-                declined: str | None = None
-                for variant, producers in compiled.variants:
-                    if not _producers_fit(node, producers):
-                        continue
-                    compiled.outcome = _Outcome()
-                    delta = variant.try_rewrite(model, graph, node)
-                    if delta is not None:
-                        replace_subgraph(
-                            ctx,
-                            compiled.rule.name,
-                            node,
-                            delta.match.nodes,
-                            delta.new_nodes,
-                            delta.match.outputs,
-                            delta.new_outputs,
-                            delta.new_initializers,
-                        )
-                        declined = None
-                        break
-                    if compiled.outcome.reason is not None and declined is None:
-                        declined = compiled.outcome.reason
-                if declined is not None:
-                    stats.decline(declined, _node_label(node))
+            position = 0
+            while position < len(candidates):
+                node = candidates[position]
+                position += 1
+                if node.graph is not graph:
+                    continue  # removed by an earlier rewrite of this pass
+                new_nodes = self._try_node(model, node, compiled, stats)
+                for new in new_nodes:
+                    by_op.setdefault(new.op_identifier(), []).append(new)
             compiled.ctx = None
+
+    @staticmethod
+    def _try_node(
+        model: ir.Model, node: ir.Node, compiled: _CompiledRule, stats: PatternStats
+    ) -> Sequence[ir.Node]:
+        """Try every input order of the rule at ``node``; the new nodes if one rewrote it."""
+        assert compiled.ctx is not None
+        declined: str | None = None
+        for variant, producers in compiled.variants:
+            if not _producers_fit(node, producers):
+                continue
+            compiled.outcome = _Outcome()
+            delta = variant.try_rewrite(model, model.graph, node)
+            if delta is not None:
+                replace_subgraph(
+                    compiled.ctx,
+                    compiled.rule.name,
+                    node,
+                    delta.match.nodes,
+                    delta.new_nodes,
+                    delta.match.outputs,
+                    delta.new_outputs,
+                    delta.new_initializers,
+                )
+                return delta.new_nodes
+            if compiled.outcome.reason is not None and declined is None:
+                declined = compiled.outcome.reason
+        if declined is not None:
+            stats.decline(declined, _node_label(node))
+        return ()
 
 
 def replace_subgraph(

@@ -461,3 +461,35 @@ def test_shipped_switch_files_parse(tmp_path: Path) -> None:
     for name in ("fusion_switch.json", "fusion_switch.cfg"):
         run = optimize(SAMPLE, tmp_path, "--fusion_switch_file", SAMPLES / name, "--strict")
         assert run.passed("ConvBatchnormFusionPass")["state"] == "off"
+
+
+def test_export_compile_stat_2_writes_the_result_before_the_model(
+    sample: Path, tmp_path: Path
+) -> None:
+    """Mode 2 writes fusion_result.json as soon as the passes finish: a failed save keeps it."""
+    result_path = tmp_path / "fr.json"
+    result = run_cli(
+        "optimize",
+        sample,
+        "-o",
+        "/proc/fusectl_out.onnx",
+        "--fusion_result",
+        result_path,
+        "--export_compile_stat",
+        "2",
+    )
+    assert result.exit_code == 2
+    assert result_path.read_text() == EXPECTED_FUSION_RESULT
+    result_path.unlink()
+    result = run_cli(
+        "optimize",
+        sample,
+        "-o",
+        "/proc/fusectl_out.onnx",
+        "--fusion_result",
+        result_path,
+        "--export_compile_stat",
+        "1",
+    )
+    assert result.exit_code == 2
+    assert not result_path.exists()

@@ -73,21 +73,16 @@ class Site:
         return f"{self.ctx.spec.name}/{self.label}/{suffix}"
 
     def constant(self, value: ir.Value | None) -> np.ndarray | None:
-        """The value's constant contents (an initializer or a Constant node), else None.
+        """The value's constant contents, else None.
 
-        Reading it is what pulls external weights into memory, so checks call it last. An
-        initializer that is also a graph input is a default the caller may override, so it is
-        not a constant (onnxruntime draws the same line).
+        A constant is an initializer or a Constant node, possibly reshaped on the way by the
+        data-movement ops exporters put there (Identity, Unsqueeze, Squeeze, Reshape, Cast),
+        which are evaluated here without touching the graph. Reading a constant is what pulls
+        external weights into memory, so checks ask for values last. An initializer that is
+        also a graph input is a default the caller may override, so it is not a constant
+        (onnxruntime draws the same line).
         """
-        # Exporters route shared initializers through Identity; look through it.
-        while value is not None and (producer := value.producer()) is not None:
-            if producer.op_type != "Identity" or producer.domain not in ("", "ai.onnx"):
-                break
-            value = producer.inputs[0]
-        if value is None or value.is_graph_input():
-            return None
-        tensor = ir.convenience.get_const_tensor(value)
-        return None if tensor is None else tensor.numpy()
+        return _fold_constant(value, depth=0)
 
     def require_constant(self, value: ir.Value | None, what: str) -> np.ndarray:
         """The value's constant contents, or a Decline naming what is not constant."""
@@ -126,6 +121,48 @@ class Site:
         """Add a new constant for the replacement, named after this site."""
         name = self.name(suffix)
         return op.initializer(ir.tensor(array, name=name), name=name)
+
+
+_FOLD_DEPTH = 4
+
+
+def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
+    if value is None or value.is_graph_input():
+        return None
+    producer = value.producer()
+    if producer is None or producer.op_type == "Constant":
+        tensor = ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
+    if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
+        return None
+    inputs = producer.inputs
+    data = _fold_constant(inputs[0], depth + 1) if inputs else None
+    if data is None:
+        return None
+    operand = _fold_constant(inputs[1], depth + 1) if len(inputs) > 1 and inputs[1] else None
+    attrs = producer.attributes
+    op_type = producer.op_type
+    if op_type == "Identity":
+        return data
+    if op_type == "Cast":
+        return data.astype(ir.DataType(attrs.get_int("to")).numpy())
+    if op_type in ("Unsqueeze", "Squeeze"):
+        axes = operand if operand is not None else attrs.get_ints("axes", None)
+        if axes is None:
+            return np.squeeze(data) if op_type == "Squeeze" else None
+        axes = [int(a) for a in np.asarray(axes).reshape(-1)]
+        if op_type == "Squeeze":
+            return np.squeeze(data, axis=tuple(a % data.ndim for a in axes))
+        rank = data.ndim + len(axes)
+        for axis in sorted(a % rank for a in axes):
+            data = np.expand_dims(data, axis)
+        return data
+    if op_type == "Reshape" and operand is not None:
+        shape = [int(d) for d in operand.reshape(-1)]
+        if not attrs.get_int("allowzero", 0):
+            shape = [data.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        return data.reshape(shape)
+    return None
 
 
 def _node_label(node: ir.Node) -> str:

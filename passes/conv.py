@@ -62,9 +62,10 @@ def _fold_batchnorm(
     mean: ir.Value,
     var: ir.Value,
     added: ir.Value | None = None,
+    pre_added: ir.Value | None = None,
     **_: Any,
 ) -> ir.Value:
-    """Conv -> BatchNormalization (-> per-channel Add) as one Conv with new weights and bias."""
+    """Conv (-> per-channel Add) -> BatchNormalization (-> per-channel Add) as one Conv."""
     weight = site.require_constant(w, "Conv weight")
     if not np.issubdtype(weight.dtype, np.floating):
         raise Decline(f"Conv weight has non-float type {weight.dtype}")
@@ -77,6 +78,9 @@ def _fold_batchnorm(
         raise Decline("BatchNormalization parameters do not match the Conv's output channels")
     bias = _conv_bias(site)
     conv_bias = np.zeros(channels) if bias is None else site.require_constant(bias, "Conv bias")
+    if pre_added is not None:
+        extra = site.require_constant(pre_added, "added bias")
+        conv_bias = conv_bias + _per_channel(extra, channels, weight.ndim, "added bias")
     epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
     dtype = _fold_dtype(weight)
     g, beta, mu, sigma2 = (p.astype(dtype).reshape(-1) for p in params)
@@ -107,13 +111,17 @@ def _conv_bn_add(op, x, w, scale, shift, mean, var, added):
     return op.Add(_conv_bn(op, x, w, scale, shift, mean, var), added)
 
 
+def _conv_add_bn(op, x, w, pre_added, scale, shift, mean, var):
+    return op.BatchNormalization(op.Add(_conv(op, x, w), pre_added), scale, shift, mean, var)
+
+
 @register_pass
 class ConvBatchnormFusionPass(PatternPass):
     spec = PassSpec(
         name="ConvBatchnormFusionPass",
         category=Category.GRAPH,
-        description="Conv followed by inference BatchNormalization (and a per-channel Add) "
-        "-> Conv with folded weights",
+        description="Conv followed by inference BatchNormalization (with a per-channel Add "
+        "before or after it) -> Conv with folded weights",
         aliases=("conv_bn_fusion",),
         numerics=Numerics.REASSOCIATING,
         priority=4060,
@@ -121,6 +129,7 @@ class ConvBatchnormFusionPass(PatternPass):
     )
     rules = (
         Rule("ConvBatchnormAdd", _conv_bn_add, _fold_batchnorm, _check_batchnorm),
+        Rule("ConvAddBatchnorm", _conv_add_bn, _fold_batchnorm, _check_batchnorm),
         Rule("ConvBatchnorm", _conv_bn, _fold_batchnorm, _check_batchnorm),
     )
 
@@ -153,7 +162,8 @@ class ConvBiasAddFusionPass(PatternPass):
         description="Conv followed by a per-channel constant Add -> Conv with that bias",
         aliases=("AABiasaddConvFusion", "conv_bias_add_fusion"),
         numerics=Numerics.REASSOCIATING,
-        priority=4010,
+        # After BatchNormalization and scale folding, so Conv -> BN -> Mul -> Add folds whole.
+        priority=4080,
         emits=("Conv",),
     )
     rules = (Rule("ConvBiasAdd", _conv_add, _fold_bias_add),)

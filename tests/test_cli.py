@@ -195,10 +195,10 @@ def test_info_logs_use_the_ascend_formats_in_execution_order(sample: Path, tmp_p
     ]
     fusion = [line for line in lines if "GraphFusionPass[" in line or "[SKIP]" in line]
     assert fusion == [
-        "GraphId[0], GraphFusionPass[ConvBiasAddFusionPass]: pattern=ConvBiasAdd, "
-        "matched_times=1, effected_times=1.",
         "GraphId[0], GraphFusionPass[ConvBatchnormFusionPass]: pattern=ConvBatchnorm, "
         "matched_times=2, effected_times=2.",
+        "GraphId[0], GraphFusionPass[ConvBiasAddFusionPass]: pattern=ConvBiasAdd, "
+        "matched_times=1, effected_times=1.",
         "[FusionPass][SKIP] Pass [ReshapeReshapeFusionPass] is disabled by --disable_pass.",
         "GraphId[0], GraphFusionPass[MatMulBiasAddFusionPass]: pattern=MatMulBiasAdd, "
         "matched_times=1, effected_times=1.",
@@ -243,8 +243,8 @@ def test_dump_graph_writes_each_changed_stage_sharing_weights(sample: Path, tmp_
     names = sorted(p.name for p in dump.glob("*.onnx"))
     assert names == [
         "0000_original.onnx",
-        "0001_ConvBiasAddFusionPass.onnx",
-        "0002_ConvBatchnormFusionPass.onnx",
+        "0001_ConvBatchnormFusionPass.onnx",
+        "0002_ConvBiasAddFusionPass.onnx",
         "0003_ReshapeReshapeFusionPass.onnx",
         "0004_MatMulBiasAddFusionPass.onnx",
         "0005_ConvActivationFusionPass.onnx",

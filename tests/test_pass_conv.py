@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -251,7 +250,7 @@ def test_conv_batchnorm_float16(tmp_path: Path) -> None:
 
 
 def test_conv_add_batchnorm_chain(tmp_path: Path) -> None:
-    """Conv -> Add(bias) -> BN: the Add folds first (lower priority), then the BN."""
+    """Conv -> Add(bias) -> BN: one ConvBatchnorm rule folds the Add and the BN together."""
     model = _conv_bn_model(
         tmp_path / "conv_add_bn.onnx",
         nodes=[
@@ -266,8 +265,9 @@ def test_conv_add_batchnorm_chain(tmp_path: Path) -> None:
         ],
     )
     run = optimize_checked(model, tmp_path)
-    assert run.counts(BIAS_ADD) == (1, 1)
+    assert run.counts(BIAS_ADD) == (0, 0)
     assert run.counts(BN) == (1, 1)
+    assert run.passed(BN)["patterns"]["ConvAddBatchnorm"] == {"matched": 1, "effected": 1}
     assert run.op_counts() == Counter({"Conv": 1})
 
 
@@ -290,6 +290,7 @@ def test_conv_batchnorm_add_chain(tmp_path: Path) -> None:
     assert run.counts(BN) == (1, 1)
     assert run.passed(BN)["patterns"] == {
         "ConvBatchnormAdd": {"matched": 1, "effected": 1},
+        "ConvAddBatchnorm": {"matched": 0, "effected": 0},
         "ConvBatchnorm": {"matched": 0, "effected": 0},
     }
     assert run.counts(BIAS_ADD) == (0, 0)
@@ -558,24 +559,23 @@ def test_conv_bias_add_declines(case: str, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The onnx wheel's zoo CNNs: every BatchNormalization fed by a Conv is folded.
+# The onnx wheel's zoo CNNs: every BatchNormalization fed by a Conv is folded, and every
+# activation a Conv (or its folded BatchNormalization / scale / bias) feeds becomes FusedConv.
 # ---------------------------------------------------------------------------------------------
 
-# vgg19, zfnet512 and bvlc_alexnet have no BatchNormalization at all, yet weigh 575, 349 and
-# 244 MB once materialized (about 40 s together on 2 cores), so they run only on request.
-ZOO_CONV_BN_PAIRS = {
-    "resnet50": 53,
-    "densenet121": 59,  # its other 62 BNs follow a Concat or a pooling
-    "inception_v1": 0,
-    "inception_v2": 69,
-    "shufflenet": 49,
-    "squeezenet": 0,
-    "vgg19": 0,
-    "zfnet512": 0,
-    "bvlc_alexnet": 0,
+# name: (Conv -> BN pairs in the input, Conv + activation fused into FusedConv)
+ZOO_EXPECTED = {
+    "resnet50": (53, 49),  # 16 of the 49 with the residual Sum as FusedConv's fourth input
+    "densenet121": (59, 59),  # its other 62 BNs follow a Concat or a pooling
+    "inception_v1": (0, 57),
+    "inception_v2": (69, 69),  # Conv -> BN -> Mul -> Add -> Relu folds whole
+    "shufflenet": (49, 30),
+    "squeezenet": (0, 26),
+    "vgg19": (0, 16),
+    "zfnet512": (0, 5),
+    "bvlc_alexnet": (0, 5),
 }
-HEAVY_ZOO = {"vgg19", "zfnet512", "bvlc_alexnet"}
-FULL_ZOO = os.environ.get("FUSECTL_FULL_ZOO") == "1"
+ACTIVATIONS = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Clip", "HardSigmoid"}
 
 
 def _zoo_model(name: str, zoo_dir: Path) -> Path:
@@ -593,27 +593,32 @@ def _conv_bn_pairs(model: onnx.ModelProto) -> int:
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(
-                name in HEAVY_ZOO and not FULL_ZOO,
-                reason="large and BN-free: set FUSECTL_FULL_ZOO=1 to run",
-            ),
-        )
-        for name in zoo.ZOO
-    ],
-)
-def test_zoo_conv_batchnorm_folded(name: str, zoo_dir: Path, tmp_path: Path) -> None:
+def _activations_after_conv(model: onnx.ModelProto) -> int:
+    producers = {out: node for node in model.graph.node for out in node.output}
+    return sum(
+        1
+        for node in model.graph.node
+        if node.op_type in ACTIVATIONS
+        and getattr(producers.get(node.input[0]), "op_type", None) in ("Conv", "FusedConv")
+    )
+
+
+@pytest.mark.parametrize("name", zoo.ZOO)
+def test_zoo_cnn_fully_fused(name: str, zoo_dir: Path, tmp_path: Path) -> None:
     model = _zoo_model(name, zoo_dir)
-    pairs = _conv_bn_pairs(onnx.load(str(model), load_external_data=False))
-    assert pairs == ZOO_CONV_BN_PAIRS[name]
+    pairs, fused = ZOO_EXPECTED[name]
+    assert _conv_bn_pairs(onnx.load(str(model), load_external_data=False)) == pairs
     run = optimize(model, tmp_path)
     assert run.counts(BN) == (pairs, pairs)
     assert reasons(run, BN) == {}
+    assert run.counts(ACT) == (fused, fused)
     optimized = onnx.load(str(run.output))
     assert _conv_bn_pairs(optimized) == 0
+    assert _activations_after_conv(optimized) == 0
+    assert Counter(n.op_type for n in optimized.graph.node)["FusedConv"] == fused
     check_output(run)
     assert_same_outputs(model, run.output, atol=1e-4)
+    # --target onnx keeps standard ops only: the BatchNormalizations still fold.
+    portable = optimize(model, tmp_path, "--target", "onnx")
+    assert portable.counts(BN) == (pairs, pairs)
+    assert {n.domain for n in onnx.load(str(portable.output)).graph.node} <= {"", "ai.onnx"}

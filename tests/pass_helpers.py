@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,3 +103,17 @@ def assert_declined(
         assert miss["reason"] == reason
     assert miss["count"] == count
     assert example in miss["examples"]
+
+
+def lineage(run: Run) -> dict[str, tuple[list[str], list[str]]]:
+    """Per node of the optimized model that carries lineage: (fusectl.pass_name,
+    fusectl.original_op_names), keyed by the node's name."""
+    found = {}
+    for node in onnx.load(str(run.output)).graph.node:
+        props = {prop.key: prop.value for prop in node.metadata_props}
+        if "fusectl.pass_name" in props:
+            found[node.name] = (
+                json.loads(props["fusectl.pass_name"]),
+                json.loads(props["fusectl.original_op_names"]),
+            )
+    return found

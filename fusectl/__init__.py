@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 import os as _os
 
 from fusectl.context import PassContext
-from fusectl.patterns import Decline, NotACandidate, PatternPass, Rule, Site
+from fusectl.patterns import Decline, PatternPass, Rule, Site
 from fusectl.registry import (
     REGISTRY,
     Category,
@@ -27,7 +27,6 @@ __all__ = [
     "Category",
     "Decline",
     "FusionPass",
-    "NotACandidate",
     "Numerics",
     "PassContext",
     "PassSpec",

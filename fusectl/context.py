@@ -40,6 +40,18 @@ class PatternStats:
         if len(examples) < DECLINE_EXAMPLES:
             examples.append(site)
 
+    def withdraw(self, reason: str, site: str) -> None:
+        """Take a decline back: another pattern of the pass rewrote that candidate after all."""
+        self.matched -= 1
+        self.declines[reason] -= 1
+        if not self.declines[reason]:
+            del self.declines[reason]
+        examples = self.decline_examples.get(reason, [])
+        if site in examples:
+            examples.remove(site)
+        if not examples:
+            self.decline_examples.pop(reason, None)
+
 
 @dataclass
 class FusionSite:
@@ -62,6 +74,14 @@ class PassContext:
     patterns: dict[str, PatternStats] = field(default_factory=dict)
     sites: list[FusionSite] = field(default_factory=list)
     changed: bool = False
+
+    def shape(self, value: ir.Value) -> ir.Shape | None:
+        """The value's shape, inferring shapes for the whole graph once if it is unknown."""
+        return self.shapes.shape(value) if self.shapes is not None else value.shape
+
+    def dtype(self, value: ir.Value) -> ir.DataType | None:
+        """The value's element type, inferred like shape() when the file does not say."""
+        return self.shapes.dtype(value) if self.shapes is not None else value.dtype
 
     def pattern(self, name: str) -> PatternStats:
         stats = self.patterns.get(name)

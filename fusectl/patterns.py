@@ -30,11 +30,6 @@ class Decline(Exception):
     """Raised by a check or rewrite to turn a structural match down, with the reason."""
 
 
-class NotACandidate(Exception):
-    """Raised by a check or rewrite when a structural match is not what the pattern means
-    (say, a Conv whose kernel does not cover its input): no match is counted."""
-
-
 CheckFn = Callable[..., str | None]
 
 
@@ -44,8 +39,10 @@ class Rule:
 
     ``pattern(op, **vars)`` and ``rewrite(op, site, **bindings)`` use the onnxscript rewriter's
     op-builder style. ``check(site, **bindings)`` returns None to accept or a short reason to
-    decline (it may also raise Decline). Commutative inputs (Add, Mul, ...) match in either order
-    unless ``commute`` is False.
+    decline (it may also raise Decline). ``candidate(site, **bindings)`` narrows what the
+    pattern means beyond its structure (a Conv whose kernel covers its input, an Add of a
+    constant): a structural match it rejects is not counted at all. Commutative inputs (Add,
+    Mul, ...) match in either order unless ``commute`` is False.
     """
 
     name: str
@@ -53,6 +50,7 @@ class Rule:
     rewrite: Callable[..., Any]
     check: CheckFn | None = None
     commute: bool = True
+    candidate: Callable[..., bool] | None = None
 
 
 class Site:
@@ -82,7 +80,7 @@ class Site:
         also a graph input is a default the caller may override, so it is not a constant
         (onnxruntime draws the same line).
         """
-        return _fold_constant(value, depth=0)
+        return constant_value(value)
 
     def require_constant(self, value: ir.Value | None, what: str) -> np.ndarray:
         """The value's constant contents, or a Decline naming what is not constant."""
@@ -96,8 +94,10 @@ class Site:
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
-        shapes = self.ctx.shapes
-        return shapes.shape(value) if shapes is not None else value.shape
+        return self.ctx.shape(value)
+
+    def dtype(self, value: ir.Value) -> ir.DataType | None:
+        return self.ctx.dtype(value)
 
     def require_rank(self, value: ir.Value, what: str) -> int:
         shape = self.shape(value)
@@ -124,6 +124,11 @@ class Site:
 
 
 _FOLD_DEPTH = 4
+
+
+def constant_value(value: ir.Value | None) -> np.ndarray | None:
+    """See Site.constant; for passes that work on nodes rather than pattern sites."""
+    return _fold_constant(value, depth=0)
 
 
 def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
@@ -228,6 +233,8 @@ class _CompiledRule:
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
         assert self.ctx is not None
         site = Site(self.ctx, context)
+        if self.rule.candidate is not None and not self.rule.candidate(site, **bindings):
+            return False
         self.outcome.site = site
         reason = uses_outside(site.nodes, site.outputs)
         if reason is None and self.ctx.opset < self._min_opset:
@@ -238,9 +245,6 @@ class _CompiledRule:
                 reason = self.rule.check(site, **bindings) or None
             except Decline as decline:
                 reason = str(decline)
-            except NotACandidate:
-                self.outcome.site = None
-                return False
         self.outcome.reason = reason
         return reason is None
 
@@ -250,9 +254,6 @@ class _CompiledRule:
             return self.rule.rewrite(op, self.outcome.site, **bindings)
         except Decline as decline:
             self.outcome.reason = str(decline)
-            return None
-        except NotACandidate:
-            self.outcome.site = None
             return None
 
 
@@ -299,6 +300,9 @@ class PatternPass(FusionPass):
         by_op: dict[Any, list[ir.Node]] = {}
         for node in graph:
             by_op.setdefault(node.op_identifier(), []).append(node)
+        # A candidate one pattern declined may still be rewritten by a later, smaller one: it
+        # then counts once, as an effect.
+        declined: dict[ir.Node, tuple[PatternStats, str]] = {}
         for compiled in self.compiled_rules():
             stats = ctx.pattern(compiled.rule.name)
             if compiled.root_op is None:
@@ -314,16 +318,23 @@ class PatternPass(FusionPass):
                 position += 1
                 if node.graph is not graph:
                     continue  # removed by an earlier rewrite of this pass
-                new_nodes = self._try_node(model, node, compiled, stats)
-                for new in new_nodes:
+                outcome = self._try_node(model, node, compiled, stats)
+                if isinstance(outcome, str):
+                    declined[node] = (stats, outcome)
+                    continue
+                if outcome and node in declined:
+                    earlier, reason = declined.pop(node)
+                    earlier.withdraw(reason, _node_label(node))
+                for new in outcome:
                     by_op.setdefault(new.op_identifier(), []).append(new)
             compiled.ctx = None
 
     @staticmethod
     def _try_node(
         model: ir.Model, node: ir.Node, compiled: _CompiledRule, stats: PatternStats
-    ) -> Sequence[ir.Node]:
-        """Try every input order of the rule at ``node``; the new nodes if one rewrote it."""
+    ) -> Sequence[ir.Node] | str:
+        """Try every input order of the rule at ``node``: the new nodes if one rewrote it,
+        the reason if the rule matched and declined, else nothing."""
         assert compiled.ctx is not None
         declined: str | None = None
         for variant, producers in compiled.variants:
@@ -347,6 +358,7 @@ class PatternPass(FusionPass):
                 declined = compiled.outcome.reason
         if declined is not None:
             stats.decline(declined, _node_label(node))
+            return declined
         return ()
 
 
@@ -383,30 +395,30 @@ def replace_subgraph(
     ctx.record_fusion(pattern, old_nodes, new_nodes)
     for node in new_nodes:
         if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
-            bypass(node)
+            bypass(node)  # when it cannot go, the Identity stays: correct, just not minimal
 
 
-def bypass(node: ir.Node) -> bool:
+def bypass(node: ir.Node) -> str | None:
     """Remove a pass-through node (Identity, inference Dropout) by wiring its input to its
-    consumers. A graph output keeps its name: the producer of the input takes it over, unless
-    the input is itself a graph input, output or initializer, in which case the node stays."""
+    consumers; None when done, else why it stays. A graph output keeps its name, type and
+    shape: the producer of the input takes them over, unless the input is itself a graph
+    input, initializer or another graph output."""
     graph = node.graph
     assert graph is not None
     source, result = node.inputs[0], node.outputs[0]
     if source is None:
-        return False
+        return "it has no input"
     if result.is_graph_output():
-        if (
-            source.producer() is None
-            or source.is_graph_output()
-            or source.is_graph_input()
-            or source.is_initializer()
-        ):
-            return False
+        if source.is_graph_input() or source.is_initializer():
+            return "it links a graph input or initializer straight to a graph output"
+        if source.is_graph_output():
+            return "it copies one graph output to another"
         ir.convenience.replace_all_uses_with(result, source, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         source.name = result.name
-        return True
+        source.type = result.type or source.type
+        source.shape = result.shape or source.shape
+        return None
     ir.convenience.replace_all_uses_with(result, source)
     graph.remove(node, safe=True)
-    return True
+    return None

@@ -91,6 +91,11 @@ class ShapeOracle:
             self._infer()
         return value.shape
 
+    def dtype(self, value: ir.Value) -> ir.DataType | None:
+        if value.dtype is None and not self.ran:
+            self._infer()
+        return value.dtype
+
     def _infer(self) -> None:
         self.ran = True
         if self._proto is None:
@@ -107,10 +112,12 @@ class ShapeOracle:
         for node in self._model.graph:
             for value in node.outputs:
                 found = types.get(value.name or "")
-                if value.shape is None and found is not None and found.HasField("tensor_type"):
+                if found is None or not found.HasField("tensor_type"):
+                    continue
+                if value.shape is None:
                     value.shape = ir.serde.deserialize_type_proto_for_shape(found)
-                    if value.type is None:
-                        value.type = ir.serde.deserialize_type_proto_for_type(found)
+                if value.type is None and found.tensor_type.elem_type:
+                    value.type = ir.serde.deserialize_type_proto_for_type(found)
 
 
 _SMALL_CONSTANT = 64

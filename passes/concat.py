@@ -14,12 +14,12 @@ def _is_default_domain(node: ir.Node) -> bool:
     return node.domain in ("", "ai.onnx")
 
 
-def _axis(node: ir.Node, attribute: str, default: int | None) -> int | None:
+def _axis(ctx: PassContext, node: ir.Node, attribute: str, default: int | None) -> int | None:
     """The node's axis, made non-negative with the rank of its first input when needed."""
     axis = node.attributes.get_int(attribute, default)
     if axis is None or axis >= 0:
         return axis
-    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    shape = ctx.shape(node.inputs[0]) if node.inputs and node.inputs[0] is not None else None
     return None if shape is None else axis + len(shape)
 
 
@@ -51,7 +51,7 @@ class SplitConcatFusionPass(FusionPass):
             if list(concat.inputs) != list(split.outputs):
                 continue  # not this pattern: the Concat takes other values too, or reorders
             reason = None
-            split_axis, concat_axis = _axis(split, "axis", 0), _axis(concat, "axis", None)
+            split_axis, concat_axis = _axis(ctx, split, "axis", 0), _axis(ctx, concat, "axis", None)
             if split_axis is None or concat_axis is None:
                 reason = "negative axis and the rank is unknown"
             elif split_axis != concat_axis:
@@ -102,8 +102,8 @@ class ZConcatv2dFusionPass(FusionPass):
             }
             if not inner_nodes:
                 continue
-            axis = _axis(outer, "axis", None)
-            reasons = {inner: _splice_reason(inner, axis) for inner in inner_nodes}
+            axis = _axis(ctx, outer, "axis", None)
+            reasons = {inner: _splice_reason(ctx, inner, axis) for inner in inner_nodes}
             spliced = [inner for inner, reason in reasons.items() if reason is None]
             if not spliced:
                 stats.decline(next(iter(reasons.values())) or "", _label(outer))
@@ -125,9 +125,9 @@ class ZConcatv2dFusionPass(FusionPass):
             )
 
 
-def _splice_reason(inner: ir.Node, axis: int | None) -> str | None:
+def _splice_reason(ctx: PassContext, inner: ir.Node, axis: int | None) -> str | None:
     """Why an inner Concat cannot be spliced into its consumer, if it cannot."""
-    inner_axis = _axis(inner, "axis", None)
+    inner_axis = _axis(ctx, inner, "axis", None)
     if axis is None or inner_axis is None:
         return "negative axis and the rank is unknown"
     if inner_axis != axis:
@@ -164,7 +164,7 @@ class FusionVirtualOpSetSwitch(FusionPass):
                 continue
             if NO_TASK in split.metadata_props:
                 continue
-            reason = _virtual_split_reason(split)
+            reason = _virtual_split_reason(ctx, split)
             if reason is None:
                 split.metadata_props[NO_TASK] = "1"
                 ctx.record_fusion("SplitVirtualOp", [split], [])
@@ -172,13 +172,13 @@ class FusionVirtualOpSetSwitch(FusionPass):
                 stats.decline(reason, _label(split))
 
 
-def _virtual_split_reason(split: ir.Node) -> str | None:
+def _virtual_split_reason(ctx: PassContext, split: ir.Node) -> str | None:
     """The seed's constraints, in ONNX terms; None when the split may be marked."""
     source = split.inputs[0]
-    shape = source.shape if source is not None else None
+    shape = ctx.shape(source) if source is not None else None
     if shape is None or not all(isinstance(d, int) for d in shape):
         return "dynamic shape"
-    axis = _axis(split, "axis", 0)
+    axis = _axis(ctx, split, "axis", 0)
     if not (axis == 0 or (axis == 1 and len(shape) >= 2 and shape[0] == 1)):
         return "split axis is neither the batch axis nor channels with batch 1"
     producer = source.producer()

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, NotACandidate, PatternPass, Rule, Site
+from fusectl.patterns import Decline, PatternPass, Rule, Site
 from fusectl.registry import Category, Numerics, PassSpec, register_pass
 
 
@@ -128,8 +128,20 @@ class ConvBatchnormFusionPass(PatternPass):
         emits=("Conv",),
     )
     rules = (
-        Rule("ConvBatchnormAdd", _conv_bn_add, _fold_batchnorm, _check_batchnorm),
-        Rule("ConvAddBatchnorm", _conv_add_bn, _fold_batchnorm, _check_batchnorm),
+        Rule(
+            "ConvBatchnormAdd",
+            _conv_bn_add,
+            _fold_batchnorm,
+            _check_batchnorm,
+            candidate=lambda site, added, **_: site.constant(added) is not None,
+        ),
+        Rule(
+            "ConvAddBatchnorm",
+            _conv_add_bn,
+            _fold_batchnorm,
+            _check_batchnorm,
+            candidate=lambda site, pre_added, **_: site.constant(pre_added) is not None,
+        ),
         Rule("ConvBatchnorm", _conv_bn, _fold_batchnorm, _check_batchnorm),
     )
 
@@ -336,14 +348,17 @@ class Conv2DTransposeBatchnormFusionPass(PatternPass):
     )
 
 
+def _covers_input(site: Site, x: ir.Value, w: ir.Value) -> bool:
+    """The pattern proper: a Conv whose kernel spans its whole (static) spatial input."""
+    kernel = list(w.shape or [])[2:]
+    spatial = list(site.shape(x) or [])[2:]
+    return bool(kernel) and all(isinstance(d, int) for d in spatial) and spatial == kernel
+
+
 def _fully_connected(op: Any, site: Site, x: ir.Value, w: ir.Value) -> Any:
     """A Conv whose kernel covers its whole (unpadded) input is a matrix product."""
     conv = site.root
-    input_shape = site.shape(x)
-    kernel = list(w.shape or [])[2:]
-    spatial = list(input_shape or [])[2:]
-    if not kernel or not all(isinstance(d, int) for d in spatial) or spatial != kernel:
-        raise NotACandidate
+    kernel = list(w.shape)[2:]
     attrs = conv.attributes
     if attrs.get_int("group", 1) != 1:
         raise Decline("grouped Conv")
@@ -375,6 +390,9 @@ class ConvToFullyConnectionFusionPass(PatternPass):
         numerics=Numerics.REASSOCIATING,
         priority=4100,
         min_opset=7,
+        # onnxruntime already runs such a Conv as one GEMM; the rewrite only adds nodes there
+        # (and keeps the Conv's activation from fusing), so it is for other runtimes.
+        default_on=False,
         emits=("Gemm", "Flatten", "Reshape"),
     )
-    rules = (Rule("ConvToFullyConnection", _conv, _fully_connected),)
+    rules = (Rule("ConvToFullyConnection", _conv, _fully_connected, candidate=_covers_input),)

@@ -82,6 +82,8 @@ def _fused_conv(
     bias = conv.inputs[2] if len(conv.inputs) > 2 else None
     inputs: list[ir.Value | None] = [x, w, bias]
     if z is not None:
+        if z is conv.outputs[0]:
+            raise Decline("the residual is the Conv output itself")
         conv_shape, sum_shape = site.shape(conv.outputs[0]), site.shape(z)
         if conv_shape is None or sum_shape is None or conv_shape != sum_shape:
             raise Decline("the residual is not known to have the Conv output's shape")

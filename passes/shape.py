@@ -8,7 +8,7 @@ from typing import Any
 import onnx_ir as ir
 
 from fusectl.context import PassContext
-from fusectl.patterns import Decline, PatternPass, Rule, Site, bypass
+from fusectl.patterns import Decline, PatternPass, Rule, Site, bypass, constant_value
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
 
 
@@ -190,7 +190,7 @@ def _cast_cast(op, x):
 def _merge_casts(op: Any, site: Site, x: ir.Value) -> ir.Value:
     """Cast(Cast(x, T1), T2) is Cast(x, T2) exactly when T1 loses nothing of x's type."""
     inner = site.root.inputs[0].producer()
-    source = x.dtype
+    source = site.dtype(x)
     if source is None:
         raise Decline("the element type of the first Cast's input is unknown")
     middle = ir.DataType(inner.attributes.get_int("to"))
@@ -199,7 +199,8 @@ def _merge_casts(op: Any, site: Site, x: ir.Value) -> ir.Value:
         raise Decline(f"casting {source.name} to {middle.name} loses values")
     if final == source:
         return op.Identity(x)
-    return op.Cast(x, to=final)
+    # The outer Cast's other attributes (saturate, for float8) apply unchanged.
+    return op.Cast(x, **dict(site.root.attributes))
 
 
 @register_pass
@@ -223,7 +224,7 @@ class IdentityEliminationPass(FusionPass):
         category=Category.GRAPH,
         description="Identity and inference-mode Dropout nodes removed",
         aliases=("EliminateIdentity", "EliminateDropout", "dropout_identity_removal"),
-        priority=3000,
+        priority=3010,
         emits=(),
     )
 
@@ -233,8 +234,8 @@ class IdentityEliminationPass(FusionPass):
                 continue
             stats = ctx.pattern(node.op_type)
             reason = _dropout_is_active(node) if node.op_type == "Dropout" else None
-            if reason is None and not bypass(node):
-                reason = "it links a graph input or initializer straight to a graph output"
+            if reason is None:
+                reason = bypass(node)
             if reason is None:
                 ctx.record_fusion(node.op_type, [node], [])
             else:
@@ -247,7 +248,7 @@ def _dropout_is_active(node: ir.Node) -> str | None:
     if node.attributes.get_int("is_test", 1) == 0:
         return "Dropout is in training mode (is_test=0)"
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        mode = ir.convenience.get_const_tensor(node.inputs[2])
-        if mode is None or bool(mode.numpy()):
+        mode = constant_value(node.inputs[2])
+        if mode is None or bool(mode):
             return "Dropout training_mode is not a constant false"
     return None

@@ -199,6 +199,8 @@ def test_info_logs_use_the_ascend_formats_in_execution_order(sample: Path, tmp_p
         "matched_times=2, effected_times=2.",
         "GraphId[0], GraphFusionPass[ConvBiasAddFusionPass]: pattern=ConvBiasAdd, "
         "matched_times=1, effected_times=1.",
+        "[FusionPass][SKIP] Pass [ConvToFullyConnectionFusionPass] is disabled by built-in "
+        "default.",
         "[FusionPass][SKIP] Pass [ReshapeReshapeFusionPass] is disabled by --disable_pass.",
         "GraphId[0], GraphFusionPass[MatMulBiasAddFusionPass]: pattern=MatMulBiasAdd, "
         "matched_times=1, effected_times=1.",

@@ -1,0 +1,140 @@
+"""Constant folding: nodes computable before run time become initializers.
+
+Exporters compute many constants in the graph (pad amounts from ConstantOfShape/Concat/Slice,
+zero biases from Expand(CastLike(0, x), Shape(W)), Clip bounds from CastLike, Unsqueezed
+scales). Left in place they hide constants from every later pattern, and give the values they
+read extra consumers. Each node is evaluated with the ONNX reference implementation of its op
+at the model's opset.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+from onnx.reference.ops import load_op
+
+from fusectl.context import PassContext
+from fusectl.patterns import constant_value
+from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+
+logger = logging.getLogger("fusectl")
+
+# Ops whose result is not a function of their inputs, or that run subgraphs.
+_NEVER = frozenset(
+    {
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "If",
+        "Loop",
+        "Scan",
+        "SequenceMap",
+        "Constant",
+    }
+)
+# A folded value bigger than this is only kept when it frees its inputs (no net growth).
+_GROWTH_LIMIT_BYTES = 1 << 20
+
+
+def _static_shape(ctx: PassContext, value: ir.Value | None) -> list[int] | None:
+    shape = ctx.shape(value) if value is not None else None
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return [int(d) for d in shape]
+
+
+def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] | None:
+    """The node's outputs, if every input is known before run time."""
+    if node.op_type == "Shape" or node.op_type == "Size":
+        shape = _static_shape(ctx, node.inputs[0])
+        if shape is None:
+            return None
+        if node.op_type == "Size":
+            return [np.array(int(np.prod(shape)), dtype=np.int64)]
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", None)
+        return [np.array(shape[start:end], dtype=np.int64)]
+    if node.op_type == "CastLike":  # reads only the element type of its second input
+        data, like = constant_value(node.inputs[0]), ctx.dtype(node.inputs[1])
+        if data is None or like is None:
+            return None
+        return [data.astype(like.numpy())]
+    arrays = []
+    for value in node.inputs:
+        if value is None:
+            arrays.append(None)
+            continue
+        array = constant_value(value)
+        if array is None:
+            return None
+        arrays.append(array)
+    implementation = load_op("", node.op_type, opset)
+    proto = ir.serde.serialize_node(node)
+    params = {"log": lambda *_: None, "opsets": {"": opset}, "verbose": 0, "new_ops": None}
+    results = implementation(proto, params).run(*arrays)
+    return [np.asarray(r) for r in results]
+
+
+def _frees_inputs(node: ir.Node) -> bool:
+    """Whether every constant the node reads is read by nothing else."""
+    return all(
+        value is None or (len(value.uses()) == 1 and not value.is_graph_output())
+        for value in node.inputs
+    )
+
+
+@register_pass
+class ConstantFoldingPass(FusionPass):
+    spec = PassSpec(
+        name="ConstantFoldingPass",
+        category=Category.GRAPH,
+        description="Nodes whose inputs are all known before run time (constants, static "
+        "shapes) -> initializers",
+        aliases=("ConstantFolding", "constant_folding"),
+        priority=3000,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        for node in graph:
+            if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER:
+                continue
+            if any(value.is_graph_output() for value in node.outputs):
+                continue
+            try:
+                results = _evaluate(ctx, node, ctx.opset)
+            except Exception as error:  # an op the reference cannot run here stays as it is
+                logger.debug("cannot fold %s: %s", node.name, error)
+                continue
+            if results is None:
+                continue
+            stats = ctx.pattern(node.op_type)
+            size = sum(r.nbytes for r in results)
+            if size > _GROWTH_LIMIT_BYTES and not _frees_inputs(node):
+                stats.decline(
+                    "the folded value would be large and duplicate its inputs",
+                    node.name or node.op_type,
+                )
+                continue
+            constants = []
+            for old, array in zip(node.outputs, results, strict=True):
+                tensor = ir.tensor(array, name=old.name)
+                constants.append(
+                    ir.Value(
+                        name=old.name,
+                        type=ir.TensorType(tensor.dtype),
+                        shape=ir.Shape(array.shape),
+                        const_value=tensor,
+                    )
+                )
+            for old, new in zip(node.outputs, constants, strict=True):
+                ir.convenience.replace_all_uses_with(old, new)
+            graph.remove(node, safe=True)
+            for new in constants:
+                graph.initializers[new.name] = new
+            ctx.record_fusion(node.op_type, [node], [])

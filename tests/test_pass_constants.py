@@ -1,0 +1,152 @@
+"""ConstantFoldingPass: constants computed in the graph become initializers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from tests.conftest import optimize
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    optimize_checked,
+    reasons,
+    save_model,
+    value,
+)
+
+FOLD = "ConstantFoldingPass"
+
+
+def test_torchscript_mobilenet_pad_amounts_fold(tmp_path: Path) -> None:
+    """TorchScript computes every Pad's amounts in the graph; folded, all 52 Pads merge."""
+    run = optimize_checked(fixture_path("mobilenetv2_tiny_torchscript"), tmp_path)
+    assert run.counts(FOLD) == (364, 364)
+    assert run.counts("PadConv2dFusionPass") == (52, 52)
+    assert run.counts("ConvBatchnormFusionPass") == (52, 52)
+    assert run.counts("ConvActivationFusionPass") == (35, 35)
+    assert run.report["model"]["before"]["nodes"] == 1105
+    assert run.report["model"]["after"]["nodes"] == 64
+    assert run.op_counts()["Pad"] == 0
+
+
+def test_dynamo_unoptimized_zero_biases_fold(tmp_path: Path) -> None:
+    """dynamo (optimize=False) gives bias-less Convs Expand(CastLike(0, x), Shape(W)[:1])."""
+    run = optimize_checked(fixture_path("resnet_tiny_dynamo_noopt"), tmp_path)
+    assert run.counts(FOLD) == (65, 65)
+    assert run.counts("ConvBatchnormFusionPass") == (16, 16)
+    ops = run.op_counts()
+    assert (ops["BatchNormalization"], ops["Expand"], ops["CastLike"], ops["Shape"]) == (0,) * 4
+
+
+def _shape_chain(path: Path, x_shape: list, *, overridable: bool = False) -> Path:
+    """y = Reshape(x, Concat(Shape(x)[0:1], [-1])): the target shape is static iff x is."""
+    inputs = [value("x", x_shape)]
+    minus_one = const("minus_one", np.array([-1], np.int64), np.int64)
+    if overridable:
+        inputs.append(value("minus_one", [1], TensorProto.INT64))
+    return save_model(
+        path,
+        [
+            helper.make_node("Shape", ["x"], ["shape"], name="shape", end=1),
+            helper.make_node("Concat", ["shape", "minus_one"], ["target"], name="concat", axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+        ],
+        inputs,
+        [value("y", [x_shape[0], 12])],
+        [minus_one],
+    )
+
+
+def test_shape_of_a_static_value_folds_and_its_consumers_follow(tmp_path: Path) -> None:
+    run = optimize_checked(_shape_chain(tmp_path / "static.onnx", [2, 3, 4]), tmp_path)
+    assert run.counts(FOLD) == (2, 2)
+    assert run.passed(FOLD)["patterns"] == {
+        "Shape": {"matched": 1, "effected": 1},
+        "Concat": {"matched": 1, "effected": 1},
+    }
+    assert run.op_counts() == Counter({"Reshape": 1})
+    target = next(i for i in onnx.load(str(run.output)).graph.initializer if i.name == "target")
+    assert onnx.numpy_helper.to_array(target).tolist() == [2, -1]
+
+
+def test_dynamic_shape_and_overridable_inputs_stay(tmp_path: Path) -> None:
+    dynamic = optimize_checked(_shape_chain(tmp_path / "dyn.onnx", ["n", 3, 4]), tmp_path)
+    assert dynamic.counts(FOLD) == (0, 0)
+    assert dynamic.op_counts() == Counter({"Shape": 1, "Concat": 1, "Reshape": 1})
+    model = _shape_chain(tmp_path / "override.onnx", [2, 3, 4], overridable=True)
+    run = optimize_checked(model, tmp_path)
+    # Shape(x) folds; the Concat reads an initializer the caller may override, so it stays.
+    assert run.counts(FOLD) == (1, 1)
+    assert run.op_counts() == Counter({"Concat": 1, "Reshape": 1})
+
+
+def test_castlike_reads_only_the_element_type(tmp_path: Path) -> None:
+    model = save_model(
+        tmp_path / "castlike.onnx",
+        [
+            helper.make_node("CastLike", ["zero", "x"], ["z"], name="castlike"),
+            helper.make_node("Add", ["x", "z"], ["y"], name="add"),
+        ],
+        [value("x", [2, 3], TensorProto.DOUBLE)],
+        [value("y", [2, 3], TensorProto.DOUBLE)],
+        [const("zero", np.array(0.5, np.float32), np.float32)],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(FOLD) == (1, 1)
+    z = next(i for i in onnx.load(str(run.output)).graph.initializer if i.name == "z")
+    assert z.data_type == TensorProto.DOUBLE
+
+
+def test_random_ops_and_graph_outputs_are_left_alone(tmp_path: Path) -> None:
+    model = save_model(
+        tmp_path / "random.onnx",
+        [
+            helper.make_node("RandomNormal", [], ["noise"], name="noise", shape=[2, 3], seed=1.0),
+            helper.make_node("Add", ["x", "noise"], ["y"], name="add"),
+            helper.make_node("Neg", ["c"], ["negated"], name="neg"),
+        ],
+        [value("x", [2, 3])],
+        [value("y", [2, 3]), value("negated", [3])],
+        [const("c", np.arange(3, dtype=np.float32))],
+    )
+    run = optimize(model, tmp_path)
+    assert run.counts(FOLD) == (0, 0)
+    assert run.op_counts() == Counter({"RandomNormal": 1, "Add": 1, "Neg": 1})
+
+
+def _tile_model(path: Path, *, shared: bool) -> Path:
+    """Tile of a 64 KiB constant to 2 MiB; `shared` also feeds the constant to an output."""
+    nodes = [
+        helper.make_node("Tile", ["block", "repeats"], ["tiled"], name="tile"),
+        helper.make_node("Add", ["x", "tiled"], ["y"], name="add"),
+    ]
+    outputs = [value("y", [32, 128, 128])]
+    if shared:
+        nodes.append(helper.make_node("Add", ["x", "block"], ["y2"], name="add_block"))
+        outputs.append(value("y2", [32, 128, 128]))
+    return save_model(
+        path,
+        nodes,
+        [value("x", [32, 128, 128])],
+        outputs,
+        [
+            const("block", np.ones((1, 128, 128), np.float32)),
+            const("repeats", np.array([32, 1, 1], np.int64), np.int64),
+        ],
+    )
+
+
+def test_large_results_fold_only_when_they_free_their_inputs(tmp_path: Path) -> None:
+    run = optimize_checked(_tile_model(tmp_path / "tile_shared.onnx", shared=True), tmp_path)
+    assert_declined(run, FOLD, "the folded value would be large and duplicate its inputs", "tile")
+    assert run.op_counts()["Tile"] == 1
+    alone = optimize_checked(_tile_model(tmp_path / "tile_alone.onnx", shared=False), tmp_path)
+    assert alone.counts(FOLD) == (1, 1)
+    assert reasons(alone, FOLD) == {}
+    assert alone.op_counts() == Counter({"Add": 1})

@@ -108,22 +108,11 @@ def test_exported_split_cat(exported: dict[str, Path], tmp_path: Path) -> None:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: Split and Concat on the same negative axis (-1) are declined as "
-    "'negative axis and the rank is unknown' when the Split outputs have no recorded shape: "
-    "equal negative axes need no rank, and shape inference is never asked",
-)
 def test_exported_split_cat_last_axis(exported: dict[str, Path], tmp_path: Path) -> None:
     run = optimize_checked(exported["split_cat_last_axis"], tmp_path)
     assert run.counts(SPLIT_CONCAT) == (1, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: FusionVirtualOpSetSwitch reads only recorded shapes, so a batch-axis "
-    "Split of a static intermediate without value_info is declined as 'dynamic shape'",
-)
 def test_exported_batch_split(exported: dict[str, Path], tmp_path: Path) -> None:
     run = optimize_checked(exported["batch_split"], tmp_path)
     assert run.counts(VIRTUAL) == (1, 1)
@@ -225,12 +214,6 @@ def test_split_concat_at_graph_output_with_recorded_type(tmp_path: Path) -> None
     assert _graph(run.output) == ([("Relu", ["x"], ["y"])], ["y"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: the Identity left by SplitConcat at a graph output is bypassed and "
-    "the Relu output takes the output's name but not its type (none recorded): the "
-    "optimized model fails onnx.checker",
-)
 def test_split_concat_at_graph_output_keeps_output_type(tmp_path: Path) -> None:
     model = _split_concat(tmp_path / "at_output_no_type.onnx", consumer=False)
     run = optimize_checked(model, tmp_path)
@@ -296,11 +279,6 @@ def test_split_concat_declines(case: str, tmp_path: Path) -> None:
     assert run.op_counts()["Split"] == run.op_counts()["Concat"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: equal negative Split/Concat axes are declined as 'negative axis and "
-    "the rank is unknown' when the Split outputs have no recorded shape",
-)
 def test_split_concat_negative_axes_unrecorded(tmp_path: Path) -> None:
     model = _split_concat(tmp_path / "negative.onnx", split_axis=-1, concat_axis=-1)
     run = optimize_checked(model, tmp_path)
@@ -441,11 +419,6 @@ def test_nested_concat_declines(case: str, tmp_path: Path) -> None:
     assert run.op_counts()["Concat"] == len([n for n in nodes if n.op_type == "Concat"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: nested Concats on the same negative axis are declined as 'negative "
-    "axis and the rank is unknown' when the inputs have no recorded shape",
-)
 def test_nested_concat_negative_axes_unrecorded(tmp_path: Path) -> None:
     model = _nested(
         tmp_path / "negative.onnx",
@@ -618,15 +591,34 @@ VIRTUAL_DECLINES = {
 }
 
 
+# A Split of a constant is folded by ConstantFoldingPass before FusionVirtualOpSetSwitch
+# runs; the switch only sees one when folding is off.
+CONSTANT_SOURCES = ("constant_node", "initializer")
+
+
 @pytest.mark.parametrize("case", sorted(VIRTUAL_DECLINES))
 def test_virtual_split_declines(case: str, tmp_path: Path) -> None:
     kwargs, reason = VIRTUAL_DECLINES[case]
     model = _split(tmp_path / f"{case}.onnx", **kwargs)
+    args = ("--disable_pass", "ConstantFoldingPass") if case in CONSTANT_SOURCES else ()
     # Random inputs give the symbolic batch the size 2: split in two, the parts differ from
     # the declared output shapes, which onnxruntime does not mind.
-    run = optimize_checked(model, tmp_path)
+    run = optimize_checked(model, tmp_path, *args)
     assert_declined(run, VIRTUAL, reason, "split")
     assert NO_TASK not in _metadata(run.output).get("split", {})
+
+
+@pytest.mark.parametrize("case", CONSTANT_SOURCES)
+def test_virtual_split_of_constant_folded(case: str, tmp_path: Path) -> None:
+    kwargs, _ = VIRTUAL_DECLINES[case]
+    run = optimize_checked(_split(tmp_path / f"{case}_folded.onnx", **kwargs), tmp_path)
+    assert run.passed("ConstantFoldingPass")["patterns"] == {"Split": {"matched": 1, "effected": 1}}
+    assert run.counts(VIRTUAL) == (0, 0)
+    assert reasons(run, VIRTUAL) == {}
+    assert run.op_counts() == Counter({"Exp": 2})
+    assert run.fusion_result["session_and_graph_id_0_0"]["graph_fusion"] == {
+        "ConstantFoldingPass": {"effect_times": "1", "match_times": "1"}
+    }
 
 
 def test_virtual_split_feeding_split(tmp_path: Path) -> None:
@@ -652,11 +644,6 @@ def test_virtual_split_feeding_split(tmp_path: Path) -> None:
     assert _metadata(run.output) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: FusionVirtualOpSetSwitch reads only recorded shapes: a Split of a "
-    "static intermediate without value_info is declined as 'dynamic shape'",
-)
 def test_virtual_split_unrecorded_intermediate(tmp_path: Path) -> None:
     model = _split(
         tmp_path / "unrecorded.onnx",

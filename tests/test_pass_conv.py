@@ -59,24 +59,12 @@ CNN_EXPECTED = {
         "ops": {"Conv": 3, "FusedConv": 1, "Reshape": 1, "Gemm": 1},
     },
     # dynamo, optimize=False: bias-less Convs get a zero bias computed by Expand(CastLike(0)),
-    # which is not a constant, so only the Conv that has a real bias folds its BN.
+    # which ConstantFoldingPass turns into a constant: every BN folds, as in the other exports.
     "cnn_dynamo_noopt": {
-        BN: (3, 1, {NOT_CONSTANT_BIAS: 2}),
-        BIAS_ADD: (1, 0, {NOT_CONSTANT_BIAS: 1}),
-        ACT: (0, 0, {}),  # the Relu follows the BatchNormalization that could not fold
-        "ops": {
-            "Conv": 4,
-            "BatchNormalization": 2,
-            "Add": 1,
-            "Relu": 1,
-            "Reshape": 1,
-            "Gemm": 1,
-            "Shape": 3,
-            "Expand": 6,
-            "CastLike": 3,
-            "Constant": 6,
-            "Concat": 1,
-        },
+        BN: (3, 3, {}),
+        BIAS_ADD: (1, 1, {}),
+        ACT: (1, 1, {}),
+        "ops": {"Conv": 3, "FusedConv": 1, "Reshape": 1, "Gemm": 1},
     },
 }
 
@@ -90,6 +78,30 @@ def test_exported_cnn(name: str, tmp_path: Path) -> None:
         assert run.counts(pass_name) == (matched, effected), pass_name
         assert reasons(run, pass_name) == near_misses, pass_name
     assert run.op_counts() == Counter(expected["ops"])
+
+
+def test_exported_cnn_noopt_folds_computed_biases(tmp_path: Path) -> None:
+    """The zero biases (Shape/CastLike/Expand) and the Linear's flatten shape (Concat) are
+    folded first; the Constants they read are then dead."""
+    run = optimize(fixture_path("cnn_dynamo_noopt"), tmp_path)
+    assert run.passed("ConstantFoldingPass")["patterns"] == {
+        "Shape": {"matched": 3, "effected": 3},
+        "Expand": {"matched": 6, "effected": 6},
+        "CastLike": {"matched": 3, "effected": 3},
+        "Concat": {"matched": 1, "effected": 1},
+    }
+    assert run.fusion_result == {
+        "session_and_graph_id_0_0": {
+            "graph_fusion": {
+                "ConstantFoldingPass": {"effect_times": "13", "match_times": "13"},
+                BN: {"effect_times": "3", "match_times": "3"},
+                BIAS_ADD: {"effect_times": "1", "match_times": "1"},
+            },
+            "ub_fusion": {
+                ACT: {"effect_times": "1", "match_times": "1", "repository_hit_times": "0"}
+            },
+        }
+    }
 
 
 def test_exported_cnn_fusion_result(tmp_path: Path) -> None:
@@ -345,6 +357,20 @@ def _conv_bias_is_graph_input(path: Path) -> Path:
     return _conv_bn_model(path, nodes=[_conv(["x", "w", "b"]), _bn()], inputs=[X, value("b", [C])])
 
 
+def _conv_bias_computed(path: Path) -> Path:
+    """The bias is computed at run time from a graph input (exporters' computed zero biases
+    are folded into constants first, so they no longer show this)."""
+    return _conv_bn_model(
+        path,
+        nodes=[
+            helper.make_node("Relu", ["b_in"], ["b"], name="relu"),
+            _conv(["x", "w", "b"]),
+            _bn(),
+        ],
+        inputs=[X, value("b_in", [C])],
+    )
+
+
 def _channel_mismatch(path: Path) -> Path:
     # Not a valid model (BN parameters must have C entries); fusectl must still leave it alone.
     return _conv_bn_model(path, initializers=[_weight(), *conv_batchnorm_params(1)], check=False)
@@ -371,6 +397,7 @@ CONV_BN_DECLINES = [
     ),
     (_weight_is_graph_input, plain_input_not_constant("Conv weight"), True),
     (_conv_bias_is_graph_input, plain_input_not_constant("Conv bias"), True),
+    (_conv_bias_computed, NOT_CONSTANT_BIAS, True),
     (
         _channel_mismatch,
         "BatchNormalization parameters do not match the Conv's output channels",

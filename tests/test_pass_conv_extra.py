@@ -32,6 +32,9 @@ DECONV = "Conv2DTransposeBatchnormFusionPass"
 FC = "ConvToFullyConnectionFusionPass"
 ACT = "ConvActivationFusionPass"
 
+# Off by default (onnxruntime runs such a Conv as one GEMM already): its tests turn it on.
+ENABLE_FC = ("--enable_pass", FC)
+
 FLOAT16 = onnx.TensorProto.FLOAT16
 INT64 = onnx.TensorProto.INT64
 
@@ -48,21 +51,23 @@ def _nodes(path: Path, op_type: str) -> list[onnx.NodeProto]:
 # Real exporter output (tests/fixtures/make_fixtures.py).
 # ---------------------------------------------------------------------------------------------
 
-PAD_SHARED = "an intermediate value (Pad output) is also used by CastLike outside the match"
 FIXTURE_EXPECTED = {
-    # TorchScript computes every Pad's amounts (ConstantOfShape/Concat/Slice/Transpose/Cast),
-    # so no amount is a constant; the Conv inputs then have no static shape either.
+    # TorchScript computes every Pad's amounts (ConstantOfShape/Concat/Slice/Transpose/Cast);
+    # ConstantFoldingPass makes them constants, so every Pad goes into its Conv. Shapes are
+    # inferred on the graph as loaded, where the amounts were not constants: no Conv input has
+    # a static shape, so no Conv is a fully-connected candidate.
     "mobilenetv2_tiny_torchscript": {
-        PAD: (52, 0, {"Pad amounts is not a constant": 52}),
+        PAD: (52, 52, {}),
         FC: (0, 0, {}),
-        "ops": {"Pad": 52, "Flatten": 1, "Gemm": 0},
+        "ops": {"Pad": 0, "Flatten": 1, "Gemm": 0},
     },
-    # dynamo, optimize=False: each Pad output also feeds the CastLike of the zero Conv bias.
-    # Eight 1x1 Convs see a 1x1 input; four depthwise 3x3 Convs see a padded 3x3 input.
+    # dynamo, optimize=False: the CastLike of the zero Conv bias that also read each Pad output
+    # is folded, so every Pad goes into its Conv. Eight 1x1 Convs see a 1x1 input; the four
+    # depthwise 3x3 Convs now see their unpadded 1x1 input and are no candidates.
     "mobilenetv2_tiny_dynamo_noopt": {
-        PAD: (52, 0, {PAD_SHARED: 52}),
-        FC: (12, 8, {"grouped Conv": 4}),
-        "ops": {"Pad": 52, "Flatten": 8, "Gemm": 8},
+        PAD: (52, 52, {}),
+        FC: (8, 8, {}),
+        "ops": {"Pad": 0, "Flatten": 8, "Gemm": 8},
     },
     # dynamo defaults: the pads are in the Convs already. The four converted Convs were
     # followed by a Clip, which then follows a Reshape and stays out of FusedConv.
@@ -83,7 +88,7 @@ FIXTURE_EXPECTED = {
 @pytest.mark.parametrize("name", sorted(FIXTURE_EXPECTED))
 def test_exported_fixtures(name: str, tmp_path: Path) -> None:
     expected = FIXTURE_EXPECTED[name]
-    run = optimize_checked(fixture_path(name), tmp_path)
+    run = optimize_checked(fixture_path(name), tmp_path, *ENABLE_FC)
     for pass_name in (PAD, FC):
         matched, effected, near_misses = expected[pass_name]
         assert run.counts(pass_name) == (matched, effected), pass_name
@@ -94,7 +99,7 @@ def test_exported_fixtures(name: str, tmp_path: Path) -> None:
 
 def test_exported_fixture_fully_connected_lineage(tmp_path: Path) -> None:
     """The Conv was made by ConvBatchnormFusionPass: the lineage accumulates."""
-    run = optimize(fixture_path("resnet_tiny_torchscript"), tmp_path)
+    run = optimize(fixture_path("resnet_tiny_torchscript"), tmp_path, *ENABLE_FC)
     layer = "/inner/encoder/stages.3/layers.0/layer/layer.2"
     originals = [f"{layer}/convolution/Conv", f"{layer}/normalization/BatchNormalization"]
     base = f"{FC}/ConvBatchnormFusionPass/{originals[1]}"
@@ -147,13 +152,16 @@ def test_exported_conv_scale_and_deconv_batchnorm(exported_cnn: Path, tmp_path: 
     run = optimize_checked(exported_cnn, tmp_path)
     assert run.counts(SCALE) == (1, 1)
     assert run.counts(DECONV) == (1, 1)
-    assert reasons(run, SCALE) == reasons(run, DECONV) == {}
-    assert_declined(run, PAD, "Pad amounts is not a constant", "/conv/Conv")
+    # The exporter computes the pad amounts; ConstantFoldingPass makes them a constant.
+    assert run.counts(PAD) == (1, 1)
+    assert reasons(run, SCALE) == reasons(run, DECONV) == reasons(run, PAD) == {}
     ops = run.op_counts()
-    assert (ops["Conv"], ops["ConvTranspose"], ops["Pad"]) == (1, 1, 1)
+    assert (ops["Conv"], ops["ConvTranspose"], ops["Pad"]) == (1, 1, 0)
     assert ops["Mul"] == ops["BatchNormalization"] == 0
+    (conv,) = _nodes(run.output, "Conv")
+    assert list(_attribute(conv, "pads")) == [2, 1, 0, 1]  # F.pad (1, 1, 2, 0)
     stamped = lineage(run)
-    assert stamped[f"{SCALE}//Mul"] == ([SCALE], ["/conv/Conv", "/Mul"])
+    assert stamped[f"{SCALE}//Mul"] == ([PAD, SCALE], ["/Pad", "/conv/Conv", "/Mul"])
     assert stamped[f"{DECONV}//bn/BatchNormalization"] == (
         [DECONV],
         ["/deconv/ConvTranspose", "/bn/BatchNormalization"],
@@ -528,11 +536,20 @@ PAD_DECLINES = {
         {"pads": None, "extra_inputs": (value("pads", [8], INT64),)},
         plain_input_not_constant("Pad amounts"),
     ),
+    # Computed from a graph input (z * 0 + amounts): known only at run time. A computation of
+    # constants alone would be folded into a constant first.
     "amounts_computed": (
         {
             "pads": None,
-            "pre_nodes": (helper.make_node("Concat", ["half", "half"], ["pads"], axis=0),),
-            "extra_initializers": (const("half", [0, 0, 1, 1], np.int64),),
+            "pre_nodes": (
+                helper.make_node("Mul", ["z", "zero"], ["offset"], name="mul"),
+                helper.make_node("Add", ["offset", "amounts"], ["pads"], name="add"),
+            ),
+            "extra_inputs": (value("z", [8], INT64),),
+            "extra_initializers": (
+                const("zero", 0, np.int64),
+                const("amounts", [0, 0, 1, 1, 0, 0, 1, 1], np.int64),
+            ),
         },
         "Pad amounts is not a constant",
     ),
@@ -760,7 +777,7 @@ FC_FIRES = {
 @pytest.mark.parametrize("case", sorted(FC_FIRES))
 def test_conv_to_fully_connected_fires(case: str, tmp_path: Path) -> None:
     kwargs = FC_FIRES[case]
-    run = optimize_checked(_fc_model(tmp_path / f"fc_{case}.onnx", **kwargs), tmp_path)
+    run = optimize_checked(_fc_model(tmp_path / f"fc_{case}.onnx", **kwargs), tmp_path, *ENABLE_FC)
     assert run.counts(FC) == (1, 1)
     assert reasons(run, FC) == {}
     ops = run.op_counts()
@@ -781,7 +798,7 @@ def test_conv_to_fully_connected_not_a_candidate(x_shape, y_shape, tmp_path: Pat
     """A Conv that does not cover its (static) input is no match at all."""
     model = _fc_model(tmp_path / "fc_no_candidate.onnx", x_shape=x_shape, y_shape=y_shape)
     # Random inputs give symbolic dimensions the size 2, smaller than the kernel.
-    run = optimize_checked(model, tmp_path, compare=isinstance(x_shape[2], int))
+    run = optimize_checked(model, tmp_path, *ENABLE_FC, compare=isinstance(x_shape[2], int))
     assert run.counts(FC) == (0, 0)
     assert reasons(run, FC) == {}
     assert run.op_counts() == Counter({"Conv": 1})
@@ -818,7 +835,7 @@ FC_DECLINES = {
 @pytest.mark.parametrize("case", sorted(FC_DECLINES))
 def test_conv_to_fully_connected_declines(case: str, tmp_path: Path) -> None:
     kwargs, reason = FC_DECLINES[case]
-    run = optimize_checked(_fc_model(tmp_path / f"fc_{case}.onnx", **kwargs), tmp_path)
+    run = optimize_checked(_fc_model(tmp_path / f"fc_{case}.onnx", **kwargs), tmp_path, *ENABLE_FC)
     assert_declined(run, FC, reason, "conv")
     assert run.op_counts() == Counter({"Conv": 1})
 
@@ -827,10 +844,10 @@ def test_conv_to_fully_connected_float16(tmp_path: Path) -> None:
     """onnxruntime has no float16 Gemm: declined for --target ort, converted for onnx. Neither
     model runs on onnxruntime's CPU provider (no float16 Conv either), so only the checker."""
     model = _fc_model(tmp_path / "fc_fp16.onnx", elem=FLOAT16)
-    run = optimize_checked(model, tmp_path, compare=False)
+    run = optimize_checked(model, tmp_path, *ENABLE_FC, compare=False)
     assert_declined(run, FC, "onnxruntime has no Gemm kernel for FLOAT16", "conv")
     assert run.op_counts() == Counter({"Conv": 1})
-    onnx_run = optimize_checked(model, tmp_path, "--target", "onnx", compare=False)
+    onnx_run = optimize_checked(model, tmp_path, "--target", "onnx", *ENABLE_FC, compare=False)
     assert onnx_run.counts(FC) == (1, 1)
     assert onnx_run.op_counts() == Counter({"Flatten": 1, "Gemm": 1, "Reshape": 1})
 
@@ -847,10 +864,16 @@ def test_conv_to_fully_connected_with_relu_leaves_no_fused_conv(tmp_path: Path) 
         [value("y", [2, 5, 1, 1])],
         [const("w", FC_WEIGHT)],
     )
-    run = optimize_checked(model, tmp_path)
+    run = optimize_checked(model, tmp_path, *ENABLE_FC)
     assert run.counts(FC) == (1, 1)
     assert run.counts(ACT) == (0, 0)
     assert run.op_counts() == Counter({"Flatten": 1, "Gemm": 1, "Reshape": 1, "Relu": 1})
     off = optimize_checked(model, tmp_path, "--disable_pass", "conv_to_fully_connection")
     assert off.counts(ACT) == (1, 1)
     assert off.op_counts() == Counter({"FusedConv": 1})
+    # Off by default: the Conv and its Relu become one FusedConv.
+    default = optimize_checked(model, tmp_path)
+    assert default.passed(FC)["state"] == "off"
+    assert default.counts(FC) == (0, 0)
+    assert default.counts(ACT) == (1, 1)
+    assert default.op_counts() == Counter({"FusedConv": 1})

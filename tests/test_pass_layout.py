@@ -27,6 +27,7 @@ TRANSPOSE = "TransposeTransposeFusionPass"
 SQUEEZE = "SqueezeUnsqueezeFusionPass"
 CAST = "CastCastFusionPass"
 IDENTITY = "IdentityEliminationPass"
+FOLD = "ConstantFoldingPass"
 
 F, F16, D = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE
 I32, I64, U8, B = TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8, TensorProto.BOOL
@@ -451,23 +452,12 @@ def test_cast_pair_declines(case: str, tmp_path: Path) -> None:
     assert run.op_counts()["Cast"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: CastCastFusionPass reads the input's element type only as recorded in "
-    "the file (no value_info: declined as unknown) and never asks the shape oracle, unless an "
-    "unrelated earlier pass happened to run shape inference",
-)
 def test_cast_pair_input_type_not_recorded(tmp_path: Path) -> None:
     model = _casts(tmp_path / "unrecorded.onnx", F, D, F, relu=True, record_relu=False)
     run = optimize_checked(model, tmp_path)
     assert run.counts(CAST) == (1, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: CastCastFusionPass drops the outer Cast's saturate attribute (opset "
-    "19+): saturate=0 (out of range -> NaN) becomes the default saturate=1 (clamp to 448)",
-)
 def test_cast_pair_keeps_saturate(tmp_path: Path) -> None:
     f8 = TensorProto.FLOAT8E4M3FN
     model = save_model(
@@ -523,7 +513,9 @@ def _dropout(
 
 
 def test_identity_chain_removed(tmp_path: Path) -> None:
-    """Every Identity goes; the one at the graph output hands its name to the Add."""
+    """Every Identity goes; the one at the graph output hands its name to the Add. The
+    Identity of a constant is folded first (ConstantFoldingPass): its output becomes the
+    initializer the Add reads."""
     model = save_model(
         tmp_path / "identities.onnx",
         [
@@ -539,20 +531,23 @@ def test_identity_chain_removed(tmp_path: Path) -> None:
         value_info=[value("n", [2, 3])],
     )
     run = optimize_checked(model, tmp_path)
-    assert run.counts(IDENTITY) == (3, 3)
-    assert run.passed(IDENTITY)["patterns"] == {"Identity": {"matched": 3, "effected": 3}}
+    assert run.counts(IDENTITY) == (2, 2)
+    assert run.passed(IDENTITY)["patterns"] == {"Identity": {"matched": 2, "effected": 2}}
     assert reasons(run, IDENTITY) == {}
+    assert run.passed(FOLD)["patterns"] == {"Identity": {"matched": 1, "effected": 1}}
+    assert [site["original_nodes"] for site in run.passed(FOLD)["sites"]] == [["id_const"]]
     assert _graph(run.output) == (
-        [("Relu", ["x"], ["r"]), ("Add", ["r", "c"], ["y"])],
+        [("Relu", ["x"], ["r"]), ("Add", ["r", "ci"], ["y"])],
         ["y"],
     )
+    assert [i.name for i in onnx.load(str(run.output)).graph.initializer] == ["ci"]
     assert [site["original_nodes"] for site in run.passed(IDENTITY)["sites"]] == [
         ["id1"],
-        ["id_const"],
         ["id2"],
     ]
     assert run.fusion_result["session_and_graph_id_0_0"]["graph_fusion"] == {
-        IDENTITY: {"effect_times": "3", "match_times": "3"}
+        FOLD: {"effect_times": "1", "match_times": "1"},
+        IDENTITY: {"effect_times": "2", "match_times": "2"},
     }
 
 
@@ -583,12 +578,6 @@ def test_inference_dropout_removed(case: str, tmp_path: Path) -> None:
     assert _graph(run.output) == ([("Relu", ["x"], ["r"]), ("Neg", ["r"], ["y"])], ["y"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: when an Identity at a graph output is bypassed, its producer's output "
-    "takes the graph output's name but not its type: with no value_info for that value the "
-    "optimized model's output has no type and fails onnx.checker",
-)
 def test_identity_at_graph_output_keeps_output_type(tmp_path: Path) -> None:
     model = save_model(
         tmp_path / "identity_output_type.onnx",
@@ -666,12 +655,6 @@ def test_dropout_declines(case: str, tmp_path: Path) -> None:
     assert run.op_counts()["Dropout"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: IdentityEliminationPass reads Dropout's training_mode with "
-    "get_const_tensor, so an initializer that is also a graph input (overridable: the caller "
-    "may feed True) counts as a constant false and the Dropout is removed",
-)
 def test_dropout_training_mode_overridable_kept(tmp_path: Path) -> None:
     model = _dropout(
         tmp_path / "dropout_overridable.onnx",
@@ -683,11 +666,6 @@ def test_dropout_training_mode_overridable_kept(tmp_path: Path) -> None:
     assert_declined(run, IDENTITY, "Dropout training_mode is not a constant false", "drop")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fusectl bug: an Identity whose input is a node's output that is itself a graph "
-    "output is declined as linking 'a graph input or initializer' to a graph output",
-)
 def test_identity_between_two_graph_outputs_reason(tmp_path: Path) -> None:
     model = save_model(
         tmp_path / "identity_outputs.onnx",

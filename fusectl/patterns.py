@@ -300,8 +300,8 @@ class PatternPass(FusionPass):
         by_op: dict[Any, list[ir.Node]] = {}
         for node in graph:
             by_op.setdefault(node.op_identifier(), []).append(node)
-        # A candidate one pattern declined may still be rewritten by a later, smaller one: it
-        # then counts once, as an effect.
+        # A candidate counts once per pass: declined by one pattern and rewritten by a later,
+        # smaller one, it is an effect; declined by several, it keeps the first reason.
         declined: dict[ir.Node, tuple[PatternStats, str]] = {}
         for compiled in self.compiled_rules():
             stats = ctx.pattern(compiled.rule.name)
@@ -320,7 +320,10 @@ class PatternPass(FusionPass):
                     continue  # removed by an earlier rewrite of this pass
                 outcome = self._try_node(model, node, compiled, stats)
                 if isinstance(outcome, str):
-                    declined[node] = (stats, outcome)
+                    if node in declined:  # already counted by an earlier pattern
+                        stats.withdraw(outcome, _node_label(node))
+                    else:
+                        declined[node] = (stats, outcome)
                     continue
                 if outcome and node in declined:
                     earlier, reason = declined.pop(node)

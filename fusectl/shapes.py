@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import _c_api_utils
 
 from fusectl.errors import FusectlError
 
@@ -86,6 +87,12 @@ class ShapeOracle:
         self._proto = proto
         self.ran = False
 
+    def invalidate(self) -> None:
+        """The graph changed in a way that may make more shapes inferable (a constant was
+        folded): the next unknown shape infers again, on the graph as it is now."""
+        self.ran = False
+        self._proto = None
+
     def shape(self, value: ir.Value) -> ir.Shape | None:
         if value.shape is None and not self.ran:
             self._infer()
@@ -98,12 +105,15 @@ class ShapeOracle:
 
     def _infer(self) -> None:
         self.ran = True
-        if self._proto is None:
-            return
+
+        def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+            return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+
         try:
-            inferred = onnx.shape_inference.infer_shapes(
-                _without_weights(self._proto, self._model), strict_mode=False, data_prop=True
-            )
+            if self._proto is not None:
+                inferred = infer(_without_weights(self._proto, self._model))
+            else:  # onnx-ir's helper serialises the current graph without its large weights
+                inferred = _c_api_utils.call_onnx_api(infer, self._model)
         except Exception as error:  # inference is a best effort; passes decline without it
             logger.debug("shape inference failed: %s", error)
             return

@@ -138,3 +138,5 @@ class ConstantFoldingPass(FusionPass):
             for new in constants:
                 graph.initializers[new.name] = new
             ctx.record_fusion(node.op_type, [node], [])
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()

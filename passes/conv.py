@@ -166,6 +166,18 @@ def _conv_add(op, x, w, bias):
     return op.Add(_conv(op, x, w), bias)
 
 
+def _bias_like(site: Site, w: ir.Value, bias: ir.Value, **_: Any) -> bool:
+    """A bias Add adds a constant or something shaped like one; a residual Add of another
+    activation map is a different pattern (ConvActivation's), not a near miss of this one."""
+    if bias.is_initializer() or bias.is_graph_input() or site.constant(bias) is not None:
+        return True
+    shape, weight = site.shape(bias), w.shape
+    if shape is None or weight is None or not all(isinstance(d, int) for d in shape):
+        return False
+    padded = (1,) * (len(weight) - len(shape)) + tuple(shape)
+    return len(padded) == len(weight) and padded[0] == 1 and all(d == 1 for d in padded[2:])
+
+
 @register_pass
 class ConvBiasAddFusionPass(PatternPass):
     spec = PassSpec(
@@ -178,7 +190,7 @@ class ConvBiasAddFusionPass(PatternPass):
         priority=4080,
         emits=("Conv",),
     )
-    rules = (Rule("ConvBiasAdd", _conv_add, _fold_bias_add),)
+    rules = (Rule("ConvBiasAdd", _conv_add, _fold_bias_add, candidate=_bias_like),)
 
 
 def _fold_scale(op: Any, site: Site, x: ir.Value, w: ir.Value, scale: ir.Value) -> ir.Value:

@@ -51,6 +51,9 @@ class Rule:
     check: CheckFn | None = None
     commute: bool = True
     candidate: Callable[..., bool] | None = None
+    # Pattern values (bound with ``_outputs=[name]``) that may be used outside the match; the
+    # rewrite must then ``site.provide`` a replacement for each one that is.
+    exposes: tuple[str, ...] = ()
 
 
 class Site:
@@ -61,6 +64,12 @@ class Site:
         self.root: ir.Node = match.root
         self.nodes: tuple[ir.Node, ...] = tuple(match.nodes)
         self.outputs: tuple[ir.Value, ...] = tuple(match.output_values)
+        self.provided: dict[ir.Value, ir.Value] = {}
+
+    def provide(self, intermediate: ir.Value, replacement: ir.Value) -> None:
+        """Let the rewrite keep an exposed intermediate available: its other consumers (and
+        a graph output) read ``replacement``, an output of the new nodes, instead."""
+        self.provided[intermediate] = replacement
 
     @property
     def label(self) -> str:
@@ -229,6 +238,7 @@ class _CompiledRule:
             if (op := graph_pattern.node(index).op_identifier()) is not None
         }
         self.variants = [(variant, _producer_ops(variant)) for variant in variants]
+        self.tree = graph_pattern.output_node
 
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
         assert self.ctx is not None
@@ -236,7 +246,10 @@ class _CompiledRule:
         if self.rule.candidate is not None and not self.rule.candidate(site, **bindings):
             return False
         self.outcome.site = site
-        reason = uses_outside(site.nodes, site.outputs)
+        exposed = tuple(
+            bindings[name] for name in self.rule.exposes if bindings.get(name) is not None
+        )
+        reason = uses_outside(site.nodes, (*site.outputs, *exposed))
         if reason is None and self.ctx.opset < self._min_opset:
             what = "/".join(self._emits) or "the fused op"
             reason = f"{what} needs opset >= {self._min_opset}, model has {self.ctx.opset}"
@@ -266,6 +279,38 @@ def _producer_ops(rule: oxs_pattern.RewriteRule) -> tuple[tuple[int, Any], ...]:
         if producer is not None and producer.op_identifier() is not None:
             required.append((index, producer.op_identifier()))
     return tuple(required)
+
+
+_COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"})
+
+
+def _tree_fits(pattern: Any, node: ir.Node | None) -> bool:
+    """Whether the graph above ``node`` has the pattern's op types, in either input order of
+    commutative ops. A cheap necessary test: many patterns with many commuted variants (the
+    GELU and layer-norm spellings) would otherwise run the full matcher at every Mul or Add.
+    """
+    if node is None:
+        return False
+    wanted = pattern.op_identifier()
+    if wanted is not None and node.op_identifier() != wanted:
+        return False
+    expected = pattern.inputs
+    inputs = list(node.inputs)
+    if len(inputs) < len(expected):
+        return False
+
+    def fits(value_pattern: Any, value: ir.Value | None) -> bool:
+        producer = value_pattern.producer() if value_pattern is not None else None
+        if producer is None:
+            return True
+        return value is not None and _tree_fits(producer, value.producer())
+
+    if node.op_type in _COMMUTATIVE and len(expected) == 2:
+        first, second = expected
+        return (fits(first, inputs[0]) and fits(second, inputs[1])) or (
+            fits(first, inputs[1]) and fits(second, inputs[0])
+        )
+    return all(fits(p, v) for p, v in zip(expected, inputs, strict=False))
 
 
 def _producers_fit(node: ir.Node, producers: tuple[tuple[int, Any], ...]) -> bool:
@@ -339,6 +384,8 @@ class PatternPass(FusionPass):
         """Try every input order of the rule at ``node``: the new nodes if one rewrote it,
         the reason if the rule matched and declined, else nothing."""
         assert compiled.ctx is not None
+        if not _tree_fits(compiled.tree, node):
+            return ()
         declined: str | None = None
         for variant, producers in compiled.variants:
             if not _producers_fit(node, producers):
@@ -346,14 +393,20 @@ class PatternPass(FusionPass):
             compiled.outcome = _Outcome()
             delta = variant.try_rewrite(model, model.graph, node)
             if delta is not None:
+                site = compiled.outcome.site
+                assert site is not None
+                unprovided = uses_outside(delta.match.nodes, [*delta.match.outputs, *site.provided])
+                if unprovided is not None:
+                    declined = declined or unprovided
+                    continue
                 replace_subgraph(
                     compiled.ctx,
                     compiled.rule.name,
                     node,
                     delta.match.nodes,
                     delta.new_nodes,
-                    delta.match.outputs,
-                    delta.new_outputs,
+                    [*delta.match.outputs, *site.provided],
+                    [*delta.new_outputs, *site.provided.values()],
                     delta.new_initializers,
                 )
                 return delta.new_nodes
@@ -383,6 +436,8 @@ def replace_subgraph(
     produced = {value for node in new_nodes for value in node.outputs}
     if any(value not in produced for value in new_outputs):
         raise ValueError(f"{ctx.spec.name}: a replacement output must come from a new node")
+    if len(set(new_outputs)) != len(new_outputs):
+        raise ValueError(f"{ctx.spec.name}: two matched values replaced by the same new value")
     base = f"{ctx.spec.name}/{_node_label(root)}"
     replaced = set(new_outputs)
     for index, node in enumerate(new_nodes):

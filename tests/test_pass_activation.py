@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from onnx import helper
 from tests.pass_helpers import (
     assert_declined,
     const,
+    fixture_path,
     lineage,
     optimize_checked,
     reasons,
@@ -40,27 +40,15 @@ def _sorted_lineage(run) -> dict[str, tuple[list[str], list[str]]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real exporter output: softmax written out by hand, stable and plain.
+# Real exporter output (tests/fixtures/make_fixtures.py): softmax written out by hand, stable
+# and plain.
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def exported_softmax(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch = pytest.importorskip("torch")
-
-    class HandSoftmax(torch.nn.Module):
-        def forward(self, x):
-            shifted = torch.exp(x - x.amax(-1, keepdim=True))
-            plain = torch.exp(x)
-            return shifted / shifted.sum(-1, keepdim=True), plain / plain.sum(1, keepdim=True)
-
-    path = tmp_path_factory.mktemp("export") / "hand_softmax.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            HandSoftmax(), (torch.randn(2, 4, 6),), str(path), dynamo=False, opset_version=17
-        )
-    return path
+def exported_softmax() -> Path:
+    """HandSoftmax in tests/fixtures/make_fixtures.py, TorchScript, opset 17."""
+    return fixture_path("hand_softmax_torchscript")
 
 
 def test_exported_softmax(exported_softmax: Path, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ exports, forms and near misses built with onnx.helper."""
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from onnx import helper
 from tests.pass_helpers import (
     assert_declined,
     const,
+    fixture_path,
     lineage,
     optimize_checked,
     reasons,
@@ -45,45 +45,17 @@ def _metadata(path: Path) -> dict[str, dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real exporter output: torch.split / torch.cat written in PyTorch (TorchScript, opset 17,
-# which writes no intermediate shapes).
+# Real exporter output (tests/fixtures/make_fixtures.py): torch.split / torch.cat written in
+# PyTorch (TorchScript, opset 17, which writes no intermediate shapes).
 # ---------------------------------------------------------------------------------------------
 
 
-def _export(module, path: Path, shape: tuple[int, ...]) -> Path:
-    torch = pytest.importorskip("torch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.randn(*shape),), str(path), dynamo=False, opset_version=17)
-    return path
-
-
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    torch = pytest.importorskip("torch")
-    folder = tmp_path_factory.mktemp("export")
-
-    class SplitCat(torch.nn.Module):
-        def forward(self, x):
-            r = torch.relu(x)
-            return torch.cat(torch.split(r, 2, dim=1), dim=1) * 2, torch.cat([r, x], dim=2)
-
-    class SplitCatLastAxis(torch.nn.Module):
-        def forward(self, x):
-            return torch.cat(torch.split(torch.relu(x), [1, 3], dim=-1), dim=-1) * 3
-
-    class BatchSplit(torch.nn.Module):
-        def forward(self, x):
-            top, bottom = torch.split(torch.relu(x), 1, dim=0)
-            return top.exp(), bottom.exp()
-
+def exported() -> dict[str, Path]:
+    """SplitCat, SplitCatLastAxis and BatchSplit in tests/fixtures/make_fixtures.py, x [2,4,4]."""
     return {
-        name: _export(module(), folder / f"{name}.onnx", (2, 4, 4))
-        for name, module in (
-            ("split_cat", SplitCat),
-            ("split_cat_last_axis", SplitCatLastAxis),
-            ("batch_split", BatchSplit),
-        )
+        name: fixture_path(f"{name}_torchscript")
+        for name in ("split_cat", "split_cat_last_axis", "batch_split")
     }
 
 

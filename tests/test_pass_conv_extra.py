@@ -3,7 +3,6 @@ ConvToFullyConnectionFusionPass: exporter fixtures, near misses built with onnx.
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -118,36 +117,11 @@ def test_exported_fixture_fully_connected_lineage(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def exported_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def exported_cnn() -> Path:
     """TorchScript export of F.pad -> Conv -> * per-channel scale -> grouped ConvTranspose ->
-    BatchNorm (eval mode: the exporter folds Conv+BN, never ConvTranspose+BN)."""
-    torch = pytest.importorskip("torch")
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3)
-            self.scale = nn.Parameter(torch.rand(4, 1, 1) + 0.5)
-            self.deconv = nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2)
-            self.bn = nn.BatchNorm2d(6)
-
-        def forward(self, x):
-            y = self.conv(nn.functional.pad(x, (1, 1, 2, 0))) * self.scale
-            return self.bn(self.deconv(y))
-
-    torch.manual_seed(0)
-    net = Net().eval()
-    with torch.no_grad():
-        net.bn.running_mean.uniform_(-0.1, 0.1)
-        net.bn.running_var.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("export") / "pad_conv_scale_deconv_bn.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            net, (torch.randn(1, 3, 4, 4),), str(path), dynamo=False, opset_version=17
-        )
-    return path
+    BatchNorm (eval mode: the exporter folds Conv+BN, never ConvTranspose+BN);
+    PadConvScaleDeconvBN in tests/fixtures/make_fixtures.py."""
+    return fixture_path("pad_conv_scale_deconv_bn_torchscript")
 
 
 def test_exported_conv_scale_and_deconv_batchnorm(exported_cnn: Path, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ IdentityEliminationPass: a TorchScript export, forms and near misses built with 
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from tests.conftest import optimize, run_model
 from tests.pass_helpers import (
     assert_declined,
     const,
+    fixture_path,
     lineage,
     optimize_checked,
     reasons,
@@ -46,29 +46,15 @@ def _attribute(path: Path, op_type: str, name: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# Real exporter output: unsqueeze/squeeze and dtype round trips written in PyTorch.
+# Real exporter output (tests/fixtures/make_fixtures.py): unsqueeze/squeeze and dtype round
+# trips written in PyTorch.
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def exported_layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch = pytest.importorskip("torch")
-
-    class Layout(torch.nn.Module):
-        def forward(self, x):
-            r = torch.relu(x)
-            same = r.unsqueeze(1).squeeze(1) * 2
-            lossy = r.half().float() + 1
-            wide = (r * 3).half().double().float() - 1
-            return same, lossy, wide
-
-    path = tmp_path_factory.mktemp("export") / "layout.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Layout(), (torch.randn(2, 4, 4),), str(path), dynamo=False, opset_version=17
-        )
-    return path
+def exported_layout() -> Path:
+    """Layout in tests/fixtures/make_fixtures.py, TorchScript, opset 17, x [2,4,4]."""
+    return fixture_path("layout_torchscript")
 
 
 def test_exported_layout(exported_layout: Path, tmp_path: Path) -> None:

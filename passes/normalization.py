@@ -1,0 +1,228 @@
+"""Layer normalisation written out by exporters (opset < 17 has no LayerNormalization op),
+and the residual Add in front of it fused with it into onnxruntime's SkipLayerNormalization.
+
+    mean = ReduceMean(x, trailing axes); d = x - mean
+    y = d / Sqrt(ReduceMean(d^2) + eps) * gamma + beta     (d^2 as Pow(d, 2) or Mul(d, d))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import onnx_ir as ir
+
+from fusectl.patterns import Decline, PatternPass, Rule, Site
+from fusectl.registry import Category, Numerics, PassSpec, register_pass
+
+MS = "com.microsoft"
+
+
+def _reduce_mean(op: Any, x: Any) -> Any:
+    return op.ReduceMean(x, _allow_other_inputs=True, _allow_other_attributes=True)
+
+
+def _decomposed(square: str) -> Callable[..., Any]:
+    """The written-out layer norm over the pattern variable ``x``, squaring one way."""
+
+    def normalise(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any = None) -> Any:
+        centred = op.Sub(x, _reduce_mean(op, x))
+        squared = op.Pow(centred, two) if square == "Pow" else op.Mul(centred, centred)
+        std = op.Sqrt(op.Add(_reduce_mean(op, squared), eps))
+        return op.Add(op.Mul(op.Div(centred, std), gamma), beta)
+
+    return normalise
+
+
+def _pattern(square: str, residual: bool) -> Callable[..., Any]:
+    norm = _decomposed(square)
+    if residual:
+        if square == "Pow":
+            return lambda op, a, b, eps, gamma, beta, two: norm(
+                op, op.Add(a, b, _outputs=["total"]), eps, gamma, beta, two
+            )
+        return lambda op, a, b, eps, gamma, beta: norm(
+            op, op.Add(a, b, _outputs=["total"]), eps, gamma, beta
+        )
+    if square == "Pow":
+        return lambda op, x, eps, gamma, beta, two: norm(op, x, eps, gamma, beta, two)
+    return lambda op, x, eps, gamma, beta: norm(op, x, eps, gamma, beta)
+
+
+def _reduce_axes(site: Site, node: ir.Node) -> list[int] | None:
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = site.constant(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    axes = node.attributes.get_ints("axes", None)
+    return None if axes is None else list(axes)
+
+
+def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
+    """The decomposition's checks; returns the first normalised axis, as a negative index.
+
+    Both means must run over the same trailing axes and keep them, squaring must be by 2,
+    eps a scalar, gamma and beta constants over the normalised dimensions.
+    """
+    means = [node for node in site.nodes if node.op_type == "ReduceMean"]
+    shape = site.shape(x)
+    rank = None if shape is None else len(shape)
+    axes_sets = []
+    for node in means:
+        if node.attributes.get_int("keepdims", 1) != 1:
+            raise Decline("a ReduceMean does not keep its axes")
+        axes = _reduce_axes(site, node)
+        if not axes:
+            raise Decline("a ReduceMean has no constant axes")
+        if any(a >= 0 for a in axes):
+            if rank is None:
+                raise Decline("the rank of the normalised input is unknown")
+            axes = [a - rank if a >= 0 else a for a in axes]
+        axes_sets.append(sorted(axes))
+    if axes_sets[0] != axes_sets[1]:
+        raise Decline("the two ReduceMeans use different axes")
+    axes = axes_sets[0]
+    if axes != list(range(-len(axes), 0)):
+        raise Decline("the normalised axes are not the trailing ones")
+    if "two" in bindings:
+        exponent = site.require_constant(bindings["two"], "the exponent")
+        if exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0:
+            raise Decline("the square is not Pow(d, 2)")
+    eps = site.require_constant(bindings["eps"], "epsilon")
+    if eps.size != 1:
+        raise Decline("epsilon is not a scalar")
+    normalised = None if shape is None else list(shape)[len(shape) + axes[0] :]
+    for name in ("gamma", "beta"):
+        array = site.require_constant(bindings[name], name)
+        if normalised is not None and all(isinstance(d, int) for d in normalised):
+            padded = (1,) * (len(normalised) - array.ndim) + array.shape
+            if array.ndim > len(normalised) or list(padded) != normalised:
+                raise Decline(f"{name} does not span the normalised dimensions exactly")
+    return axes[0]
+
+
+def _epsilon(site: Site, eps: ir.Value) -> float:
+    return float(site.require_constant(eps, "epsilon").reshape(-1)[0])
+
+
+def _param(site: Site, op: Any, value: ir.Value, name: str, size: int | None) -> ir.Value:
+    """gamma/beta as the 1-D (or normalised-shape) initializer the fused ops take."""
+    array = site.require_constant(value, name)
+    if size is not None and array.size == size and array.ndim != 1:
+        return site.initializer(op, array.reshape(-1), name)
+    return value
+
+
+def _to_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    axis = normalised_axis(site, x, **bindings)
+    return op.LayerNormalization(
+        x, bindings["gamma"], bindings["beta"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
+    )
+
+
+@register_pass
+class LayerNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="LayerNormFusionPass",
+        category=Category.GRAPH,
+        description="Written-out layer norm (ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add) -> "
+        "LayerNormalization (opset 17)",
+        aliases=("LayerNormONNXFusionPass", "layer_norm_fusion"),
+        numerics=Numerics.REASSOCIATING,
+        min_opset=17,
+        emits=("LayerNormalization",),
+    )
+    rules = (
+        Rule("LayerNormPow", _pattern("Pow", False), _to_layer_norm),
+        Rule("LayerNormMul", _pattern("Mul", False), _to_layer_norm),
+    )
+
+
+def _skip(
+    op: Any,
+    site: Site,
+    a: ir.Value,
+    b: ir.Value,
+    total: ir.Value,
+    gamma: ir.Value,
+    beta: ir.Value,
+    epsilon: float,
+) -> ir.Value:
+    """onnxruntime's SkipLayerNormalization: LN(a + b) over the last axis of a 3-D input."""
+    shape_a, shape_b = site.shape(a), site.shape(b)
+    if shape_a is None or shape_b is None:
+        raise Decline("the shapes of the residual Add's inputs are unknown")
+    if len(shape_a) != 3 or shape_a != shape_b:
+        raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
+    site.require_kernel("SkipLayerNormalization", site.dtype(a), MS)
+    hidden = shape_a[-1] if isinstance(shape_a[-1], int) else None
+    # The sum a + b often feeds the next residual too: the kernel's fourth output keeps it.
+    keep_sum = total.is_graph_output() or any(user not in site.nodes for user, _ in total.uses())
+    outputs = op.SkipLayerNormalization(
+        a,
+        b,
+        _param(site, op, gamma, "gamma", hidden),
+        _param(site, op, beta, "beta", hidden),
+        _domain=MS,
+        _outputs=4 if keep_sum else 1,
+        epsilon=epsilon,
+    )
+    if not keep_sum:
+        return outputs
+    site.provide(total, outputs[3])
+    return outputs[0]
+
+
+def _skip_written_out(
+    op: Any, site: Site, a: ir.Value, b: ir.Value, total: ir.Value, **bindings: Any
+) -> ir.Value:
+    if normalised_axis(site, total, **bindings) != -1:
+        raise Decline("SkipLayerNormalization normalises the last axis only")
+    return _skip(
+        op, site, a, b, total, bindings["gamma"], bindings["beta"], _epsilon(site, bindings["eps"])
+    )
+
+
+def _add_layer_normalization(op: Any, a: Any, b: Any, gamma: Any, beta: Any) -> Any:
+    total = op.Add(a, b, _outputs=["total"])
+    return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True)
+
+
+def _skip_native(
+    op: Any,
+    site: Site,
+    a: ir.Value,
+    b: ir.Value,
+    total: ir.Value,
+    gamma: ir.Value,
+    beta: ir.Value,
+) -> ir.Value:
+    norm = site.node("LayerNormalization")
+    shape = site.shape(total)
+    axis = norm.attributes.get_int("axis", -1)
+    if not (axis == -1 or (shape is not None and axis == len(shape) - 1)):
+        raise Decline("SkipLayerNormalization normalises the last axis only")
+    if norm.attributes.get_int("stash_type", 1) != 1:
+        raise Decline("LayerNormalization computes in another precision (stash_type)")
+    site.require_constant(gamma, "gamma")
+    site.require_constant(beta, "beta")
+    return _skip(op, site, a, b, total, gamma, beta, norm.attributes.get_float("epsilon", 1e-5))
+
+
+@register_pass
+class AddLayerNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="AddLayerNormFusionPass",
+        category=Category.UB,
+        description="residual Add + layer norm (LayerNormalization or written out) -> "
+        "com.microsoft SkipLayerNormalization (the sum stays available to its other readers)",
+        aliases=("add_layer_norm_fusion", "SkipLayerNormFusion"),
+        numerics=Numerics.REASSOCIATING,
+        targets=("ort",),
+        emits=("SkipLayerNormalization",),
+        emits_domain=MS,
+    )
+    rules = (
+        Rule("AddLayerNormPow", _pattern("Pow", True), _skip_written_out, exposes=("total",)),
+        Rule("AddLayerNormMul", _pattern("Mul", True), _skip_written_out, exposes=("total",)),
+        Rule("AddLayerNormalization", _add_layer_normalization, _skip_native, exposes=("total",)),
+    )

@@ -1,0 +1,162 @@
+"""LayerNormFusionPass (standard LayerNormalization, opset 17) and AddLayerNormFusionPass
+(residual Add + layer norm -> onnxruntime SkipLayerNormalization)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    optimize_checked,
+    reasons,
+    save_model,
+    value,
+)
+
+LN, SKIP = "LayerNormFusionPass", "AddLayerNormFusionPass"
+SHAPE = [2, 5, 8]
+
+
+def _n(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], name=output, **attrs)
+
+
+def _layer_norm(
+    x: str, out: str, *, square: str = "pow", axes: list[int] | None = None, opset: int = 17
+) -> list[onnx.NodeProto]:
+    axes = axes or [-1]
+    reduce = {"axes": axes} if opset < 18 else {}
+    axes_input = [] if opset < 18 else ["axes"]
+    squared = _n("Pow", ["d", "two"], "sq") if square == "pow" else _n("Mul", ["d", "d"], "sq")
+    return [
+        _n("ReduceMean", [x, *axes_input], "mean", **reduce),
+        _n("Sub", [x, "mean"], "d"),
+        squared,
+        _n("ReduceMean", ["sq", *axes_input], "var", **reduce),
+        _n("Add", ["var", "eps"], "ve"),
+        _n("Sqrt", ["ve"], "std"),
+        _n("Div", ["d", "std"], "norm"),
+        _n("Mul", ["norm", "gamma"], "scaled"),
+        _n("Add", ["scaled", "beta"], out),
+    ]
+
+
+def _model(
+    path: Path,
+    *,
+    residual: bool,
+    reuse_sum: bool = False,
+    opset: int = 17,
+    shape: list[int] = SHAPE,
+    two: float = 2.0,
+    **kwargs: object,
+) -> Path:
+    rng = np.random.default_rng(0)
+    inputs = [value("a", shape)]
+    nodes: list[onnx.NodeProto] = []
+    x = "a"
+    if residual:
+        inputs.append(value("b", shape))
+        nodes.append(_n("Add", ["a", "b"], "total"))
+        x = "total"
+    nodes += _layer_norm(x, "y", opset=opset, **kwargs)
+    outputs = [value("y", shape)]
+    if reuse_sum:  # pre-LN style: the sum also feeds the next residual
+        nodes.append(_n("Add", ["y", "total"], "next"))
+        outputs = [value("next", shape)]
+    inits = [
+        const("two", np.array(two, np.float32)),
+        const("eps", np.array(1e-5, np.float32)),
+        const("gamma", rng.uniform(0.5, 1.5, shape[-1])),
+        const("beta", rng.normal(0, 0.1, shape[-1])),
+        const("axes", np.array(kwargs.get("axes") or [-1], np.int64), np.int64),
+    ]
+    return save_model(path, nodes, inputs, outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("square", ["pow", "mul"])
+def test_layer_norm_becomes_layer_normalization(square: str, tmp_path: Path) -> None:
+    run = optimize_checked(_model(tmp_path / "ln.onnx", residual=False, square=square), tmp_path)
+    assert run.counts(LN) == (1, 1)
+    assert run.op_counts() == Counter({"LayerNormalization": 1})
+    (node,) = onnx.load(str(run.output)).graph.node
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["axis"] == -1 and attrs["epsilon"] == pytest.approx(1e-5)
+
+
+def test_layer_norm_below_opset_17_says_why(tmp_path: Path) -> None:
+    run = optimize_checked(_model(tmp_path / "ln14.onnx", residual=False, opset=14), tmp_path)
+    assert_declined(run, LN, "LayerNormalization needs opset >= 17, model has 14", "y")
+    assert run.op_counts()["ReduceMean"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"two": 3.0}, "the square is not Pow(d, 2)"),
+        ({"axes": [1]}, "the normalised axes are not the trailing ones"),
+    ],
+    ids=["cube", "middle_axis"],
+)
+def test_layer_norm_near_misses(kwargs: dict, reason: str, tmp_path: Path) -> None:
+    run = optimize_checked(_model(tmp_path / "miss.onnx", residual=False, **kwargs), tmp_path)
+    assert_declined(run, LN, reason, "y")
+
+
+@pytest.mark.parametrize("opset", [14, 17, 18])
+def test_residual_add_and_layer_norm_become_skip_layer_norm(opset: int, tmp_path: Path) -> None:
+    run = optimize_checked(_model(tmp_path / "skip.onnx", residual=True, opset=opset), tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert run.op_counts() == Counter({"SkipLayerNormalization": 1})
+    (node,) = onnx.load(str(run.output)).graph.node
+    assert list(node.input) == ["a", "b", "gamma", "beta"] and len(node.output) == 1
+
+
+def test_sum_read_elsewhere_comes_from_the_fourth_output(tmp_path: Path) -> None:
+    model = _model(tmp_path / "reuse.onnx", residual=True, reuse_sum=True)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    skip = next(n for n in graph.node if n.op_type == "SkipLayerNormalization")
+    add = next(n for n in graph.node if n.op_type == "Add")
+    assert len(skip.output) == 4 and skip.output[3] == "total"
+    assert sorted(add.input) == sorted([skip.output[0], "total"])
+
+
+def test_skip_layer_norm_needs_3d_inputs(tmp_path: Path) -> None:
+    model = _model(tmp_path / "flat.onnx", residual=True, shape=[4, 8])
+    run = optimize_checked(model, tmp_path)
+    # LayerNormFusionPass ran first: the candidate is the LayerNormalization it made.
+    assert_declined(
+        run,
+        SKIP,
+        "the residual Add's inputs are not two 3-D tensors of one shape",
+        "LayerNormFusionPass/y",
+    )
+    assert run.op_counts() == Counter({"Add": 1, "LayerNormalization": 1})
+
+
+# BERT (tiny config, random weights) from tests/fixtures/make_transformer_fixtures.py: five
+# layer norms, four after a residual Add of two [B, S, H] activations; the embeddings' norm
+# adds position embeddings of shape [1, S, H], which SkipLayerNormalization does not take.
+@pytest.mark.parametrize(
+    ("name", "ln"),
+    [("bert_tiny_ts14", (5, 0)), ("bert_tiny_ts17", (0, 0)), ("bert_tiny_dynamo", (0, 0))],
+)
+def test_bert_residual_norms(name: str, ln: tuple[int, int], tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(LN) == ln
+    assert run.counts(SKIP) == (5, 4)
+    assert reasons(run, SKIP) == {
+        "the residual Add's inputs are not two 3-D tensors of one shape": 1
+    }
+    assert run.op_counts()["SkipLayerNormalization"] == 4
+    assert run.counts("BiasGeluFusionPass") == (2, 2)

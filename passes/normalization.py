@@ -1,8 +1,11 @@
-"""Layer normalisation written out by exporters (opset < 17 has no LayerNormalization op),
-and the residual Add in front of it fused with it into onnxruntime's SkipLayerNormalization.
+"""Layer and RMS normalisation written out by exporters, and the residual Add in front of
+them fused with them into onnxruntime's SkipLayerNormalization / SkipSimplifiedLayerNorm.
 
     mean = ReduceMean(x, trailing axes); d = x - mean
     y = d / Sqrt(ReduceMean(d^2) + eps) * gamma + beta     (d^2 as Pow(d, 2) or Mul(d, d))
+
+    RMS (LLaMA, T5): y = x * 1/Sqrt(ReduceMean(x^2) + eps) * weight
+    (1/s as Reciprocal(s) or Div(1, s), or x / s directly)
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def _reduce_axes(site: Site, node: ir.Node) -> list[int] | None:
 def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
     """The decomposition's checks; returns the first normalised axis, as a negative index.
 
-    Both means must run over the same trailing axes and keep them, squaring must be by 2,
-    eps a scalar, gamma and beta constants over the normalised dimensions.
+    The means must run over the same trailing axes and keep them, squaring must be by 2,
+    eps a scalar, gamma (and beta) constants over the normalised dimensions.
     """
     means = [node for node in site.nodes if node.op_type == "ReduceMean"]
     shape = site.shape(x)
@@ -78,7 +81,7 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
                 raise Decline("the rank of the normalised input is unknown")
             axes = [a - rank if a >= 0 else a for a in axes]
         axes_sets.append(sorted(axes))
-    if axes_sets[0] != axes_sets[1]:
+    if any(axes != axes_sets[0] for axes in axes_sets):
         raise Decline("the two ReduceMeans use different axes")
     axes = axes_sets[0]
     if axes != list(range(-len(axes), 0)):
@@ -92,6 +95,8 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
         raise Decline("epsilon is not a scalar")
     normalised = None if shape is None else list(shape)[len(shape) + axes[0] :]
     for name in ("gamma", "beta"):
+        if name not in bindings:
+            continue
         array = site.require_constant(bindings[name], name)
         if normalised is not None and all(isinstance(d, int) for d in normalised):
             padded = (1,) * (len(normalised) - array.ndim) + array.shape
@@ -144,27 +149,26 @@ def _skip(
     b: ir.Value,
     total: ir.Value,
     gamma: ir.Value,
-    beta: ir.Value,
+    beta: ir.Value | None,
     epsilon: float,
 ) -> ir.Value:
-    """onnxruntime's SkipLayerNormalization: LN(a + b) over the last axis of a 3-D input."""
+    """onnxruntime's SkipLayerNormalization (SkipSimplifiedLayerNormalization when there is
+    no beta: the RMS form): norm(a + b) over the last axis of a 3-D input."""
     shape_a, shape_b = site.shape(a), site.shape(b)
     if shape_a is None or shape_b is None:
         raise Decline("the shapes of the residual Add's inputs are unknown")
     if len(shape_a) != 3 or shape_a != shape_b:
         raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
-    site.require_kernel("SkipLayerNormalization", site.dtype(a), MS)
+    op_type = "SkipLayerNormalization" if beta is not None else "SkipSimplifiedLayerNormalization"
+    site.require_kernel(op_type, site.dtype(a), MS)
     hidden = shape_a[-1] if isinstance(shape_a[-1], int) else None
+    params = [_param(site, op, gamma, "gamma", hidden)]
+    if beta is not None:
+        params.append(_param(site, op, beta, "beta", hidden))
     # The sum a + b often feeds the next residual too: the kernel's fourth output keeps it.
     keep_sum = total.is_graph_output() or any(user not in site.nodes for user, _ in total.uses())
-    outputs = op.SkipLayerNormalization(
-        a,
-        b,
-        _param(site, op, gamma, "gamma", hidden),
-        _param(site, op, beta, "beta", hidden),
-        _domain=MS,
-        _outputs=4 if keep_sum else 1,
-        epsilon=epsilon,
+    outputs = getattr(op, op_type)(
+        a, b, *params, _domain=MS, _outputs=4 if keep_sum else 1, epsilon=epsilon
     )
     if not keep_sum:
         return outputs
@@ -225,4 +229,98 @@ class AddLayerNormFusionPass(PatternPass):
         Rule("AddLayerNormPow", _pattern("Pow", True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormMul", _pattern("Mul", True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormalization", _add_layer_normalization, _skip_native, exposes=("total",)),
+    )
+
+
+def _rms(inverse: str) -> Callable[..., Any]:
+    """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways."""
+
+    def normalise(op: Any, x: Any, two: Any, eps: Any, gamma: Any, one: Any = None) -> Any:
+        std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(x, two)), eps))
+        if inverse == "Reciprocal":
+            scaled = op.Mul(x, op.Reciprocal(std))
+        elif inverse == "DivOne":
+            scaled = op.Mul(x, op.Div(one, std))
+        else:
+            scaled = op.Div(x, std)
+        return op.Mul(scaled, gamma)
+
+    return normalise
+
+
+def _rms_pattern(inverse: str, residual: bool) -> Callable[..., Any]:
+    norm = _rms(inverse)
+    if residual and inverse == "DivOne":
+        return lambda op, a, b, two, eps, gamma, one: norm(
+            op, op.Add(a, b, _outputs=["total"]), two, eps, gamma, one
+        )
+    if residual:
+        return lambda op, a, b, two, eps, gamma: norm(
+            op, op.Add(a, b, _outputs=["total"]), two, eps, gamma
+        )
+    if inverse == "DivOne":
+        return lambda op, x, two, eps, gamma, one: norm(op, x, two, eps, gamma, one)
+    return lambda op, x, two, eps, gamma: norm(op, x, two, eps, gamma)
+
+
+_RMS_FORMS = ("Reciprocal", "DivOne", "Div")
+
+
+def _check_one(site: Site, bindings: dict[str, Any]) -> None:
+    if "one" in bindings:
+        one = site.require_constant(bindings["one"], "the numerator")
+        if one.size != 1 or float(one.reshape(-1)[0]) != 1.0:
+            raise Decline("the reciprocal is not 1 / sqrt(...)")
+
+
+def _to_rms_normalization(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    axis = normalised_axis(site, x, **bindings)
+    _check_one(site, bindings)
+    return op.RMSNormalization(
+        x, bindings["gamma"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
+    )
+
+
+@register_pass
+class RmsNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="RmsNormFusionPass",
+        category=Category.GRAPH,
+        description="Written-out RMS norm (LLaMA, T5) -> RMSNormalization (opset 23)",
+        aliases=("rms_norm_fusion", "RMSNormFusion"),
+        numerics=Numerics.REASSOCIATING,
+        min_opset=23,
+        emits=("RMSNormalization",),
+    )
+    rules = tuple(
+        Rule(f"RmsNorm{form}", _rms_pattern(form, False), _to_rms_normalization)
+        for form in _RMS_FORMS
+    )
+
+
+def _skip_rms(
+    op: Any, site: Site, a: ir.Value, b: ir.Value, total: ir.Value, **bindings: Any
+) -> ir.Value:
+    if normalised_axis(site, total, **bindings) != -1:
+        raise Decline("SkipSimplifiedLayerNormalization normalises the last axis only")
+    _check_one(site, bindings)
+    return _skip(op, site, a, b, total, bindings["gamma"], None, _epsilon(site, bindings["eps"]))
+
+
+@register_pass
+class AddRmsNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="AddRmsNormFusionPass",
+        category=Category.UB,
+        description="residual Add + written-out RMS norm -> com.microsoft "
+        "SkipSimplifiedLayerNormalization (the sum stays available to its other readers)",
+        aliases=("add_rms_norm_fusion", "SkipSimplifiedLayerNormFusion"),
+        numerics=Numerics.REASSOCIATING,
+        targets=("ort",),
+        emits=("SkipSimplifiedLayerNormalization",),
+        emits_domain=MS,
+    )
+    rules = tuple(
+        Rule(f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_rms, exposes=("total",))
+        for form in _RMS_FORMS
     )

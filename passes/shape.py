@@ -217,12 +217,13 @@ class CastCastFusionPass(PatternPass):
 
 @register_pass
 class IdentityEliminationPass(FusionPass):
-    """Not a pattern: every Identity and inference Dropout is a candidate on its own."""
+    """Not a pattern: every Identity, inference Dropout and no-op Cast is a candidate alone."""
 
     spec = PassSpec(
         name="IdentityEliminationPass",
         category=Category.GRAPH,
-        description="Identity and inference-mode Dropout nodes removed",
+        description="Identity, inference-mode Dropout and Casts to the type a value already has "
+        "removed",
         aliases=("EliminateIdentity", "EliminateDropout", "dropout_identity_removal"),
         priority=3010,
         emits=(),
@@ -230,7 +231,9 @@ class IdentityEliminationPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         for node in model.graph:
-            if node.domain not in ("", "ai.onnx") or node.op_type not in ("Identity", "Dropout"):
+            if node.domain not in ("", "ai.onnx") or node.op_type not in _PASS_THROUGH:
+                continue
+            if node.op_type == "Cast" and not _is_noop_cast(ctx, node):
                 continue
             stats = ctx.pattern(node.op_type)
             reason = _dropout_is_active(node) if node.op_type == "Dropout" else None
@@ -240,6 +243,16 @@ class IdentityEliminationPass(FusionPass):
                 ctx.record_fusion(node.op_type, [node], [])
             else:
                 stats.decline(reason, node.name or node.op_type)
+
+
+_PASS_THROUGH = frozenset({"Identity", "Dropout", "Cast"})
+
+
+def _is_noop_cast(ctx: PassContext, node: ir.Node) -> bool:
+    """A Cast to the element type its input already has (exporters' .to(float32) on float32)."""
+    source = node.inputs[0]
+    dtype = ctx.dtype(source) if source is not None else None
+    return dtype is not None and node.attributes.get_int("to", 0) == dtype.value
 
 
 def _dropout_is_active(node: ir.Node) -> str | None:

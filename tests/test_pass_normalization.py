@@ -160,3 +160,86 @@ def test_bert_residual_norms(name: str, ln: tuple[int, int], tmp_path: Path) -> 
     }
     assert run.op_counts()["SkipLayerNormalization"] == 4
     assert run.counts("BiasGeluFusionPass") == (2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm: RmsNormFusionPass (RMSNormalization, opset 23) and AddRmsNormFusionPass.
+# ---------------------------------------------------------------------------------------------
+
+RMS, SKIP_RMS = "RmsNormFusionPass", "AddRmsNormFusionPass"
+
+
+def _rms_model(
+    path: Path, *, inverse: str, residual: bool, opset: int = 18, one: float = 1.0
+) -> Path:
+    inputs = [value("a", SHAPE)]
+    nodes: list[onnx.NodeProto] = []
+    x = "a"
+    if residual:
+        inputs.append(value("b", SHAPE))
+        nodes.append(_n("Add", ["a", "b"], "total"))
+        x = "total"
+    nodes += [
+        _n("Pow", [x, "two"], "sq"),
+        _n("ReduceMean", ["sq", "axes"], "ms"),
+        _n("Add", ["ms", "eps"], "mse"),
+        _n("Sqrt", ["mse"], "rms"),
+    ]
+    if inverse == "Reciprocal":
+        nodes += [_n("Reciprocal", ["rms"], "inv"), _n("Mul", [x, "inv"], "scaled")]
+    elif inverse == "DivOne":
+        nodes += [_n("Div", ["one", "rms"], "inv"), _n("Mul", [x, "inv"], "scaled")]
+    else:
+        nodes += [_n("Div", [x, "rms"], "scaled")]
+    nodes.append(_n("Mul", ["weight", "scaled"], "y"))
+    inits = [
+        const("two", np.array(2.0, np.float32)),
+        const("eps", np.array(1e-6, np.float32)),
+        const("one", np.array(one, np.float32)),
+        const("weight", np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1])),
+        const("axes", np.array([-1], np.int64), np.int64),
+    ]
+    return save_model(path, nodes, inputs, [value("y", SHAPE)], inits, opset=opset)
+
+
+@pytest.mark.parametrize("inverse", ["Reciprocal", "DivOne", "Div"])
+def test_rms_norm_forms(inverse: str, tmp_path: Path) -> None:
+    model = _rms_model(tmp_path / "rms.onnx", inverse=inverse, residual=False, opset=23)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RMS) == (1, 1)
+    assert run.op_counts() == Counter({"RMSNormalization": 1})
+    residual = _rms_model(tmp_path / "skip.onnx", inverse=inverse, residual=True)
+    run = optimize_checked(residual, tmp_path)
+    assert_declined(run, RMS, "RMSNormalization needs opset >= 23, model has 18", "y")
+    assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+
+
+def test_rms_norm_wrong_numerator(tmp_path: Path) -> None:
+    model = _rms_model(tmp_path / "two.onnx", inverse="DivOne", residual=True, one=2.0)
+    run = optimize_checked(model, tmp_path)
+    assert_declined(run, SKIP_RMS, "the reciprocal is not 1 / sqrt(...)", "y")
+
+
+# LLaMA and T5 (tiny configs): five RMS norms, four after a residual Add; the TorchScript
+# exports wrap each in float32 -> float32 Casts, which IdentityEliminationPass removes first.
+@pytest.mark.parametrize(
+    ("name", "casts"),
+    [
+        ("llama_tiny_ts14", 25),
+        ("llama_tiny_dynamo", 0),
+        ("t5_tiny_ts14", 12),
+        ("t5_tiny_dynamo", 0),
+    ],
+)
+def test_llama_and_t5_residual_rms_norms(name: str, casts: int, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert (
+        run.passed("IdentityEliminationPass")
+        .get("patterns", {})
+        .get("Cast", {"effected": 0})["effected"]
+        == casts
+    )
+    assert run.counts(RMS) == (5, 0)
+    assert run.counts(SKIP_RMS) == (4, 4)
+    assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 4

@@ -1,0 +1,124 @@
+"""MatMulScaleFusionPass: constant scalar scaling around a MatMul -> FusedMatMul(alpha)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    optimize_checked,
+    save_model,
+    value,
+)
+
+SCALE = "MatMulScaleFusionPass"
+
+
+def _n(op: str, inputs: list[str], output: str) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], name=output)
+
+
+FORMS = {
+    # name: (nodes, expected alpha)
+    "ScaleBoth": (
+        [_n("Mul", ["q", "s"], "qs"), _n("Mul", ["k", "t"], "ks"), _n("MatMul", ["qs", "ks"], "y")],
+        0.5 * 0.25,
+    ),
+    "ScaleA": ([_n("Mul", ["s", "q"], "qs"), _n("MatMul", ["qs", "k"], "y")], 0.5),
+    "ScaleB": ([_n("Mul", ["k", "t"], "ks"), _n("MatMul", ["q", "ks"], "y")], 0.25),
+    "ScaleProduct": ([_n("MatMul", ["q", "k"], "p"), _n("Mul", ["p", "s"], "y")], 0.5),
+    "DivideProduct": ([_n("MatMul", ["q", "k"], "p"), _n("Div", ["p", "t"], "y")], 4.0),
+}
+
+
+def _model(path: Path, nodes: list, *, s: object = 0.5, dtype: int = TensorProto.FLOAT):
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    return save_model(
+        path,
+        nodes,
+        [value("q", [2, 2, 3, 4], dtype), value("k", [2, 2, 4, 3], dtype)],
+        [value("y", [2, 2, 3, 3], dtype)],
+        [const("s", np.asarray(s, np_type), np_type), const("t", np.array(0.25, np_type), np_type)],
+    )
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_scales_fold_into_alpha(form: str, tmp_path: Path) -> None:
+    nodes, alpha = FORMS[form]
+    run = optimize_checked(_model(tmp_path / f"{form}.onnx", nodes), tmp_path)
+    assert run.counts(SCALE) == (1, 1)
+    assert run.passed(SCALE)["patterns"][form] == {"matched": 1, "effected": 1}
+    (node,) = onnx.load(str(run.output)).graph.node
+    assert (node.op_type, node.domain) == ("FusedMatMul", "com.microsoft")
+    assert next(a.f for a in node.attribute if a.name == "alpha") == pytest.approx(alpha)
+
+
+def test_a_vector_or_activation_is_no_scale(tmp_path: Path) -> None:
+    nodes, _ = FORMS["ScaleA"]
+    vector = _model(tmp_path / "vector.onnx", nodes, s=[1.0, 2.0, 3.0, 4.0])
+    run = optimize_checked(vector, tmp_path)
+    assert run.counts(SCALE) == (0, 0)
+    gated = save_model(
+        tmp_path / "gate.onnx",
+        [_n("Mul", ["q", "g"], "qs"), _n("MatMul", ["qs", "k"], "y")],
+        [value("q", [3, 4]), value("g", [3, 4]), value("k", [4, 3])],
+        [value("y", [3, 3])],
+        [],
+    )
+    assert optimize_checked(gated, tmp_path).counts(SCALE) == (0, 0)
+
+
+def test_shared_scaled_input_and_missing_kernel_decline(tmp_path: Path) -> None:
+    nodes, _ = FORMS["ScaleA"]
+    shared = save_model(
+        tmp_path / "shared.onnx",
+        [*nodes, _n("Neg", ["qs"], "leak")],
+        [value("q", [3, 4]), value("k", [4, 3])],
+        [value("y", [3, 3]), value("leak", [3, 4])],
+        [const("s", np.array(0.5, np.float32))],
+    )
+    run = optimize_checked(shared, tmp_path)
+    assert_declined(
+        run, SCALE, "an intermediate value (Mul output) is also used by Neg outside the match", "y"
+    )
+    half = _model(tmp_path / "half.onnx", nodes, dtype=TensorProto.FLOAT16)
+    run = optimize_checked(half, tmp_path, atol=1e-2)
+    assert_declined(
+        run, SCALE, "onnxruntime has no com.microsoft.FusedMatMul kernel for FLOAT16", "y"
+    )
+
+
+# Attention scores in the transformer fixtures: q and k each scaled by head_dim ** -0.25.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bert_tiny_ts14",
+        "bert_tiny_dynamo",
+        "gpt2_tiny_ts17",
+        "llama_tiny_dynamo",
+        "vit_tiny_ts14",
+        "t5_tiny_ts14",
+    ],
+)
+def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(SCALE) == (2, 2)
+    assert run.passed(SCALE)["patterns"]["ScaleBoth"] == {"matched": 2, "effected": 2}
+    assert Counter(n.op_type for n in onnx.load(str(run.output)).graph.node)["FusedMatMul"] == 2
+    alphas = {
+        round(next(a.f for a in n.attribute if a.name == "alpha"), 6)
+        for n in onnx.load(str(run.output)).graph.node
+        if n.op_type == "FusedMatMul"
+    }
+    head = 8 if not name.startswith("gpt2") else 16
+    expected = 1.0 if name.startswith("t5") else 1 / math.sqrt(head)
+    assert alphas == {round(expected, 6)}

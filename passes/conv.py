@@ -52,6 +52,22 @@ def _check_batchnorm(site: Site, **_: Any) -> str | None:
     return None
 
 
+def _batchnorm_affine(
+    site: Site, params: tuple[ir.Value, ...], channels: int, dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inference BatchNormalization as y = x * factor + offset, one pair per channel."""
+    arrays = [
+        site.require_constant(v, f"BatchNormalization {n}")
+        for v, n in zip(params, ("scale", "bias", "mean", "variance"), strict=True)
+    ]
+    if any(a.size != channels for a in arrays):
+        raise Decline("BatchNormalization parameters do not match the output channels")
+    epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
+    g, beta, mu, sigma2 = (a.astype(dtype).reshape(-1) for a in arrays)
+    factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
+    return factor, beta - mu * factor
+
+
 def _fold_batchnorm(
     op: Any,
     site: Site,
@@ -69,24 +85,16 @@ def _fold_batchnorm(
     weight = site.require_constant(w, "Conv weight")
     if not np.issubdtype(weight.dtype, np.floating):
         raise Decline(f"Conv weight has non-float type {weight.dtype}")
-    params = [
-        site.require_constant(v, f"BatchNormalization {n}")
-        for v, n in ((scale, "scale"), (shift, "bias"), (mean, "mean"), (var, "variance"))
-    ]
     channels = weight.shape[0]
-    if any(p.size != channels for p in params):
-        raise Decline("BatchNormalization parameters do not match the Conv's output channels")
+    dtype = _fold_dtype(weight)
+    factor, offset = _batchnorm_affine(site, (scale, shift, mean, var), channels, dtype)
     bias = _conv_bias(site)
     conv_bias = np.zeros(channels) if bias is None else site.require_constant(bias, "Conv bias")
     if pre_added is not None:
         extra = site.require_constant(pre_added, "added bias")
         conv_bias = conv_bias + _per_channel(extra, channels, weight.ndim, "added bias")
-    epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
-    dtype = _fold_dtype(weight)
-    g, beta, mu, sigma2 = (p.astype(dtype).reshape(-1) for p in params)
-    factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
     new_weight = weight.astype(dtype) * factor.reshape((-1,) + (1,) * (weight.ndim - 1))
-    new_bias = (conv_bias.astype(dtype).reshape(-1) - mu) * factor + beta
+    new_bias = conv_bias.astype(dtype).reshape(-1) * factor + offset
     if added is not None:
         extra = site.require_constant(added, "added bias")
         new_bias = new_bias + _per_channel(extra, channels, weight.ndim, "added bias")
@@ -311,23 +319,15 @@ def _fold_transpose_batchnorm(
         raise Decline(f"ConvTranspose weight has non-float type {weight.dtype}")
     group = conv.attributes.get_int("group", 1)
     channels = weight.shape[1] * group
-    params = [
-        site.require_constant(v, f"BatchNormalization {n}")
-        for v, n in ((scale, "scale"), (shift, "bias"), (mean, "mean"), (var, "variance"))
-    ]
-    if any(p.size != channels for p in params):
-        raise Decline("BatchNormalization parameters do not match the output channels")
+    dtype = _fold_dtype(weight)
+    factor, offset = _batchnorm_affine(site, (scale, shift, mean, var), channels, dtype)
     inputs = conv.inputs
     bias = inputs[2] if len(inputs) > 2 else None
     old_bias = np.zeros(channels) if bias is None else site.require_constant(bias, "bias")
-    epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
-    dtype = _fold_dtype(weight)
-    g, beta, mu, sigma2 = (p.astype(dtype).reshape(-1) for p in params)
-    factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
     grouped = weight.astype(dtype).reshape((group, -1, weight.shape[1], *weight.shape[2:]))
     spatial = (1,) * (weight.ndim - 2)
     grouped = grouped * factor.reshape((group, 1, weight.shape[1], *spatial))
-    new_bias = (old_bias.astype(dtype).reshape(-1) - mu) * factor + beta
+    new_bias = old_bias.astype(dtype).reshape(-1) * factor + offset
     return op.ConvTranspose(
         x,
         site.initializer(op, grouped.reshape(weight.shape).astype(weight.dtype), "weight"),

@@ -179,11 +179,12 @@ def _skip(
 def _skip_written_out(
     op: Any, site: Site, a: ir.Value, b: ir.Value, total: ir.Value, **bindings: Any
 ) -> ir.Value:
+    """Residual Add + a written-out layer norm (with beta) or RMS norm (without)."""
     if normalised_axis(site, total, **bindings) != -1:
-        raise Decline("SkipLayerNormalization normalises the last axis only")
-    return _skip(
-        op, site, a, b, total, bindings["gamma"], bindings["beta"], _epsilon(site, bindings["eps"])
-    )
+        raise Decline("the fused kernel normalises the last axis only")
+    _check_one(site, bindings)
+    epsilon = _epsilon(site, bindings["eps"])
+    return _skip(op, site, a, b, total, bindings["gamma"], bindings.get("beta"), epsilon)
 
 
 def _add_layer_normalization(op: Any, a: Any, b: Any, gamma: Any, beta: Any) -> Any:
@@ -298,15 +299,6 @@ class RmsNormFusionPass(PatternPass):
     )
 
 
-def _skip_rms(
-    op: Any, site: Site, a: ir.Value, b: ir.Value, total: ir.Value, **bindings: Any
-) -> ir.Value:
-    if normalised_axis(site, total, **bindings) != -1:
-        raise Decline("SkipSimplifiedLayerNormalization normalises the last axis only")
-    _check_one(site, bindings)
-    return _skip(op, site, a, b, total, bindings["gamma"], None, _epsilon(site, bindings["eps"]))
-
-
 @register_pass
 class AddRmsNormFusionPass(PatternPass):
     spec = PassSpec(
@@ -321,6 +313,6 @@ class AddRmsNormFusionPass(PatternPass):
         emits_domain=MS,
     )
     rules = tuple(
-        Rule(f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_rms, exposes=("total",))
+        Rule(f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_written_out, exposes=("total",))
         for form in _RMS_FORMS
     )

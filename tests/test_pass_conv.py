@@ -400,7 +400,7 @@ CONV_BN_DECLINES = [
     (_conv_bias_computed, NOT_CONSTANT_BIAS, True),
     (
         _channel_mismatch,
-        "BatchNormalization parameters do not match the Conv's output channels",
+        "BatchNormalization parameters do not match the output channels",
         False,
     ),
     (_spatial_zero, "BatchNormalization has spatial=0", False),

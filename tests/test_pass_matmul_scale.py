@@ -110,7 +110,11 @@ def test_shared_scaled_input_and_missing_kernel_decline(tmp_path: Path) -> None:
     ],
 )
 def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) -> None:
-    run = optimize_checked(fixture_path(name), tmp_path)
+    # With attention fusion on, MultiHeadAttention takes these MatMuls first (it runs
+    # earlier); here it is off to see the scale fusion on its own.
+    run = optimize_checked(
+        fixture_path(name), tmp_path, "--disable_pass", "MultiHeadAttentionFusionPass"
+    )
     assert run.counts(SCALE) == (2, 2)
     assert run.passed(SCALE)["patterns"]["ScaleBoth"] == {"matched": 2, "effected": 2}
     assert Counter(n.op_type for n in onnx.load(str(run.output)).graph.node)["FusedMatMul"] == 2
@@ -122,3 +126,9 @@ def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) ->
     head = 8 if not name.startswith("gpt2") else 16
     expected = 1.0 if name.startswith("t5") else 1 / math.sqrt(head)
     assert alphas == {round(expected, 6)}
+
+
+def test_attention_fusion_runs_first(tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path("bert_tiny_dynamo"), tmp_path)
+    assert run.counts("MultiHeadAttentionFusionPass") == (2, 2)
+    assert run.counts(SCALE) == (0, 0)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
+from fusectl.patterns import Decline, PatternPass, Rule, Site, constant_value
 from fusectl.registry import Category, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
@@ -315,4 +316,142 @@ class AddRmsNormFusionPass(PatternPass):
     rules = tuple(
         Rule(f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_written_out, exposes=("total",))
         for form in _RMS_FORMS
+    )
+
+
+def _embedding_sum(
+    op: Any, ids: Any, word: Any, segment: Any, segment_ids: Any, position: Any, position_ids: Any
+) -> Any:
+    words = op.Gather(word, ids, _allow_other_attributes=True)
+    segments = op.Gather(segment, segment_ids, _allow_other_attributes=True)
+    positions = op.Gather(position, position_ids, _allow_other_attributes=True)
+    return op.Add(op.Add(words, segments), positions)
+
+
+def _embed_native(op, ids, word, segment, segment_ids, position, position_ids, gamma, beta):
+    total = _embedding_sum(op, ids, word, segment, segment_ids, position, position_ids)
+    return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True)
+
+
+def _embed_written(
+    op, ids, word, segment, segment_ids, position, position_ids, eps, gamma, beta, two
+):
+    total = _embedding_sum(op, ids, word, segment, segment_ids, position, position_ids)
+    return _decomposed("Pow")(op, total, eps, gamma, beta, two)
+
+
+_DATA_MOVEMENT = frozenset(
+    {
+        "Expand",
+        "GatherElements",
+        "Gather",
+        "Slice",
+        "Reshape",
+        "Unsqueeze",
+        "Squeeze",
+        "Cast",
+        "Identity",
+    }
+)
+
+
+def _all_zeros(value: ir.Value | None) -> bool:
+    """Whether every element is a zero taken from an all-zero constant by data movement."""
+    for _ in range(8):
+        if value is None:
+            return False
+        array = constant_value(value)
+        if array is not None:
+            return not np.any(array)
+        producer = value.producer()
+        if producer is None or producer.op_type not in _DATA_MOVEMENT:
+            return False
+        value = producer.inputs[0]
+    return False
+
+
+def _is_arange(site: Site, value: ir.Value) -> bool:
+    """position ids 0..S-1: a Slice from 0 (step 1) of an arange row, or Range(0, S, 1)."""
+    producer = value.producer()
+    if producer is None:
+        return False
+    if producer.op_type == "Unsqueeze":
+        producer = producer.inputs[0].producer()
+        if producer is None:
+            return False
+    if producer.op_type == "Range":
+        start, step = (site.constant(v) for v in (producer.inputs[0], producer.inputs[2]))
+        return start is not None and step is not None and start.item() == 0 and step.item() == 1
+    if producer.op_type != "Slice" or len(producer.inputs) < 3:
+        return False
+    table = site.constant(producer.inputs[0])
+    start = site.constant(producer.inputs[1])
+    steps = site.constant(producer.inputs[4]) if len(producer.inputs) > 4 else None
+    if table is None or start is None or np.any(start != 0):
+        return False
+    if steps is not None and np.any(steps != 1):
+        return False
+    rows = table.reshape(-1, table.shape[-1])
+    return rows.shape[0] == 1 and bool(np.array_equal(rows[0], np.arange(rows.shape[1])))
+
+
+def _embed(op: Any, site: Site, **bindings: Any) -> Any:
+    ids, segment_ids, position_ids = (bindings[k] for k in ("ids", "segment_ids", "position_ids"))
+    if not ids.is_graph_input():
+        raise Decline("the word ids are not a graph input")
+    if not _is_arange(site, position_ids):
+        raise Decline("the position ids are not 0..S-1")
+    word = site.require_constant(bindings["word"], "word embeddings")
+    position = site.require_constant(bindings["position"], "position embeddings")
+    segment = site.require_constant(bindings["segment"], "segment embeddings")
+    if not (word.ndim == position.ndim == segment.ndim == 2):
+        raise Decline("an embedding table is not 2-D")
+    if "eps" in bindings:
+        if normalised_axis(site, site.root.inputs[0], **bindings) != -1:
+            raise Decline("the layer norm is not over the last axis")
+        epsilon = _epsilon(site, bindings["eps"])
+    else:
+        norm = site.node("LayerNormalization")
+        if norm.attributes.get_int("axis", -1) not in (-1, 2):
+            raise Decline("the layer norm is not over the last axis")
+        epsilon = norm.attributes.get_float("epsilon", 1e-5)
+    site.require_kernel("EmbedLayerNormalization", site.dtype(bindings["word"]), MS)
+    ids32 = op.Cast(ids, to=ir.DataType.INT32)
+    if _all_zeros(segment_ids):
+        # Every token has segment 0: its embedding row joins the position table.
+        table = site.initializer(op, (position + segment[0]).astype(position.dtype), "position")
+        inputs = [ids32, None, bindings["word"], table, None]
+    elif segment_ids.is_graph_input():
+        inputs = [
+            ids32,
+            op.Cast(segment_ids, to=ir.DataType.INT32),
+            bindings["word"],
+            bindings["position"],
+            bindings["segment"],
+        ]
+    else:
+        raise Decline("the segment ids are neither a graph input nor all zero")
+    # The kernel always produces mask_index as its second output; nothing reads it here.
+    output, _ = op.EmbedLayerNormalization(
+        *inputs, bindings["gamma"], bindings["beta"], _domain=MS, _outputs=2, epsilon=epsilon
+    )
+    return output
+
+
+@register_pass
+class EmbedLayerNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="EmbedLayerNormFusionPass",
+        category=Category.UB,
+        description="BERT embeddings (word + segment + position Gathers, summed, layer norm) -> "
+        "com.microsoft EmbedLayerNormalization",
+        aliases=("embed_layer_norm_fusion", "EmbedLayerNormFusion"),
+        numerics=Numerics.REASSOCIATING,
+        targets=("ort",),
+        emits=("EmbedLayerNormalization",),
+        emits_domain=MS,
+    )
+    rules = (
+        Rule("EmbedLayerNormalization", _embed_native, _embed),
+        Rule("EmbedLayerNorm", _embed_written, _embed),
     )

@@ -243,3 +243,28 @@ def test_llama_and_t5_residual_rms_norms(name: str, casts: int, tmp_path: Path) 
     assert run.counts(RMS) == (5, 0)
     assert run.counts(SKIP_RMS) == (4, 4)
     assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT embeddings: EmbedLayerNormFusionPass.
+# ---------------------------------------------------------------------------------------------
+
+EMBED = "EmbedLayerNormFusionPass"
+
+
+@pytest.mark.parametrize("name", ["bert_tiny_ts14", "bert_tiny_ts17", "bert_tiny_dynamo"])
+def test_bert_embeddings_become_embed_layer_normalization(name: str, tmp_path: Path) -> None:
+    """Word + token-type + position Gathers and the layer norm: the token types come from an
+    all-zero buffer, so their row 0 joins the position table; positions are 0..S-1."""
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(EMBED) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (node,) = [n for n in graph.node if n.op_type == "EmbedLayerNormalization"]
+    assert node.input[1] == "" and node.input[4] == ""  # no segment ids or table left
+    tables = {i.name for i in graph.initializer if len(i.dims) == 2 and i.data_type == 1}
+    assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables]
+
+
+def test_gpt2_embeddings_have_no_segment_table(tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path("gpt2_tiny_dynamo"), tmp_path)
+    assert run.counts(EMBED) == (0, 0)

@@ -5,6 +5,7 @@ benchmark process itself:
 
     python benchmarks/_export.py bert  OUT.onnx [--exporter torchscript|dynamo]
     python benchmarks/_export.py llama OUT.onnx [--layers 16]
+    python benchmarks/_export.py gpt2  OUT.onnx [--exporter torchscript|dynamo]
 
 The TorchScript exporter writes to a scratch directory (one file per tensor once the model is
 over 2 GB); a second step in a fresh process (``consolidate``) rewrites it as OUT.onnx +
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 BERT_CONFIG: dict = {}  # transformers.BertConfig() defaults: BERT-base, 12 layers, hidden 768
+GPT2_CONFIG: dict = {}  # transformers.GPT2Config() defaults: GPT-2 small, 124 M, 12 layers, 768
 LLAMA_CONFIG = dict(
     hidden_size=2048,
     intermediate_size=5504,
@@ -39,6 +41,9 @@ def _build(kind: str, layers: int | None, attn: str):
     if kind == "bert":
         config = transformers.BertConfig(**BERT_CONFIG)
         cls = transformers.BertModel
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(**GPT2_CONFIG)
+        cls = transformers.GPT2LMHeadModel
     else:
         config = transformers.LlamaConfig(**LLAMA_CONFIG)
         cls = transformers.LlamaForCausalLM
@@ -156,7 +161,7 @@ def consolidate(scratch: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["bert", "llama", "consolidate"])
+    parser.add_argument("kind", choices=["bert", "gpt2", "llama", "consolidate"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--exporter", choices=["torchscript", "dynamo"], default="torchscript")
     parser.add_argument("--opset", type=int, default=None, help="[17 torchscript, 18 dynamo]")

@@ -117,8 +117,11 @@ class _Attention:
     nodes: list[ir.Node] = field(default_factory=list)
 
 
-def _scores(value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]) -> ir.Node | None:
-    """Walk Add(bias) / Div(c) back to the MatMul of the scores; collect the biases."""
+def _scores(
+    value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]
+) -> tuple[ir.Node | None, float]:
+    """Walk Add(bias) and a scaling of the product (Div or Mul by a constant, as eager
+    attention writes it) back to the MatMul of the scores: the MatMul and that scale."""
     for _ in range(3):
         add = _producer(value, "Add")
         if add is None:
@@ -130,39 +133,43 @@ def _scores(value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]) -> ir
                 value = scores
                 break
         else:
-            return None
+            return None, 1.0
+    scale = 1.0
     divide = _producer(value, "Div")
-    if divide is not None and _scalar(divide.inputs[1]) is not None:
+    if divide is not None and _scalar(divide.inputs[1]):
         nodes.append(divide)
+        scale = 1.0 / _scalar(divide.inputs[1])
         value = divide.inputs[0]
-    return _producer(value, "MatMul")
+    elif _producer(value, "Mul") is not None:
+        product, factor = _unscale(value, nodes)
+        if product is not value:
+            scale, value = factor, product
+    return _producer(value, "MatMul"), scale
 
 
-def _leads_to_matmul(value: ir.Value | None) -> bool:
-    for _ in range(4):
-        node = value.producer() if value is not None else None
-        if node is None:
-            return False
-        if node.op_type == "MatMul":
-            return True
-        if node.op_type not in ("Add", "Div"):
-            return False
-        value = node.inputs[0]
-    return False
+def _leads_to_matmul(value: ir.Value | None, depth: int = 4) -> bool:
+    """Whether a few Adds / Muls / Divs up from ``value`` there is the scores' MatMul."""
+    node = value.producer() if value is not None else None
+    if node is None or depth == 0:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    if node.op_type not in ("Add", "Div", "Mul"):
+        return False
+    return any(_leads_to_matmul(v, depth - 1) for v in node.inputs)
 
 
 def _match(softmax: ir.Node) -> _Attention | str | None:
     """The attention around this Softmax, a reason it cannot fuse, or None if it is none."""
     nodes: list[ir.Node] = [softmax]
     biases: list[ir.Value] = []
-    matmul = _scores(softmax.inputs[0], nodes, biases)
+    matmul, product_scale = _scores(softmax.inputs[0], nodes, biases)
     if matmul is None:
         return None
     nodes.append(matmul)
-    divide = next((n for n in nodes if n.op_type == "Div"), None)
     q_scaled, q_scale = _unscale(matmul.inputs[0], nodes)
     k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
-    scale = q_scale * k_scale / (_scalar(divide.inputs[1]) if divide is not None else 1.0)
+    scale = q_scale * k_scale * product_scale
     heads = q_scaled
     query = _split_heads(q_scaled, nodes)
     key = _key_source(k_scaled, nodes)

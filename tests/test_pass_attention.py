@@ -27,6 +27,10 @@ EXPECTED = {
     "vit_tiny_ts17": (2, 2, 4, 8**-0.5),
     "vit_tiny_dynamo": (2, 2, 4, 8**-0.5),
     "t5_tiny_dynamo": (2, 2, 4, 1.0),  # T5 does not scale; its position bias is added
+    # Eager attention scales the product (Div or Mul by a constant) instead of q and kT.
+    "bert_tiny_eager_ts17": (2, 2, 4, 8**-0.5),
+    "bert_tiny_eager_dynamo": (2, 2, 4, 8**-0.5),
+    "gpt2_tiny_eager_dynamo": (2, 2, 2, 16**-0.5),
 }
 
 

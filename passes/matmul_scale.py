@@ -1,7 +1,10 @@
-"""UB fusion: constant scalar scaling around a MatMul folded into onnxruntime's FusedMatMul.
+"""UB fusions into onnxruntime's FusedMatMul: constant scalar scaling around a MatMul (alpha),
+and a Transpose of the last two axes of an operand (transA / transB).
 
-Attention scores are the common case: exporters scale q and k by d**-0.25 each (or divide the
-product by sqrt(d)); FusedMatMul applies one alpha inside the product.
+Attention scores are the common case for the scale: exporters scale q and k by d**-0.25 each
+(or divide the product by sqrt(d)). A transposed operand is typical of tied weights (GPT-2's
+lm_head reads the embedding table through a Transpose): folding that Transpose would copy the
+table, reading it transposed costs nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import PatternPass, Rule, Site
+from fusectl.patterns import Decline, PatternPass, Rule, Site
 from fusectl.registry import Category, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
@@ -85,5 +88,59 @@ class MatMulScaleFusionPass(PatternPass):
             lambda op, a, b, s: op.Div(op.MatMul(a, b), s),
             _fused(lambda s: 1.0 / s),
             candidate=_constant_scales,
+        ),
+    )
+
+
+def _swaps_last_two(node: ir.Node, rank: int | None) -> bool:
+    perm = node.attributes.get_ints("perm", None)
+    if perm is None:  # default: reverse all axes, the last two swapped only when rank is 2
+        return rank == 2
+    perm = list(perm)
+    return (
+        len(perm) >= 2
+        and perm[-2:] == [len(perm) - 1, len(perm) - 2]
+        and perm[:-2] == list(range(len(perm) - 2))
+    )
+
+
+def _transposed(side: str) -> Any:
+    def rewrite(op: Any, site: Site, a: ir.Value, b: ir.Value) -> ir.Value:
+        transpose = site.node("Transpose")
+        source = b if side == "B" else a
+        shape = site.shape(source)
+        if not _swaps_last_two(transpose, None if shape is None else len(shape)):
+            raise Decline("the Transpose does not just swap the last two axes")
+        site.require_kernel("FusedMatMul", site.dtype(a), MS)
+        return op.FusedMatMul(a, b, _domain=MS, alpha=1.0, **{f"trans{side}": 1})
+
+    return rewrite
+
+
+@register_pass
+class MatMulTransposeFusionPass(PatternPass):
+    spec = PassSpec(
+        name="MatMulTransposeFusionPass",
+        category=Category.UB,
+        description="MatMul of an operand transposed in its last two axes -> com.microsoft "
+        "FusedMatMul with transA / transB (no transposed copy)",
+        aliases=("matmul_transpose_fusion", "MatmulTransposeFusion"),
+        priority=5910,
+        targets=("ort",),
+        emits=("FusedMatMul",),
+        emits_domain=MS,
+    )
+    rules = (
+        Rule(
+            "TransposeB",
+            lambda op, a, b: op.MatMul(a, op.Transpose(b, _allow_other_attributes=True)),
+            _transposed("B"),
+            commute=False,
+        ),
+        Rule(
+            "TransposeA",
+            lambda op, a, b: op.MatMul(op.Transpose(a, _allow_other_attributes=True), b),
+            _transposed("A"),
+            commute=False,
         ),
     )

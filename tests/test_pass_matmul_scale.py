@@ -132,3 +132,55 @@ def test_attention_fusion_runs_first(tmp_path: Path) -> None:
     run = optimize_checked(fixture_path("bert_tiny_dynamo"), tmp_path)
     assert run.counts("MultiHeadAttentionFusionPass") == (2, 2)
     assert run.counts(SCALE) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# MatMulTransposeFusionPass: a transposed operand read in place.
+# ---------------------------------------------------------------------------------------------
+
+TRANSPOSE = "MatMulTransposeFusionPass"
+
+
+def test_tied_weight_is_read_transposed_not_copied(tmp_path: Path) -> None:
+    """GPT-2's lm_head: logits = h @ E^T with E also the embedding table of a Gather."""
+    table = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    model = save_model(
+        tmp_path / "tied.onnx",
+        [
+            _n("Gather", ["table", "ids"], "h"),
+            helper.make_node("Transpose", ["table"], ["table_t"], name="t", perm=[1, 0]),
+            _n("MatMul", ["h", "table_t"], "y"),
+        ],
+        [value("ids", [2, 3], TensorProto.INT64)],
+        [value("y", [2, 3, 10])],
+        [const("table", table)],
+    )
+    run = optimize_checked(model, tmp_path, "--disable_pass", "ConstantFoldingPass")
+    assert run.counts(TRANSPOSE) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    fused = next(n for n in graph.node if n.op_type == "FusedMatMul")
+    assert list(fused.input) == ["h", "table"]
+    assert next(a.i for a in fused.attribute if a.name == "transB") == 1
+    assert len(graph.initializer) == 1  # one table, no transposed copy
+
+
+@pytest.mark.parametrize(
+    ("perm", "fires"), [([0, 2, 1], True), ([1, 0, 2], False)], ids=["last_two", "batch_axes"]
+)
+def test_only_a_swap_of_the_last_two_axes(perm: list[int], fires: bool, tmp_path: Path) -> None:
+    model = save_model(
+        tmp_path / "t.onnx",
+        [
+            helper.make_node("Transpose", ["a"], ["at"], name="t", perm=perm),
+            _n("MatMul", ["at", "b"], "y"),
+        ],
+        [value("a", [3, 3, 3]), value("b", [3, 3, 2])],
+        [value("y", [3, 3, 2])],
+        [],
+    )
+    run = optimize_checked(model, tmp_path)
+    if fires:
+        assert run.counts(TRANSPOSE) == (1, 1)
+        assert run.op_counts() == Counter({"FusedMatMul": 1})
+    else:
+        assert_declined(run, TRANSPOSE, "the Transpose does not just swap the last two axes", "y")

@@ -55,33 +55,26 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUT = BENCH_DIR / "out" / "cnn"
 
-ZOO_MODELS = (
-    "resnet50",
-    "densenet121",
-    "inception_v1",
-    "inception_v2",
-    "shufflenet",
-    "squeezenet",
-    "vgg19",
-    "zfnet512",
-    "bvlc_alexnet",
-)
 ARCHS = ("resnet50", "mobilenetv2")
 VARIANTS = ("torchscript", "torchscript_eval", "dynamo", "dynamo_noopt")
 EXPORTED = tuple(f"{arch}_{variant}" for arch in ARCHS for variant in VARIANTS)
+
+
+def _load_zoo():  # tests/zoo.py: the zoo list and its materializer, loaded by path
+    spec = importlib.util.spec_from_file_location("_fusectl_zoo", REPO_ROOT / "tests" / "zoo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ZOO = _load_zoo()
+ZOO_MODELS = ZOO.ZOO
 ALL_MODELS = ZOO_MODELS + EXPORTED
 
 
 # --------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------
-
-
-def _load_zoo():
-    spec = importlib.util.spec_from_file_location("_fusectl_zoo", REPO_ROOT / "tests" / "zoo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def export_one(name: str, path: Path) -> None:
@@ -144,7 +137,7 @@ def prepare(name: str, out_dir: Path, force: bool) -> Path:
         zoo_dir.mkdir(parents=True, exist_ok=True)
         path = zoo_dir / f"{name}.onnx"
         if force or not path.exists():
-            _load_zoo().materialize(name, zoo_dir)
+            ZOO.materialize(name, zoo_dir)
         return path
     path = out_dir / f"{name}.onnx"
     if force or not path.exists():

@@ -238,8 +238,10 @@ def _optimize(
     if result_path and export_compile_stat == "1":
         reports.write_text_atomic(result_path, fusion_text)
 
+    layers = reports.model_layers(result, model)
     document = reports.report_document(
         plan=plan,
+        layers=layers,
         result=result,
         model_before=before,
         model_after=model,
@@ -265,7 +267,7 @@ def _optimize(
     if as_json:
         click.echo(json.dumps(document, indent=2))
     if log_level != "null":
-        reports.print_summary(stderr, result)
+        reports.print_summary(stderr, result, layers)
         stderr.print(f"wrote {output}" + (f" (+ {data_path.name})" if data_path else ""))
 
 

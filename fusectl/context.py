@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -61,6 +62,39 @@ class FusionSite:
     original_names: list[str]
     original_types: list[str]
     new_names: list[str]
+    layer: str | None = None
+
+
+# A model layer in exporters' node names and dynamo's namespace metadata: "/inner/h.0/attn/..",
+# "encoder/layer.3/..", "layers.0: LlamaDecoderLayer/..". The first (outermost) one counts.
+_LAYER = re.compile(r"(?<!\w)(?:layers?|h|blocks?)\.\d+(?!\d)")
+
+
+def layer_of(node: ir.Node) -> str | None:
+    """The layer a node belongs to, by its name or its namespace metadata, if either says."""
+    for text in (node.name, node.metadata_props.get("namespace")):
+        found = _LAYER.search(text) if text else None
+        if found is not None:
+            return found.group(0)
+    return None
+
+
+class NodeNames:
+    """The node names in use, collected from the graph on first need, so that the names
+    passes give new nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``)."""
+
+    def __init__(self) -> None:
+        self._taken: set[str] | None = None
+
+    def claim(self, graph: ir.Graph, name: str) -> str:
+        if self._taken is None:
+            self._taken = {node.name for node in graph if node.name}
+        candidate, suffix = name, 0
+        while candidate in self._taken:
+            suffix += 1
+            candidate = f"{name}_{suffix}"
+        self._taken.add(candidate)
+        return candidate
 
 
 @dataclass
@@ -74,6 +108,7 @@ class PassContext:
     patterns: dict[str, PatternStats] = field(default_factory=dict)
     sites: list[FusionSite] = field(default_factory=list)
     changed: bool = False
+    names: NodeNames = field(default_factory=NodeNames)
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
@@ -130,6 +165,7 @@ class PassContext:
             node.metadata_props[LINEAGE_PASSES] = json.dumps(passes)
             node.metadata_props[LINEAGE_NAMES] = json.dumps(names)
             node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
+        layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
-            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes])
+            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer)
         )

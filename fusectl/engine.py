@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fusectl import logs
-from fusectl.context import PassContext
+from fusectl.context import NodeNames, PassContext
 from fusectl.shapes import ShapeOracle
 from fusectl.switches import Decision, Plan
 
@@ -54,6 +54,7 @@ def run_plan(
     start = time.perf_counter()
     nodes_before = len(model.graph)
     runs: list[PassRun] = []
+    names = NodeNames()
     for decision in plan.decisions:
         run = PassRun(decision)
         runs.append(run)
@@ -62,7 +63,9 @@ def run_plan(
             continue
         if before_pass is not None:
             before_pass(decision)
-        ctx = PassContext(decision.fusion_pass.spec, target, model_opset(model), shapes)
+        ctx = PassContext(
+            decision.fusion_pass.spec, target, model_opset(model), shapes, names=names
+        )
         run.nodes_before = len(model.graph)
         began = time.perf_counter()
         decision.fusion_pass.run(model, ctx)

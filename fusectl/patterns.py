@@ -441,7 +441,7 @@ def replace_subgraph(
     base = f"{ctx.spec.name}/{_node_label(root)}"
     replaced = set(new_outputs)
     for index, node in enumerate(new_nodes):
-        node.name = base if index == 0 else f"{base}_{index}"
+        node.name = ctx.names.claim(graph, base if index == 0 else f"{base}_{index}")
         for position, value in enumerate(node.outputs):
             if value not in replaced and not value.name:
                 value.name = f"{node.name}:{position}"

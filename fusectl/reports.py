@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fusectl import __version__, runtime
+from fusectl.context import layer_of
 from fusectl.engine import PassRun, RunResult
 from fusectl.errors import FusectlError
 from fusectl.registry import Category, PassSpec
@@ -109,7 +110,36 @@ def catalogue_document(specs: list[PassSpec]) -> list[dict[str, Any]]:
     return [_spec_document(spec) for spec in specs]
 
 
-def _run_document(run: PassRun, order: int) -> dict[str, Any]:
+def model_layers(result: RunResult, model: ir.Model) -> set[str]:
+    """The model's layers (see ``layer_of``), if any fusion site was in one: the layers the
+    optimized graph's nodes still name, and those whose nodes were all fused away."""
+    fused = {site.layer for run in result.runs if run.ctx for site in run.ctx.sites}
+    fused.discard(None)
+    if not fused:
+        return set()
+    layers = {layer for node in model.graph if (layer := layer_of(node))}
+    return layers | fused  # type: ignore[arg-type]
+
+
+def layer_coverage(run: PassRun, layers: set[str]) -> dict[str, Any] | None:
+    """For a pass that fuses into new ops in some layers of the model but not in all of them:
+    how many, and which layers it missed."""
+    ctx = run.ctx
+    if ctx is None or not run.decision.fusion_pass.spec.emits or not layers:
+        return None
+    fused = {site.layer for site in ctx.sites if site.layer is not None}
+    if not fused or fused >= layers:
+        return None
+    missing = sorted(layers - fused, key=_natural)
+    return {"fused": len(fused), "total": len(layers), "missing": missing}
+
+
+def _natural(label: str) -> tuple[str, int]:
+    name, _, index = label.rpartition(".")
+    return name, int(index)
+
+
+def _run_document(run: PassRun, order: int, layers: set[str] = frozenset()) -> dict[str, Any]:
     decision = run.decision
     entry: dict[str, Any] = {
         "name": decision.name,
@@ -145,6 +175,7 @@ def _run_document(run: PassRun, order: int) -> dict[str, Any]:
             stats.name: {"matched": stats.matched, "effected": stats.effected}
             for stats in ctx.patterns.values()
         },
+        layers=layer_coverage(run, layers),
         time_ms=round(run.seconds * 1e3, 3),
         nodes_before=run.nodes_before,
         nodes_after=run.nodes_after,
@@ -181,6 +212,7 @@ def report_document(
     model_after: ir.Model,
     paths: dict[str, str | None],
     options: dict[str, Any],
+    layers: set[str] = frozenset(),
 ) -> dict[str, Any]:
     """The --report / --json document: every pass with state, reason and effect."""
     return {
@@ -191,13 +223,14 @@ def report_document(
         "time_s": round(result.seconds, 4),
         "warnings": plan.warnings,
         "notes": plan.notes,
-        "passes": [_run_document(run, order) for order, run in enumerate(result.runs)],
+        "passes": [_run_document(run, order, layers) for order, run in enumerate(result.runs)],
         "fusion_result": fusion_result_document(result),
     }
 
 
-def print_summary(console: Console, result: RunResult) -> None:
-    """A table of the passes that matched something or were switched explicitly."""
+def print_summary(console: Console, result: RunResult, layers: set[str] = frozenset()) -> None:
+    """A table of the passes that matched something or were switched explicitly, and the
+    passes that fused in only some of the model's layers."""
     table = Table(title="fusectl passes", title_justify="left")
     table.add_column("pass", no_wrap=True)
     table.add_column("state", no_wrap=True)
@@ -227,3 +260,10 @@ def print_summary(console: Console, result: RunResult) -> None:
         f"nodes {result.nodes_before} -> {result.nodes_after} in {result.seconds:.3f} s; "
         f"{quiet} other pass(es) matched nothing or are off by default"
     )
+    for run in result.runs:
+        coverage = layer_coverage(run, layers)
+        if coverage is not None:
+            console.print(
+                f"{run.decision.name} fused in {coverage['fused']} of {coverage['total']} "
+                f"layers; none in {', '.join(coverage['missing'])}"
+            )

@@ -281,6 +281,55 @@ def _num_heads(heads: ir.Shape | None, query: ir.Shape) -> int | None:
     return None
 
 
+def _fused_shape(query: ir.Shape, value: ir.Shape, replaced: ir.Shape | None) -> ir.Shape:
+    """MultiHeadAttention's output: [batch, sequence] of the query by the value's hidden size.
+
+    onnx cannot infer the contrib op, and the replaced output's batch may be a fresh symbol
+    (the scores broadcast against the mask's batch), where proving that a later residual Add
+    broadcasts nothing needs the query's. The rest of a replaced shape stays as inferred: a
+    hidden size made static here would let a second run fold what the first could not.
+    """
+    if replaced is None or len(replaced) != 3:
+        return ir.Shape([query[0], query[1], value[2]])
+    old = list(replaced)
+    leading = [o if isinstance(o, int) else q for o, q in zip(old[:2], query[:2], strict=True)]
+    return ir.Shape([*leading, old[2]])
+
+
+_VIEWS = frozenset({"Reshape", "Transpose", "Concat"})
+
+
+def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set[ir.Node] | None:
+    """The matched nodes that must stay because a value they compute is read outside the
+    match, with the matched nodes they read; None if any of them is more than data movement
+    or integer shape arithmetic (keeping it would duplicate real work).
+
+    TorchScript's T5 takes the key length for its position bias from a transposed copy of the
+    key's head split: that Reshape stays beside the fused op, computing what it did.
+    """
+    members = set(nodes)
+
+    def read_outside(node: ir.Node) -> bool:
+        return any(
+            value is not output
+            and (value.is_graph_output() or any(user not in members for user, _ in value.uses()))
+            for value in node.outputs
+        )
+
+    pending = [node for node in nodes if read_outside(node)]
+    staying: set[ir.Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in staying:
+            continue
+        integer = all(ctx.dtype(value) in _INDEX_TYPES for value in node.outputs)
+        if not integer and (node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx")):
+            return None
+        staying.add(node)
+        pending += [v.producer() for v in node.inputs if v is not None and v.producer() in members]
+    return staying
+
+
 @register_pass
 class MultiHeadAttentionFusionPass(FusionPass):
     spec = PassSpec(
@@ -326,9 +375,9 @@ class MultiHeadAttentionFusionPass(FusionPass):
         if flatten:
             keep.add(match.root.inputs[1])
         _absorb_shape_arithmetic(ctx, match.nodes, keep)
-        reason = uses_outside(match.nodes, [match.output])
-        if reason is not None:
-            return reason
+        staying = _still_read(ctx, match.nodes, match.output)
+        if staying is None:
+            return uses_outside(match.nodes, [match.output])
         dtype = ctx.dtype(match.query)
         if ctx.target == "ort" and not runtime.has_kernel("MultiHeadAttention", MS, 1, dtype):
             return f"onnxruntime has no com.microsoft.MultiHeadAttention kernel for {dtype}"
@@ -377,10 +426,17 @@ class MultiHeadAttentionFusionPass(FusionPass):
             ctx,
             "MultiHeadAttention",
             match.root,
-            match.nodes,
+            [node for node in match.nodes if node not in staying],
             new_nodes,
             [match.output],
             [result],
             constants,
         )
+        # After the replacement, which gives ``result`` the replaced value's shape and type.
+        output = attention.outputs[0]
+        output.shape = _fused_shape(shapes[0], shapes[2], None if flatten else shapes[3])
+        if output.type is None and dtype is not None:
+            output.type = ir.TensorType(dtype)
+        if not flatten:
+            result.shape = output.shape  # the NaN guard keeps the shape
         return None

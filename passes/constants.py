@@ -48,8 +48,59 @@ def _static_shape(ctx: PassContext, value: ir.Value | None) -> list[int] | None:
     return [int(d) for d in shape]
 
 
+def _shape_dims(ctx: PassContext, node: ir.Node) -> list[int | None] | None:
+    """What a Shape node returns, with None for the dimensions that are only known at run time."""
+    shape = ctx.shape(node.inputs[0])
+    if shape is None:
+        return None
+    dims = [int(d) if isinstance(d, int) else None for d in shape]
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", None)
+    return dims[start:end]
+
+
+def _static_part_of_shape(ctx: PassContext, node: ir.Node) -> list[np.ndarray] | None:
+    """Gather / Slice of a Shape that select only static dimensions (the head size read back
+    from a [B, N, S, H] tensor, say): known before run time even though the shape is not."""
+    shape = _producer_of(node.inputs[0], "Shape")
+    if shape is None:
+        return None
+    dims = _shape_dims(ctx, shape)
+    if dims is None:
+        return None
+    positions = np.arange(len(dims), dtype=np.int64)
+    if node.op_type == "Gather":
+        indices = constant_value(node.inputs[1])
+        if indices is None or node.attributes.get_int("axis", 0) != 0:
+            return None
+        selected = positions[indices]
+    else:
+        operands = [*node.inputs[1:], None, None][:4]
+        defaults = [None, None, np.array([0]), np.array([1])]
+        starts, ends, axes, steps = (
+            constant_value(v) if v is not None else default
+            for v, default in zip(operands, defaults, strict=True)
+        )
+        if starts is None or ends is None or axes is None or steps is None:
+            return None
+        if np.size(starts) != 1 or int(np.ravel(axes)[0]) not in (0, -1):
+            return None
+        selected = positions[slice(*(int(np.ravel(b)[0]) for b in (starts, ends, steps)))]
+    values = [dims[int(i)] for i in np.ravel(selected)]
+    if any(v is None for v in values):
+        return None
+    return [np.array(values, dtype=np.int64).reshape(np.shape(selected))]
+
+
+def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
 def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] | None:
     """The node's outputs, if every input is known before run time."""
+    if node.op_type in ("Gather", "Slice") and constant_value(node.inputs[0]) is None:
+        return _static_part_of_shape(ctx, node)
     if node.op_type == "Shape" or node.op_type == "Size":
         shape = _static_shape(ctx, node.inputs[0])
         if shape is None:

@@ -143,6 +143,101 @@ class LayerNormFusionPass(PatternPass):
     )
 
 
+_Dim = int | ir.SymbolicDim | None  # None: unknown
+
+
+def _same_dim(a: _Dim, b: _Dim) -> bool:
+    """Equal sizes, or one named symbol (an unnamed dim proves nothing: ir compares it equal
+    to any other unnamed one)."""
+    if isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim):
+        return a.value is not None and a.value == b.value
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+_SHAPE_DEPTH = 8
+_INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
+
+
+def _shape_elements(site: Site, value: ir.Value | None, depth: int = 0) -> list[_Dim] | None:
+    """The elements of a small integer tensor that spells a shape, as dims: constants, and
+    Shape(x) of a tensor whose dims are known, through the Gather / Slice / Unsqueeze /
+    Squeeze / Concat / Cast that TorchScript writes to build a Reshape's target."""
+    if value is None or depth > _SHAPE_DEPTH:
+        return None
+    array = site.constant(value)
+    if array is not None:
+        return [int(x) for x in array.reshape(-1)] if array.dtype.kind in "iu" else None
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Shape":
+        shape = site.shape(node.inputs[0])
+        if shape is None:
+            return None
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", len(shape))
+        return [d if isinstance(d, int) or d.value is not None else None for d in shape][start:end]
+    cast = node.op_type == "Cast" and node.attributes.get_int("to", 0) in _INDEX_TYPES
+    if cast or node.op_type in ("Unsqueeze", "Squeeze", "Identity"):
+        return _shape_elements(site, node.inputs[0], depth + 1)
+    if node.op_type == "Concat":
+        parts = [_shape_elements(site, v, depth + 1) for v in node.inputs]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    data = _shape_elements(site, node.inputs[0], depth + 1) if node.inputs else None
+    if data is None or len(node.inputs) < 2:
+        return None
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0:
+        indices = site.constant(node.inputs[1])
+        if indices is None or any(not -len(data) <= i < len(data) for i in indices.reshape(-1)):
+            return None
+        return [data[int(i)] for i in indices.reshape(-1)]
+    if node.op_type == "Slice" and len(node.inputs) >= 3:
+        bounds = [site.constant(v) for v in node.inputs[1:]]
+        if any(b is None or b.size != 1 for b in bounds):
+            return None
+        start, end, *rest = (int(b.reshape(-1)[0]) for b in bounds)
+        if rest[:1] not in ([], [0], [-1]) or rest[1:] not in ([], [1]):
+            return None  # not along the one axis, or not with step 1
+        return data[start:end]
+    return None
+
+
+def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
+    """Per axis, every size known for the value: the inferred one, and for a Reshape output
+    the one its computed target spells out.
+
+    onnx gives a dim a fresh symbol whenever it cannot prove two dims equal, e.g. a batch
+    broadcast against a mask's: TorchScript GPT-2 reshapes a projection back to
+    Shape(attention output)[0:2], and that attention output, once fused, has the query's
+    batch symbol.
+    """
+    shape = site.shape(value)
+    dims = None if shape is None else [[d] for d in shape]
+    node = value.producer()
+    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+        return dims
+    target = _shape_elements(site, node.inputs[1])
+    if target is None or (dims is not None and len(dims) != len(target)):
+        return dims
+    dims = dims or [[] for _ in target]
+    source = site.shape(node.inputs[0])
+    copies = not node.attributes.get_int("allowzero", 0)
+    for axis, dim in enumerate(target):
+        if dim == 0 and copies:  # 0 copies the input's dim
+            dim = source[axis] if source is not None and axis < len(source) else None
+        if dim is not None and not (isinstance(dim, int) and dim < 0):  # -1: the rest
+            dims[axis].append(dim)
+    return dims
+
+
+def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
+    """Whether both are provably one shape, so that adding them broadcasts nothing."""
+    if len(a) != len(b):
+        return False
+    axes = zip(a, b, strict=True)
+    return all(any(_same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
+
+
 def _skip(
     op: Any,
     site: Site,
@@ -155,14 +250,14 @@ def _skip(
 ) -> ir.Value:
     """onnxruntime's SkipLayerNormalization (SkipSimplifiedLayerNormalization when there is
     no beta: the RMS form): norm(a + b) over the last axis of a 3-D input."""
-    shape_a, shape_b = site.shape(a), site.shape(b)
-    if shape_a is None or shape_b is None:
+    dims_a, dims_b = _proven_dims(site, a), _proven_dims(site, b)
+    if dims_a is None or dims_b is None:
         raise Decline("the shapes of the residual Add's inputs are unknown")
-    if len(shape_a) != 3 or shape_a != shape_b:
+    if len(dims_a) != 3 or not _same_shape(dims_a, dims_b):
         raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
     op_type = "SkipLayerNormalization" if beta is not None else "SkipSimplifiedLayerNormalization"
     site.require_kernel(op_type, site.dtype(a), MS)
-    hidden = shape_a[-1] if isinstance(shape_a[-1], int) else None
+    hidden = next((d for d in dims_a[-1] + dims_b[-1] if isinstance(d, int)), None)
     params = [_param(site, op, gamma, "gamma", hidden)]
     if beta is not None:
         params.append(_param(site, op, beta, "beta", hidden))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from tests.conftest import optimize
@@ -150,3 +151,146 @@ def test_large_results_fold_only_when_they_free_their_inputs(tmp_path: Path) -> 
     assert alone.counts(FOLD) == (1, 1)
     assert reasons(alone, FOLD) == {}
     assert alone.op_counts() == Counter({"Add": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# Gather / Slice of a Shape: the dimensions they select may be static though the shape is not
+# (the head size read back from a [B, S, N, H] tensor).
+# ---------------------------------------------------------------------------------------------
+
+X_SHAPE = ["batch", "seq", 4, 8]
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _scaled_by_a_dimension(path: Path, index: list[int] | int, **shape_attrs: int) -> Path:
+    """y = x / Sqrt(Cast(Gather(Shape(x), index))): attention's 1 / sqrt(head size)."""
+    return save_model(
+        path,
+        [
+            helper.make_node("Shape", ["x"], ["shape"], name="shape", **shape_attrs),
+            helper.make_node("Gather", ["shape", "index"], ["dim"], name="gather"),
+            helper.make_node("Cast", ["dim"], ["dim_f"], name="cast", to=TensorProto.FLOAT),
+            helper.make_node("Sqrt", ["dim_f"], ["root"], name="sqrt"),
+            helper.make_node("Div", ["x", "root"], ["y"], name="div"),
+        ],
+        [value("x", X_SHAPE)],
+        [value("y", X_SHAPE)],
+        [const("index", index, np.int64)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("index", "shape_attrs"),
+    [(3, {}), (-1, {}), ([3], {}), (1, {"start": 2}), (0, {"start": -1})],
+    ids=["index_3", "index_minus_1", "index_list", "shape_start_2", "shape_start_minus_1"],
+)
+def test_static_dimension_of_a_symbolic_shape_folds(
+    index: list[int] | int, shape_attrs: dict[str, int], tmp_path: Path
+) -> None:
+    """Gather(Shape(x), 3) of x [batch, seq, 4, 8] is 8 whatever batch and seq are."""
+    model = _scaled_by_a_dimension(tmp_path / "head_size.onnx", index, **shape_attrs)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(FOLD) == (3, 3)
+    assert run.passed(FOLD)["patterns"] == {
+        "Gather": {"matched": 1, "effected": 1},
+        "Cast": {"matched": 1, "effected": 1},
+        "Sqrt": {"matched": 1, "effected": 1},
+    }
+    assert run.op_counts() == Counter({"Div": 1})  # Shape has no reader left: removed
+    graph = onnx.load(str(run.output)).graph
+    root = next(i for i in graph.initializer if i.name == "root")
+    np.testing.assert_allclose(
+        onnx.numpy_helper.to_array(root), np.sqrt([8.0]).reshape(np.shape(index))
+    )
+
+
+def _reshaped_by_a_slice(path: Path, bounds: list[list[int]], y_shape: list) -> Path:
+    """y = Reshape(x, Concat([-1], Slice(Shape(x), *bounds)))."""
+    names = ["starts", "ends", "axes", "steps"][: len(bounds)]
+    return save_model(
+        path,
+        [
+            helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+            helper.make_node("Slice", ["shape", *names], ["dims"], name="slice"),
+            helper.make_node("Concat", ["minus_one", "dims"], ["target"], name="concat", axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+        ],
+        [value("x", X_SHAPE)],
+        [value("y", y_shape)],
+        [
+            const("minus_one", [-1], np.int64),
+            *(const(n, b, np.int64) for n, b in zip(names, bounds, strict=True)),
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("bounds", "dims"),
+    [
+        ([[2], [4]], [4, 8]),
+        ([[-2], [INT64_MAX], [0]], [4, 8]),
+        ([[2], [INT64_MAX], [-1], [1]], [4, 8]),
+        ([[3], [1], [0], [-1]], [8, 4]),
+        ([[3], [4]], [8]),
+    ],
+    ids=["start_end", "from_minus_2", "axis_minus_1", "reversed", "last_only"],
+)
+def test_slice_of_static_dimensions_folds(bounds: list, dims: list[int], tmp_path: Path) -> None:
+    model = _reshaped_by_a_slice(tmp_path / "slice.onnx", bounds, ["n", *dims])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(FOLD) == (2, 2)
+    assert run.passed(FOLD)["patterns"] == {
+        "Slice": {"matched": 1, "effected": 1},
+        "Concat": {"matched": 1, "effected": 1},
+    }
+    assert run.op_counts() == Counter({"Reshape": 1})
+    graph = onnx.load(str(run.output)).graph
+    target = next(i for i in graph.initializer if i.name == "target")
+    assert onnx.numpy_helper.to_array(target).tolist() == [-1, *dims]
+
+
+def test_symbolic_dimensions_do_not_fold(tmp_path: Path) -> None:
+    """Gather of the symbolic seq, and a Slice that covers it, are only known at run time."""
+    gathered = optimize_checked(_scaled_by_a_dimension(tmp_path / "seq.onnx", 1), tmp_path)
+    assert gathered.counts(FOLD) == (0, 0)
+    assert gathered.op_counts() == Counter(
+        {"Shape": 1, "Gather": 1, "Cast": 1, "Sqrt": 1, "Div": 1}
+    )
+    model = _reshaped_by_a_slice(tmp_path / "seq_slice.onnx", [[1], [3]], ["n", "seq", 4])
+    sliced = optimize_checked(model, tmp_path)
+    assert sliced.counts(FOLD) == (0, 0)
+    assert sliced.op_counts() == Counter({"Shape": 1, "Slice": 1, "Concat": 1, "Reshape": 1})
+
+
+def test_gather_of_something_else_than_a_shape_stays(tmp_path: Path) -> None:
+    """A fed shape vector, and a Shape read at a fed index, are not known before run time."""
+    fed = save_model(
+        tmp_path / "fed.onnx",
+        [
+            helper.make_node("Gather", ["sizes", "index"], ["dim"], name="gather"),
+            helper.make_node("Cast", ["dim"], ["dim_f"], name="cast", to=TensorProto.FLOAT),
+            helper.make_node("Div", ["x", "dim_f"], ["y"], name="div"),
+        ],
+        [value("x", X_SHAPE), value("sizes", [4], TensorProto.INT64)],
+        [value("y", X_SHAPE)],
+        [const("index", 3, np.int64)],
+    )
+    run = optimize_checked(fed, tmp_path)
+    assert run.counts(FOLD) == (0, 0)
+    assert run.op_counts() == Counter({"Gather": 1, "Cast": 1, "Div": 1})
+    at_fed_index = save_model(
+        tmp_path / "fed_index.onnx",
+        [
+            helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+            helper.make_node("Gather", ["shape", "index"], ["dim"], name="gather"),
+            helper.make_node("Cast", ["dim"], ["dim_f"], name="cast", to=TensorProto.FLOAT),
+            helper.make_node("Div", ["x", "dim_f"], ["y"], name="div"),
+        ],
+        [value("x", [2, 3, 4, 8]), value("index", [], TensorProto.INT64)],
+        [value("y", [2, 3, 4, 8])],
+    )
+    run = optimize(at_fed_index, tmp_path)
+    # The static Shape itself folds; the Gather reads a fed index.
+    assert run.counts(FOLD) == (1, 1)
+    assert run.passed(FOLD)["patterns"] == {"Shape": {"matched": 1, "effected": 1}}
+    assert run.op_counts() == Counter({"Gather": 1, "Cast": 1, "Div": 1})

@@ -123,7 +123,7 @@ def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) ->
         for n in onnx.load(str(run.output)).graph.node
         if n.op_type == "FusedMatMul"
     }
-    head = 8 if not name.startswith("gpt2") else 16
+    head = 16 if name.startswith(("gpt2", "llama")) else 8
     expected = 1.0 if name.startswith("t5") else 1 / math.sqrt(head)
     assert alphas == {round(expected, 6)}
 

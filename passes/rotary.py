@@ -1,0 +1,340 @@
+"""UB fusion: rotary position embedding written out as rotate_half -> onnxruntime's
+RotaryEmbedding.
+
+LLaMA-style models (transformers, both exporters) rotate q and k, split into heads, as
+
+    x = Transpose(Reshape(X, [B, S, N, H]), [0, 2, 1, 3])
+    out = x * cos + Concat(-x[..., H/2:], x[..., :H/2], axis=-1) * sin
+
+with cos / sin of shape [1, 1, S, H] computed once from the positions: cos(Concat(f, f)) for
+the per-position angles f [1, S, H/2]. Because both halves of cos are equal, its first half,
+flattened to [S, H/2], is a per-row cache: RotaryEmbedding with position offset 0 reads row s
+for query row s, whatever positions the model computed the angles from (a KV-cache offset
+included). The rotation is applied to the [B, S, N*H] projection, before the head split, so
+the attention fusions still find their Transpose(Reshape(X)) head split above it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from fusectl import runtime
+from fusectl.context import PassContext
+from fusectl.patterns import constant_value, replace_subgraph, uses_outside
+from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+
+MS = "com.microsoft"
+_HEADS = [0, 2, 1, 3]
+# Element-wise steps between the duplicated angles and cos / sin that keep the two halves equal.
+_HALF_PRESERVING = frozenset({"Cos", "Sin", "Cast", "Identity"})
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+        return None
+    return node
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    array = constant_value(value)
+    return None if array is None else [int(v) for v in array.reshape(-1)]
+
+
+@dataclass
+class _Rotary:
+    """One rotate_half site: out = x * cos + rotate_half(x) * sin."""
+
+    x: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    nodes: list[ir.Node]
+    root: ir.Node
+
+
+def _last_axis_slice(node: ir.Node, rank: int) -> tuple[int, int] | None:
+    """(start, end) of a step-1 Slice along the last axis."""
+    starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
+    axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
+    steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
+    if starts is None or ends is None or axes is None or steps != [1] or len(starts) != 1:
+        return None
+    if axes[0] % rank != rank - 1:
+        return None
+    return starts[0], ends[0]
+
+
+def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
+    """x from Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1), and the nodes doing it."""
+    concat = _producer(value, "Concat")
+    if (
+        concat is None
+        or len(concat.inputs) != 2
+        or concat.attributes.get_int("axis") not in (-1, 3)
+    ):
+        return None
+    negate = _producer(concat.inputs[0], "Neg")
+    high = _producer(negate.inputs[0], "Slice") if negate is not None else None
+    low = _producer(concat.inputs[1], "Slice")
+    if high is None or low is None or high.inputs[0] is not low.inputs[0]:
+        return None
+    half = head_size // 2
+    high_range, low_range = _last_axis_slice(high, 4), _last_axis_slice(low, 4)
+    if high_range is None or low_range is None:
+        return None
+    if high_range[0] != half or high_range[1] < head_size or low_range != (0, half):
+        return None
+    return low.inputs[0]
+
+
+def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
+    """The rotary embedding ending at this Add, if it is one."""
+    products = [_producer(v, "Mul") for v in add.inputs]
+    if any(p is None for p in products):
+        return None
+    for direct, rotated in (products, products[::-1]):
+        for x, cos in (direct.inputs, direct.inputs[::-1]):
+            shape = ctx.shape(x)
+            if shape is None or len(shape) != 4 or not isinstance(shape[3], int):
+                continue
+            for half_turn, sin in (rotated.inputs, rotated.inputs[::-1]):
+                if _rotate_half_of(half_turn, int(shape[3])) is x:
+                    concat = half_turn.producer()
+                    negate = concat.inputs[0].producer()
+                    slices = [negate.inputs[0].producer(), concat.inputs[1].producer()]
+                    nodes = [add, direct, rotated, concat, negate, *slices]
+                    return _Rotary(x, cos, sin, nodes, add)
+    return None
+
+
+def _duplicated_halves(ctx: PassContext, value: ir.Value, depth: int = 8) -> bool:
+    """Whether the last axis of ``value`` is Concat(f, f) passed through element-wise steps
+    (cos, sin, casts, scaling by a scalar) and Unsqueezes that keep that axis last; or a
+    constant whose two halves are equal (the table folded from a static-shape export)."""
+    table = constant_value(value)
+    if table is not None:
+        half = table.shape[-1] // 2 if table.ndim else 0
+        return (
+            half > 0
+            and table.shape[-1] == 2 * half
+            and bool(np.array_equal(table[..., :half], table[..., half:]))
+        )
+    node = value.producer()
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return False
+    inner = node.inputs[0]
+    if node.op_type == "Concat":
+        rank = len(shape) if (shape := ctx.shape(inner)) is not None else 0
+        last = node.attributes.get_int("axis") in (-1, rank - 1)
+        return len(node.inputs) == 2 and node.inputs[1] is inner and last
+    if node.op_type == "Unsqueeze":
+        axes = _ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        if axes is None or -1 in axes:
+            return False
+    elif node.op_type in ("Mul", "Div"):
+        factor = constant_value(node.inputs[1])
+        if factor is None or factor.size != 1:
+            return False
+    elif node.op_type not in _HALF_PRESERVING:
+        return False
+    return inner is not None and _duplicated_halves(ctx, inner, depth - 1)
+
+
+def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
+    """Whether two dimensions are known to be equal (the same size, or the same named symbol)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a.value is not None and a.value == b.value
+
+
+def _head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None:
+    """(Reshape, Transpose) when x = Transpose(Reshape(X [B,S,N*H], [B,S,N,H]), [0,2,1,3]).
+
+    The Reshape must keep X's batch and sequence axes and only split the last one: a Reshape
+    of [B, S*N, H] to [B, S, N, H] has the same ranks, but X's rows are not the positions."""
+    transpose = _producer(x, "Transpose")
+    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != _HEADS:
+        return None
+    reshape = _producer(transpose.inputs[0], "Reshape")
+    if reshape is None or reshape.inputs[0] is None:
+        return None
+    before, after = ctx.shape(reshape.inputs[0]), ctx.shape(reshape.outputs[0])
+    if before is None or after is None or len(before) != 3 or len(after) != 4:
+        return None
+    if not (_same_dim(before[0], after[0]) and _same_dim(before[1], after[1])):
+        return None
+    return reshape, transpose
+
+
+@register_pass
+class RotaryEmbeddingFusionPass(FusionPass):
+    spec = PassSpec(
+        name="RotaryEmbeddingFusionPass",
+        category=Category.UB,
+        description="rotate_half rotary position embedding (LLaMA-style q/k) -> com.microsoft "
+        "RotaryEmbedding on the projection, before the head split",
+        aliases=("rotary_embedding_fusion", "RotaryEmbeddingFusion"),
+        numerics=Numerics.REASSOCIATING,
+        priority=4400,
+        targets=("ort",),
+        emits=("RotaryEmbedding",),
+        emits_domain=MS,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        stats = ctx.pattern("RotaryEmbedding")
+        caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]] = {}
+        for add in [n for n in model.graph if n.op_type == "Add" and n.domain == ""]:
+            if add.graph is not model.graph:
+                continue
+            found = _match(add, ctx)
+            if found is not None:
+                reason = self._fuse(ctx, found, caches)
+                if reason is not None:
+                    stats.decline(reason, add.name or add.op_type)
+
+    @staticmethod
+    def _cache(angles: ir.Value, half: int, label: str) -> tuple[list[ir.Node], ir.Value]:
+        """[S, H/2] rows of cos or sin: the first half of the last axis, flattened."""
+        graph = angles.graph
+        assert graph is not None
+        table = constant_value(angles)
+        if table is not None:  # a constant table: its cache is a constant too
+            rows = np.ascontiguousarray(table[..., :half].reshape(-1, half))
+            cache = _constant(_free_name(graph, f"{label}/cache"), rows)
+            graph.initializers[cache.name] = cache
+            return [], cache
+        bounds = {
+            "starts": [0],
+            "ends": [half],
+            "axes": [-1],
+            "rows": [-1, half],
+        }
+        constants = {}
+        for suffix, numbers in bounds.items():
+            value = _constant(_free_name(graph, f"{label}/{suffix}"), np.array(numbers, np.int64))
+            graph.initializers[value.name] = value
+            constants[suffix] = value
+        first_half = ir.node(
+            "Slice", [angles, constants["starts"], constants["ends"], constants["axes"]]
+        )
+        flat = ir.node("Reshape", [first_half.outputs[0], constants["rows"]])
+        return [first_half, flat], flat.outputs[0]
+
+    @classmethod
+    def _fuse(
+        cls,
+        ctx: PassContext,
+        match: _Rotary,
+        caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]],
+    ) -> str | None:
+        shape = ctx.shape(match.x)
+        assert shape is not None
+        head_size = int(shape[3])
+        for angles in (match.cos, match.sin):
+            if not _duplicated_halves(ctx, angles):
+                return "cos / sin are not the same angles repeated in both halves (Concat(f, f))"
+            angle_shape = ctx.shape(angles)
+            if angle_shape is None or len(angle_shape) < 2 or angle_shape[-1] != head_size:
+                return "cos / sin do not have the head size as their last axis"
+            if any(d != 1 for d in angle_shape[:-2]):
+                return "cos / sin differ per batch row or head (position ids per row)"
+            rows, positions = angle_shape[-2], shape[2]
+            if rows != positions and (rows == 1 or isinstance(positions, int)):
+                return "cos / sin do not have one row per query position"
+        dtype = ctx.dtype(match.x)
+        if ctx.target == "ort" and not runtime.has_kernel("RotaryEmbedding", MS, 1, dtype):
+            return f"onnxruntime has no com.microsoft.RotaryEmbedding kernel for {dtype}"
+        split = _head_split(ctx, match.x)
+        old_nodes = list(match.nodes)
+        if (
+            split is not None
+            and uses_outside([*old_nodes, *split], [match.root.outputs[0]]) is None
+        ):
+            old_nodes += split
+        reason = uses_outside(old_nodes, [match.root.outputs[0]])
+        if reason is not None:
+            return reason
+        new_nodes: list[ir.Node] = []
+        key = (match.cos, match.sin)
+        if key not in caches:
+            label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
+            half = head_size // 2
+            cos_nodes, cos_cache = cls._cache(match.cos, half, f"{label}/cos")
+            sin_nodes, sin_cache = cls._cache(match.sin, half, f"{label}/sin")
+            new_nodes += cos_nodes + sin_nodes
+            caches[key] = (cos_cache, sin_cache)
+        cos_cache, sin_cache = caches[key]
+        offset = _position_offset(match.root.graph)
+        source = split[0].inputs[0] if split is not None else match.x
+        rotary = ir.node(
+            "RotaryEmbedding",
+            [source, offset, cos_cache, sin_cache],
+            attributes={"interleaved": 0},
+            domain=MS,
+        )
+        new_nodes.append(rotary)
+        result = _like(ctx, rotary.outputs[0], source)
+        if split is not None:
+            reshape = split[0]
+            heads = ir.node(
+                "Reshape",
+                [result, reshape.inputs[1]],
+                attributes={"allowzero": reshape.attributes.get_int("allowzero", 0)},
+            )
+            merge = ir.node("Transpose", [heads.outputs[0]], attributes={"perm": _HEADS})
+            new_nodes += [heads, merge]
+            _like(ctx, heads.outputs[0], reshape.outputs[0])
+            result = _like(ctx, merge.outputs[0], match.x)
+        replace_subgraph(
+            ctx,
+            "RotaryEmbedding",
+            match.root,
+            old_nodes,
+            new_nodes,
+            [match.root.outputs[0]],
+            [result],
+        )
+        return None
+
+
+_OFFSET_NAME = "RotaryEmbeddingFusionPass/position_offset"
+
+
+def _constant(name: str, array: np.ndarray) -> ir.Value:
+    return ir.Value(
+        name=name,
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        shape=ir.Shape(array.shape),
+        const_value=ir.tensor(array, name=name),
+    )
+
+
+def _free_name(graph: ir.Graph, name: str) -> str:
+    """``name``, or ``name_<n>`` when an initializer has it already: roots without a name share
+    one label, and a second cache must not replace the first one's bounds."""
+    candidate, suffix = name, 0
+    while candidate in graph.initializers:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    return candidate
+
+
+def _like(ctx: PassContext, new: ir.Value, old: ir.Value) -> ir.Value:
+    """Give a new value the type and shape of the old one it stands for (the contrib op has
+    no ONNX schema, so shape inference would leave everything after it unknown)."""
+    dtype = ctx.dtype(old)
+    new.type = ir.TensorType(dtype) if dtype is not None else None
+    new.shape = ctx.shape(old)
+    return new
+
+
+def _position_offset(graph: ir.Graph | None) -> ir.Value:
+    """The shared position_ids input [0]: row s of the per-row cache for query row s."""
+    assert graph is not None
+    if _OFFSET_NAME not in graph.initializers:
+        graph.initializers[_OFFSET_NAME] = _constant(_OFFSET_NAME, np.array([0], np.int64))
+    return graph.initializers[_OFFSET_NAME]

@@ -1,0 +1,554 @@
+"""RotaryEmbeddingFusionPass: LLaMA's rotate_half rotary embedding -> com.microsoft
+RotaryEmbedding, applied to the projection before the head split."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.conftest import Run, optimize, random_feeds, run_model
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    optimize_checked,
+    reasons,
+    save_model,
+    value,
+)
+
+ROTARY = "RotaryEmbeddingFusionPass"
+MS = "com.microsoft"
+
+# ---------------------------------------------------------------------------------------------
+# Real exports: tiny LLaMA (two layers; q and k rotated in each), TorchScript and dynamo.
+# ---------------------------------------------------------------------------------------------
+
+LLAMA = ["llama_tiny_ts14", "llama_tiny_ts17", "llama_tiny_dynamo"]
+# With a KV cache the angles are computed for positions past..past+S-1; the query rows are
+# still 0..S-1 of the cache, so position offset 0 stays right.
+LLAMA_PAST = ["llama_tiny_past_dynamo", "llama_tiny_past_ts17"]
+PAST_DIMS = {"batch": 2, "sequence": 3, "past_sequence": 4, "total_sequence": 7}
+
+
+def _graph(path: Path) -> onnx.GraphProto:
+    return onnx.load(str(path)).graph
+
+
+def _check_llama_rotaries(original: Path, run: Run) -> None:
+    """Four rotaries (q and k, two layers) on the MatMul projections, split into heads after,
+    sharing one cos / sin cache pair and one position offset [0]; no rotate_half is left."""
+    assert Counter(n.op_type for n in _graph(original).node)["Neg"] == 4  # the rotate_halfs
+    assert run.counts(ROTARY) == (4, 4)
+    assert reasons(run, ROTARY) == {}
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
+    assert (ops["Cos"], ops["Sin"]) == (1, 1)  # the angles, computed once for the caches
+    producers = {out: n for n in graph.node for out in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    for node in rotaries:
+        assert node.domain == MS
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"interleaved": 0}
+        assert producers[node.input[0]].op_type == "MatMul"  # hoisted above the head split
+        (reshape,) = readers[node.output[0]]
+        assert reshape.op_type == "Reshape"
+        (transpose,) = readers[reshape.output[0]]
+        assert transpose.op_type == "Transpose"
+        assert list(transpose.attribute[0].ints) == [0, 2, 1, 3]
+    assert len({tuple(n.input[1:]) for n in rotaries}) == 1
+    offset = next(i for i in graph.initializer if i.name == rotaries[0].input[1])
+    assert numpy_helper.to_array(offset).tolist() == [0]
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_llama_q_and_k_rotated_in_every_layer(name: str, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path)
+    _check_llama_rotaries(fixture_path(name), run)
+
+
+@pytest.mark.parametrize("name", LLAMA_PAST)
+def test_llama_with_kv_cache_rotates_the_new_positions(name: str, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    _check_llama_rotaries(fixture_path(name), run)
+    feeds = random_feeds(fixture_path(name), dims=PAST_DIMS)
+    expected = run_model(fixture_path(name), feeds)
+    actual = run_model(run.output, feeds)
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_torchscript_split_point_is_the_folded_head_size(tmp_path: Path) -> None:
+    """TorchScript slices q at Gather(Shape(q), 3) / 2, not a constant: only the folding of
+    that static dimension lets the rotary be found; dynamo's slices are constants already."""
+    ts = optimize_checked(
+        fixture_path("llama_tiny_ts14"), tmp_path, "--disable_pass", "ConstantFoldingPass"
+    )
+    assert ts.counts(ROTARY) == (0, 0)
+    assert (ts.op_counts()["Neg"], ts.op_counts()["RotaryEmbedding"]) == (4, 0)
+    dynamo = optimize_checked(
+        fixture_path("llama_tiny_dynamo"), tmp_path, "--disable_pass", "ConstantFoldingPass"
+    )
+    assert dynamo.counts(ROTARY) == (4, 4)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_ts14", "llama_tiny_dynamo"])
+def test_static_shapes_give_constant_caches(name: str, tmp_path: Path) -> None:
+    """With --input_shape the cos / sin tables fold to constants before this pass: their
+    halves are compared by value, and the caches are constants (nothing left to compute)."""
+    run = optimize_checked(
+        fixture_path(name),
+        tmp_path,
+        "--input_shape",
+        "input_ids:1,8;attention_mask:1,8",
+        compare=False,
+    )
+    assert run.counts(ROTARY) == (4, 4)
+    assert reasons(run, ROTARY) == {}
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["RotaryEmbedding"], ops["Neg"], ops["Cos"], ops["Sin"]) == (4, 0, 0, 0)
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len({tuple(n.input[1:]) for n in rotaries}) == 1
+    cos, sin = (initializers[name] for name in rotaries[0].input[2:])
+    assert cos.shape == sin.shape and cos.shape[0] == 8  # one row per position
+    np.testing.assert_allclose(cos[0], 1.0)  # position 0: angle 0
+    np.testing.assert_allclose(sin[0], 0.0, atol=1e-7)
+    feeds = random_feeds(run.output)  # batch 1, sequence 8
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_target_onnx_keeps_rotate_half(name: str, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, "--target", "onnx")
+    entry = run.passed(ROTARY)
+    assert (entry["state"], entry["reason"]) == ("off", "target")
+    model = onnx.load(str(run.output))
+    assert [n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx")] == []
+    assert MS not in {o.domain for o in model.opset_import}
+    assert Counter(n.op_type for n in model.graph.node)["Neg"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# onnx.helper models: y = x * cos + Concat(-x[..., H/2:], x[..., :H/2]) * sin, with
+# cos / sin = Unsqueeze(Cos / Sin(Concat(f, f)), 1) from angles f = positions * inv_freq.
+# ---------------------------------------------------------------------------------------------
+
+HEADS, HEAD = 2, 8
+HALF = HEAD // 2
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _n(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], name=output, **attrs)
+
+
+def _angles(
+    *, second: str = "f", scale: str | None = None, dtype: int = TensorProto.FLOAT
+) -> list[onnx.NodeProto]:
+    """cos / sin [1 or B, 1, S, H] from positions pos [1 or B, S]; emb = Concat(f, second),
+    cos and sin multiplied by the constant ``scale`` when given (LLaMA's attention_scaling)."""
+    nodes = [
+        _n("Cast", ["pos"], "pos_f", to=dtype),
+        _n("Unsqueeze", ["pos_f", "axis2"], "pos_3"),  # [., S, 1]
+        _n("Mul", ["pos_3", "inv_freq"], "f"),  # [., S, H/2]
+    ]
+    if second != "f":
+        nodes.append(_n("Mul", ["f", "two"], second))
+    nodes += [
+        _n("Concat", ["f", second], "emb", axis=-1),
+        _n("Cos", ["emb"], "cos_3"),
+        _n("Sin", ["emb"], "sin_3"),
+    ]
+    if scale is not None:
+        nodes += [
+            _n("Mul", ["cos_3", scale], "cos_scaled"),
+            _n("Mul", ["sin_3", scale], "sin_scaled"),
+        ]
+    suffix = "_3" if scale is None else "_scaled"
+    return [
+        *nodes,
+        _n("Unsqueeze", [f"cos{suffix}", "axis1"], "cos"),
+        _n("Unsqueeze", [f"sin{suffix}", "axis1"], "sin"),
+    ]
+
+
+def _rotate(
+    x: str, *, split: str = "half", axis: str = "axis3", concat_axis: int = -1, swap: bool = False
+) -> list[onnx.NodeProto]:
+    """x_out = x * cos + Concat(Neg(x[split:]), x[:split]) * sin, slicing along ``axis``;
+    ``swap`` writes every commutative operand the other way round."""
+    products = [[x, "cos"], [f"{x}_rot", "sin"]]
+    sums = [f"{x}_cos", f"{x}_sin"]
+    if swap:
+        products = [pair[::-1] for pair in products]
+        sums = sums[::-1]
+    return [
+        _n("Slice", [x, "zero", split, axis], f"{x}_lo"),
+        _n("Slice", [x, split, "max", axis], f"{x}_hi"),
+        _n("Neg", [f"{x}_hi"], f"{x}_neg"),
+        _n("Concat", [f"{x}_neg", f"{x}_lo"], f"{x}_rot", axis=concat_axis),
+        _n("Mul", products[0], f"{x}_cos"),
+        _n("Mul", products[1], f"{x}_sin"),
+        _n("Add", sums, f"{x}_out"),
+    ]
+
+
+def _split_heads(source: str, x: str, target: str) -> list[onnx.NodeProto]:
+    """x = Transpose(Reshape(source, target), [0, 2, 1, 3])."""
+    return [
+        _n("Reshape", [source, target], f"{x}_heads"),
+        _n("Transpose", [f"{x}_heads"], x, perm=[0, 2, 1, 3]),
+    ]
+
+
+def _constants(
+    nodes: list[onnx.NodeProto], dtype: int = TensorProto.FLOAT, heads: int = HEADS
+) -> list[onnx.TensorProto]:
+    """The shared constants (bounds, axes, frequencies, scales) that ``nodes`` read."""
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    ints = {
+        "axis1": [1],
+        "axis2": [2],
+        "axis3": [3],
+        "axis_last": [-1],
+        "zero": [0],
+        "half": [HALF],
+        "half_plus_one": [HALF + 1],
+        "max": [INT64_MAX],
+        "q_target": [0, 0, heads, HEAD],
+        "k_target": [0, 0, 1, HEAD],
+    }
+    tensors = [
+        *(const(name, numbers, np.int64) for name, numbers in ints.items()),
+        const("inv_freq", 1.0 / 10000 ** (np.arange(HALF) / HALF), np_type),
+        const("two", np.array(2.0), np_type),
+        const("per_element", np.linspace(0.5, 1.5, HEAD), np_type),
+    ]
+    read = {name for node in nodes for name in node.input}
+    return [tensor for tensor in tensors if tensor.name in read]
+
+
+def _model(
+    path: Path,
+    rotations: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    *,
+    positions: list[int | str] | None = None,
+    second: str = "f",
+    scale: str | None = None,
+    dtype: int = TensorProto.FLOAT,
+    heads: int = HEADS,
+) -> Path:
+    pos = value("pos", positions or [1, "seq"], TensorProto.INT64)
+    nodes = [*_angles(second=second, scale=scale, dtype=dtype), *rotations]
+    return save_model(path, nodes, [*inputs, pos], outputs, _constants(nodes, dtype, heads))
+
+
+def _q_model(
+    path: Path,
+    *,
+    extra: list[onnx.NodeProto] | None = None,
+    extra_outputs: list[onnx.ValueInfoProto] | None = None,
+    heads: int = HEADS,
+    rotate: dict | None = None,
+    dtype: int = TensorProto.FLOAT,
+    **options: object,
+) -> Path:
+    """One rotary on q = the head split of the [B, S, N*H] projection Q."""
+    return _model(
+        path,
+        [*_split_heads("Q", "q", "q_target"), *_rotate("q", **(rotate or {})), *(extra or [])],
+        [value("Q", ["batch", "seq", heads * HEAD], dtype)],
+        [value("q_out", ["batch", heads, "seq", HEAD], dtype), *(extra_outputs or [])],
+        heads=heads,
+        dtype=dtype,
+        **options,
+    )
+
+
+def _compare(original: Path, run: Run, *, atol: float = 1e-4, **dims: int) -> None:
+    """Outputs agree on onnxruntime at other sizes than optimize_checked's (2 everywhere)."""
+    feeds = random_feeds(original, seed=1, dims=dims)
+    expected, actual = run_model(original, feeds), run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=atol, rtol=1e-3)
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    found: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append(node)
+    return found
+
+
+def test_q_and_k_rotated_before_the_head_split(tmp_path: Path) -> None:
+    """Grouped heads (q 2, k 1) sharing cos / sin: one cache pair, both rotaries on the 3-D
+    projections, each split into heads after it."""
+    model = _model(
+        tmp_path / "split.onnx",
+        [
+            *_split_heads("Q", "q", "q_target"),
+            *_split_heads("K", "k", "k_target"),
+            *_rotate("q"),
+            *_rotate("k"),
+        ],
+        [value("Q", ["batch", "seq", HEADS * HEAD]), value("K", ["batch", "seq", HEAD])],
+        [value("q_out", ["batch", HEADS, "seq", HEAD]), value("k_out", ["batch", 1, "seq", HEAD])],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (2, 2)
+    assert run.passed(ROTARY)["patterns"] == {"RotaryEmbedding": {"matched": 2, "effected": 2}}
+    assert run.op_counts() == Counter(
+        # the angles (Cast, Unsqueeze, Mul, Concat, Cos, Sin, 2 x Unsqueeze), the caches
+        # (Slice + Reshape each), per projection RotaryEmbedding + Reshape + Transpose
+        {"Cast": 1, "Unsqueeze": 3, "Mul": 1, "Concat": 1, "Cos": 1, "Sin": 1}
+        | {"Slice": 2, "Reshape": 4, "RotaryEmbedding": 2, "Transpose": 2}
+    )
+    graph = _graph(run.output)
+    rotaries = {n.input[0]: n for n in graph.node if n.op_type == "RotaryEmbedding"}
+    assert sorted(rotaries) == ["K", "Q"]
+    assert len({tuple(n.input[1:]) for n in rotaries.values()}) == 1
+    readers = _readers(graph)
+    for node in rotaries.values():
+        (reshape,) = readers[node.output[0]]
+        assert reshape.op_type == "Reshape"
+        assert [n.op_type for n in readers[reshape.output[0]]] == ["Transpose"]
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_rotary_on_heads_without_a_split(tmp_path: Path) -> None:
+    """x [B, N, S, H] fed as is: the rotary reads it directly, nothing is reshaped after."""
+    model = _model(
+        tmp_path / "heads.onnx",
+        _rotate("x"),
+        [value("x", ["batch", HEADS, "seq", HEAD])],
+        [value("x_out", ["batch", HEADS, "seq", HEAD])],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    assert (node.domain, node.input[0], node.output[0]) == (MS, "x", "x_out")
+    assert run.op_counts()["Transpose"] == 0
+    assert run.op_counts()["Reshape"] == 2  # the two caches only
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_commuted_operands_and_positive_axes(tmp_path: Path) -> None:
+    """cos * x, sin * rotated, Add(sin term, cos term); slices on axis -1, Concat on axis 3."""
+    model = _q_model(
+        tmp_path / "commuted.onnx", rotate={"swap": True, "axis": "axis_last", "concat_axis": 3}
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts()["Neg"] == 0
+    _compare(model, run, batch=1, seq=6)
+
+
+def test_cos_and_sin_scaled_by_a_scalar(tmp_path: Path) -> None:
+    """cos * 2 and sin * 2 (a scalar keeps both halves equal): the caches carry the scale."""
+    model = _q_model(tmp_path / "scaled.onnx", scale="two")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts()["Neg"] == 0
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_float16_rotary(tmp_path: Path) -> None:
+    model = _q_model(tmp_path / "half.onnx", dtype=TensorProto.FLOAT16)
+    run = optimize_checked(model, tmp_path, atol=1e-2)
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts()["RotaryEmbedding"] == 1
+
+
+def test_reshape_that_is_no_head_split_is_not_hoisted(tmp_path: Path) -> None:
+    """Q [B, 2, 32] reshaped to [B, 4, 2, 8] (4 positions, 2 heads): Q's rows are not the
+    positions, so the rotary applies to the 4-D x after that Reshape, not to Q."""
+    nodes = [*_angles(), *_split_heads("Q", "q", "target"), *_rotate("q")]
+    model = save_model(
+        tmp_path / "no_split.onnx",
+        nodes,
+        [value("Q", ["batch", 2, 32]), value("pos", [1, 4], TensorProto.INT64)],
+        [value("q_out", ["batch", 2, 4, HEAD])],
+        [*_constants(nodes), const("target", [0, 4, 2, HEAD], np.int64)],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert (node.input[0], node.output[0]) == ("q", "q_out")
+    assert [n.name for n in graph.node if n.op_type == "Transpose"] == ["q"]
+    reshapes = [n.name for n in graph.node if n.op_type == "Reshape"]
+    assert len(reshapes) == 3 and "q_heads" in reshapes  # and the two caches
+
+
+def test_nameless_rotaries_of_two_head_sizes_keep_their_own_caches(tmp_path: Path) -> None:
+    """Nodes without names (the cache bounds are named after the rotary's root): rotaries of
+    head size 8 and 4, each with its own angles, keep their own cache bounds."""
+    shared = {"pos", "zero", "max", "axis1", "axis2", "axis3"}
+
+    def copy(prefix: str) -> list[onnx.NodeProto]:
+        nodes = [*_angles(), *_rotate("x")]
+        for node in nodes:
+            node.name = ""
+            node.input[:] = [n if n in shared else prefix + n for n in node.input]
+            node.output[:] = [prefix + n for n in node.output]
+        return nodes
+
+    nodes = copy("a_") + copy("b_")
+    ints = {"zero": [0], "max": [INT64_MAX], "axis1": [1], "axis2": [2], "axis3": [3]}
+    model = save_model(
+        tmp_path / "nameless.onnx",
+        nodes,
+        [
+            value("a_x", ["batch", HEADS, "seq", 8]),
+            value("b_x", ["batch", HEADS, "seq", 4]),
+            value("pos", [1, "seq"], TensorProto.INT64),
+        ],
+        [
+            value("a_x_out", ["batch", HEADS, "seq", 8]),
+            value("b_x_out", ["batch", HEADS, "seq", 4]),
+        ],
+        [
+            *(const(name, numbers, np.int64) for name, numbers in ints.items()),
+            const("a_inv_freq", [1.0, 0.1, 0.01, 0.001]),
+            const("a_half", [4], np.int64),
+            const("b_inv_freq", [1.0, 0.01]),
+            const("b_half", [2], np.int64),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (2, 2)
+    graph = _graph(run.output)
+    assert len(graph.initializer) == len({i.name for i in graph.initializer})
+    rotaries = {n.input[0]: n for n in graph.node if n.op_type == "RotaryEmbedding"}
+    assert sorted(rotaries) == ["a_x", "b_x"]
+    assert not set(rotaries["a_x"].input[2:]) & set(rotaries["b_x"].input[2:])
+    _compare(model, run, batch=3, seq=5)
+
+
+@pytest.mark.parametrize("duplicated", [True, False], ids=["equal_halves", "unequal_halves"])
+def test_constant_tables(duplicated: bool, tmp_path: Path) -> None:
+    """cos / sin given as constants [1, 1, 3, H]: their halves are compared by value."""
+    angles = np.outer(np.arange(3), 1.0 / 10000 ** (np.arange(HALF) / HALF))
+    second = angles if duplicated else angles * 2
+    table = np.concatenate([angles, second], axis=-1).reshape(1, 1, 3, HEAD)
+    model = save_model(
+        tmp_path / "tables.onnx",
+        _rotate("x"),
+        [value("x", ["batch", HEADS, 3, HEAD])],
+        [value("x_out", ["batch", HEADS, 3, HEAD])],
+        [
+            const("cos", np.cos(table)),
+            const("sin", np.sin(table)),
+            *(const(n, v, np.int64) for n, v in [("zero", [0]), ("half", [HALF])]),
+            *(const(n, v, np.int64) for n, v in [("max", [INT64_MAX]), ("axis3", [3])]),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    if duplicated:
+        assert run.counts(ROTARY) == (1, 1)
+        assert run.op_counts() == Counter({"RotaryEmbedding": 1})
+        _compare(model, run, batch=3)
+    else:
+        assert_declined(
+            run,
+            ROTARY,
+            "cos / sin are not the same angles repeated in both halves (Concat(f, f))",
+            "x_out",
+        )
+
+
+# Near misses: not the pattern (nothing matched) or declined with the reason.
+
+MISSES = {
+    # name: (options, decline reason or None when it is not the pattern at all)
+    "halves_differ": (
+        {"second": "g"},
+        "cos / sin are not the same angles repeated in both halves (Concat(f, f))",
+    ),
+    "scaled_per_element": (
+        {"scale": "per_element"},
+        "cos / sin are not the same angles repeated in both halves (Concat(f, f))",
+    ),
+    "per_batch_row_positions": (
+        {"positions": ["batch", "seq"]},
+        "cos / sin differ per batch row or head (position ids per row)",
+    ),
+    "one_row_for_every_position": (
+        {"positions": [1, 1]},
+        "cos / sin do not have one row per query position",
+    ),
+    "double": (
+        {"dtype": TensorProto.DOUBLE},
+        "onnxruntime has no com.microsoft.RotaryEmbedding kernel for DOUBLE",
+    ),
+    "split_past_the_middle": ({"rotate": {"split": "half_plus_one"}}, None),
+    # rotate_half over the heads axis (8 heads, halves of 4) instead of the head size
+    "heads_axis": ({"heads": 8, "rotate": {"axis": "axis1", "concat_axis": 1}}, None),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(MISSES))
+def test_near_misses(miss: str, tmp_path: Path) -> None:
+    options, reason = MISSES[miss]
+    model = _q_model(tmp_path / f"{miss}.onnx", **options)
+    run = optimize_checked(model, tmp_path)
+    if reason is None:
+        assert run.counts(ROTARY) == (0, 0)
+    else:
+        assert_declined(run, ROTARY, reason, "q_out")
+    ops = run.op_counts()
+    assert (ops["RotaryEmbedding"], ops["Neg"]) == (0, 1)
+    _compare(model, run, batch=3, seq=5)
+
+
+@pytest.mark.parametrize(
+    ("leak", "reason"),
+    [
+        ("output", "an intermediate value (Mul output) is a graph output"),
+        ("reader", "an intermediate value (Mul output) is also used by Relu outside the match"),
+    ],
+)
+def test_intermediate_read_outside_declines(leak: str, reason: str, tmp_path: Path) -> None:
+    """x * cos is also a graph output, or read by another node."""
+    if leak == "output":
+        extra, outputs = [], [value("q_cos", ["batch", HEADS, "seq", HEAD])]
+    else:
+        extra = [_n("Relu", ["q_cos"], "leak")]
+        outputs = [value("leak", ["batch", HEADS, "seq", HEAD])]
+    model = _q_model(tmp_path / f"{leak}.onnx", extra=extra, extra_outputs=outputs)
+    run = optimize_checked(model, tmp_path)
+    assert_declined(run, ROTARY, reason, "q_out")
+    assert run.op_counts()["RotaryEmbedding"] == 0
+
+
+def test_symbolic_head_size_is_not_matched(tmp_path: Path) -> None:
+    """x [B, N, S, head]: the split point H/2 cannot be checked against the head size."""
+    model = _model(
+        tmp_path / "symbolic_head.onnx",
+        _rotate("x"),
+        [value("x", ["batch", HEADS, "seq", "head"])],
+        [value("x_out", ["batch", HEADS, "seq", "head"])],
+    )
+    run = optimize(model, tmp_path)
+    assert run.counts(ROTARY) == (0, 0)
+    assert run.op_counts()["Neg"] == 1
+    _compare(model, run, batch=2, seq=3, head=HEAD)

@@ -456,6 +456,31 @@ def replace_subgraph(
             bypass(node)  # when it cannot go, the Identity stays: correct, just not minimal
 
 
+def new_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A new initializer holding ``array``, named ``name`` or ``name_<n>`` if that is taken
+    (nodes without a name give their sites one label)."""
+    candidate, suffix = name, 0
+    while candidate in graph.initializers:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    value = ir.Value(
+        name=candidate,
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        shape=ir.Shape(array.shape),
+        const_value=ir.tensor(array, name=candidate),
+    )
+    graph.initializers[candidate] = value
+    return value
+
+
+def typed(value: ir.Value, dtype: ir.DataType | None, shape: ir.Shape | None) -> ir.Value:
+    """Record what a pass knows of a new value: onnx shape inference cannot see through the
+    contrib ops, and a later run would otherwise infer (and write) what this one did not."""
+    value.type = ir.TensorType(dtype) if dtype is not None else None
+    value.shape = shape
+    return value
+
+
 def bypass(node: ir.Node) -> str | None:
     """Remove a pass-through node (Identity, inference Dropout) by wiring its input to its
     consumers; None when done, else why it stays. A graph output keeps its name, type and

@@ -263,7 +263,8 @@ def print_summary(console: Console, result: RunResult, layers: set[str] = frozen
     for run in result.runs:
         coverage = layer_coverage(run, layers)
         if coverage is not None:
-            console.print(
+            console.print(  # one line however many layers are missing: it is grepped for
                 f"{run.decision.name} fused in {coverage['fused']} of {coverage['total']} "
-                f"layers; none in {', '.join(coverage['missing'])}"
+                f"layers; none in {', '.join(coverage['missing'])}",
+                soft_wrap=True,
             )

@@ -1,30 +1,35 @@
 """UB fusion: scaled dot-product attention written out by exporters -> onnxruntime's
-MultiHeadAttention.
+MultiHeadAttention, or GroupQueryAttention where key/value heads are shared by groups of
+query heads (LLaMA-style repeat_kv).
 
 Exporters spell the core the same way (transformers' sdpa and eager paths, TorchScript and
-dynamo), but the head split and the key transpose differ, so this pass is hand-written and
+dynamo), but the head split and the key transpose differ, so these passes are hand-written and
 anchored at the Softmax instead of being a pattern per spelling:
 
     q = Transpose(Reshape(Q, [B,S,N,H]), [0,2,1,3])          Q, K, V: [B,S,N*H] projections
     kT = Transpose(Reshape(K), [0,2,3,1])                     or [0,2,1,3] then [0,1,3,2], or
          Reshape(Transpose(Reshape(k, 3-D), [0,2,1]), 4-D)    (dynamo), single-input Concats
+    k, v = Reshape(Expand(Unsqueeze(kv, 2), ..), [B,N,L,H])  optional repeat_kv of KV heads
     p = Softmax(MatMul(q * s1, kT * s2) [+ bias ...])        scale s1*s2, or a Div of the product
     p = Where(IsNaN(p), 0, p)                                 optional guard
     out = Reshape(Transpose(MatMul(p, v), [0,2,1,3]), [B,S,N*H])
 
-The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]).
+The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). Keys and
+values that are not a plain head split of a projection (a KV cache joined with Concat(past,
+new), repeated KV heads) are read as they are, [B, N, L, H], by MultiHeadAttention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
 from fusectl import runtime
 from fusectl.context import PassContext
-from fusectl.patterns import constant_value, replace_subgraph, uses_outside
+from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
 from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
@@ -65,25 +70,62 @@ def _split_heads(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     return reshape.inputs[0]
 
 
-def _key_source(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
-    """K from K^T [B,N,H,L] in the three spellings exporters use."""
+def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
+    """kv [B,KV,L,H] from repeat_kv's Reshape(Expand(Unsqueeze(kv, 2), [B,KV,r,L,H]), [B,KV*r,
+    L,H]): each KV head serves r consecutive query heads, as in GroupQueryAttention."""
+    reshape = _producer(value, "Reshape")
+    expand = _producer(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None or len(unsqueeze.inputs) < 2:
+        return None
+    axes = constant_value(unsqueeze.inputs[1])
+    if axes is None or [int(a) for a in axes.reshape(-1)] != [2]:
+        return None
+    nodes += [reshape, expand, unsqueeze]
+    return unsqueeze.inputs[0]
+
+
+@dataclass
+class _Heads:
+    """A key or value operand of the attention: the [B, n, L, H] tensor it reads, and the
+    [B, L, n*H] projection that tensor was split from when it is a plain head split."""
+
+    tensor: ir.Value | None  # None where only the projection exists (K^T straight from K)
+    projection: ir.Value | None
+    repeated: bool  # the heads went through repeat_kv
+    nodes: list[ir.Node]  # the split and repeat: gone when the fused op reads the projection
+
+
+def _heads(value: ir.Value) -> _Heads:
+    nodes: list[ir.Node] = []
+    inner = _through_concat(value, nodes)
+    repeated = _repeat_kv(inner, nodes)
+    if repeated is not None:
+        inner = _through_concat(repeated, nodes)
+    projection = _split_heads(inner, nodes)
+    return _Heads(value, projection, repeated is not None, nodes if projection else [])
+
+
+def _key_source(value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
+    """The key behind K^T [B,N,H,L] in the three spellings exporters use; the transposing
+    nodes go to ``nodes``."""
     transpose = _producer(value, "Transpose")
     if transpose is not None and _perm(transpose) == [0, 2, 3, 1]:
         reshape = _producer(transpose.inputs[0], "Reshape")
         if reshape is None:
             return None
-        nodes += [transpose, reshape]
-        return reshape.inputs[0]
+        nodes.append(transpose)
+        return _Heads(None, reshape.inputs[0], False, [reshape])
     if transpose is not None and _perm(transpose) == [0, 1, 3, 2]:
         nodes.append(transpose)
-        return _split_heads(transpose.inputs[0], nodes)
+        return _heads(transpose.inputs[0])
     back = _producer(value, "Reshape")  # dynamo: 4-D -> 3-D, swap the last two, -> 4-D
     swap = _producer(back.inputs[0], "Transpose") if back is not None else None
     flat = _producer(swap.inputs[0], "Reshape") if swap is not None else None
     if flat is None or _perm(swap) != [0, 2, 1]:
         return None
     nodes += [back, swap, flat]
-    return _split_heads(flat.inputs[0], nodes)
+    return _heads(flat.inputs[0])
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -108,8 +150,8 @@ class _Attention:
     heads: ir.Value  # the query split into heads, [B, N, S, H]
     guarded: bool  # the Softmax output went through Where(IsNaN(p), 0, p)
     query: ir.Value
-    key: ir.Value
-    value: ir.Value
+    key: _Heads
+    value: _Heads
     scale: float
     biases: list[ir.Value]
     output: ir.Value
@@ -189,9 +231,7 @@ def _match(softmax: ir.Node) -> _Attention | str | None:
         return None
     context = uses[0]
     nodes.append(context)
-    value = _split_heads(context.inputs[1], nodes)
-    if value is None:
-        return None
+    value = _heads(context.inputs[1])
     result = context.outputs[0]
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
@@ -219,7 +259,8 @@ def _producer_user(value: ir.Value, op_type: str) -> ir.Node | None:
 
 
 _SHAPE_READERS = frozenset({"Shape", "Size"})
-_INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
+# Shape arithmetic: sizes, and the Equal(-1) tests of the Where(Equal(s, -1), 1, s) idiom.
+_INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
 
 
 def _absorb_shape_arithmetic(ctx: PassContext, nodes: list[ir.Node], keep: set[ir.Value]) -> None:
@@ -258,16 +299,54 @@ def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | No
     return kept, None
 
 
-def _finite(bias: ir.Value) -> bool:
-    """Whether the additive bias is known to hold no -inf (then no row can become NaN)."""
+def _bias_values(bias: ir.Value) -> list[np.ndarray] | None:
+    """Every value the additive bias can hold, when known: a constant, or the constant
+    branches of Where(c, a, b) (how exporters build padding masks)."""
     array = constant_value(bias)
     if array is not None:
-        return bool(np.all(np.isfinite(array)))
+        return [array]
     where = _producer(bias, "Where")
     if where is None:
-        return False
+        return None
     branches = [constant_value(v) for v in where.inputs[1:]]
-    return all(b is not None and bool(np.all(np.isfinite(b))) for b in branches)
+    return None if any(b is None for b in branches) else branches  # type: ignore[return-value]
+
+
+def _finite(bias: ir.Value) -> bool:
+    """Whether the additive bias is known to hold no -inf (then no row can become NaN)."""
+    values = _bias_values(bias)
+    return values is not None and all(bool(np.all(np.isfinite(v))) for v in values)
+
+
+# A mask value that still zeroes a masked score's weight (exp(-1e30 - max) is 0 in fp32) and,
+# in a fully masked row, still drowns every score (fp32 spacing at 1e30 is ~7.6e22).
+_MASKED = np.float32(-1e30)
+
+
+def _clamped(
+    bias: ir.Value, root: ir.Node, shared: dict[object, tuple[ir.Value, ...]]
+) -> tuple[ir.Value, list[ir.Node]]:
+    """The bias (its values known: see _bias_values) with values below -1e30 (exporters write
+    -FLT_MAX) raised to -1e30, computed once per bias."""
+    values = _bias_values(bias)
+    assert values is not None
+    if all(bool(np.all(v > _MASKED)) for v in values):
+        return bias, []
+    if bias in shared:
+        return shared[bias][0], []
+    graph = root.graph
+    assert graph is not None
+    label = f"AttentionFusionPass/{bias.name or root.name}/masked"
+    branches = [new_constant(graph, label, np.maximum(v, _MASKED)) for v in values]
+    if len(branches) == 1:
+        shared[bias] = (branches[0],)
+        return branches[0], []
+    where = _producer(bias, "Where")
+    assert where is not None
+    select = ir.node("Where", [where.inputs[0], *branches])
+    typed(select.outputs[0], bias.dtype, bias.shape)
+    shared[bias] = (select.outputs[0],)
+    return select.outputs[0], [select]
 
 
 def _num_heads(heads: ir.Shape | None, query: ir.Shape) -> int | None:
@@ -281,16 +360,17 @@ def _num_heads(heads: ir.Shape | None, query: ir.Shape) -> int | None:
     return None
 
 
-def _fused_shape(query: ir.Shape, value: ir.Shape, replaced: ir.Shape | None) -> ir.Shape:
-    """MultiHeadAttention's output: [batch, sequence] of the query by the value's hidden size.
+def _fused_shape(query: ir.Shape, replaced: ir.Shape) -> ir.Shape:
+    """The fused op's output: [batch, sequence] of the query by the replaced output's hidden
+    size (unknown when the replaced output was flattened to 2-D).
 
-    onnx cannot infer the contrib op, and the replaced output's batch may be a fresh symbol
+    onnx cannot infer the contrib ops, and the replaced output's batch may be a fresh symbol
     (the scores broadcast against the mask's batch), where proving that a later residual Add
     broadcasts nothing needs the query's. The rest of a replaced shape stays as inferred: a
     hidden size made static here would let a second run fold what the first could not.
     """
-    if replaced is None or len(replaced) != 3:
-        return ir.Shape([query[0], query[1], value[2]])
+    if len(replaced) != 3:
+        return ir.Shape([query[0], query[1], None])
     old = list(replaced)
     leading = [o if isinstance(o, int) else q for o, q in zip(old[:2], query[:2], strict=True)]
     return ir.Shape([*leading, old[2]])
@@ -330,23 +410,26 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
     return staying
 
 
-@register_pass
-class MultiHeadAttentionFusionPass(FusionPass):
-    spec = PassSpec(
-        name="MultiHeadAttentionFusionPass",
-        category=Category.UB,
-        description="written-out scaled dot-product attention (BERT/ViT bidirectional, GPT-2 "
-        "causal, T5 position bias) -> com.microsoft MultiHeadAttention",
-        aliases=("FlashAttentionFusionV1", "multi_head_attention_fusion", "AttentionFusion"),
-        numerics=Numerics.REASSOCIATING,
-        priority=4500,
-        targets=("ort",),
-        emits=("MultiHeadAttention",),
-        emits_domain=MS,
-    )
+# What an attention pass makes of a match: the fused op's leading inputs, its extra
+# attributes, and the matched nodes it also absorbs; or why it declines; or None when the site
+# is another pass's to take.
+_Plan = tuple[list[ir.Value | None], dict[str, int], list[ir.Node]]
+# Inputs computed for the fused op, with the nodes computing them (see _prelude).
+_Prelude = tuple[list[ir.Value], list[ir.Node]]
+
+
+class _AttentionFusion(FusionPass):
+    """Match at every Softmax, let the subclass map the operands, replace and count."""
+
+    op_type: ClassVar[str]
+    bias_input: ClassVar[int]  # position of attention_bias among the op's inputs
+    # The kernel takes -FLT_MAX in the mask for -inf: a fully masked row then gets zero
+    # weights instead of the uniform ones the written-out softmax gives it (see _clamped).
+    clamps_mask: ClassVar[bool] = False
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
-        stats = ctx.pattern("MultiHeadAttention")
+        stats = ctx.pattern(self.op_type)
+        shared: dict[object, tuple[ir.Value, ...]] = {}
         for softmax in [n for n in model.graph if n.op_type == "Softmax" and n.domain == ""]:
             if softmax.graph is not model.graph:
                 continue
@@ -354,66 +437,98 @@ class MultiHeadAttentionFusionPass(FusionPass):
             if found is None:
                 continue
             label = softmax.name or softmax.op_type
-            reason = found if isinstance(found, str) else self._fuse(ctx, found)
+            reason = found if isinstance(found, str) else self._fuse(ctx, found, shared)
             if reason is not None:
                 stats.decline(reason, label)
 
-    @staticmethod
-    def _fuse(ctx: PassContext, match: _Attention) -> str | None:
-        shapes = [ctx.shape(v) for v in (match.query, match.key, match.value, match.output)]
-        if any(shape is None for shape in shapes):
-            return "a Q/K/V projection or the output has an unknown rank"
-        if any(len(shape) != 3 for shape in shapes[:3]):
-            return "a Q/K/V projection is not 3-D [batch, sequence, hidden]"
-        heads = _num_heads(ctx.shape(match.heads), shapes[0])
-        if heads is None:
-            return "the number of heads is unknown"
-        keep = {match.query, match.key, match.value, *match.biases}
+    def _plan(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        heads: int,
+        head_size: int,
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> _Plan | str | None:
+        raise NotImplementedError
+
+    def _prelude(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> _Prelude:
+        """Inputs to compute once the site is sure to fuse, placed after the planned ones."""
+        return [], []
+
+    def _fuse(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> str | None:
+        query, replaced = ctx.shape(match.query), ctx.shape(match.output)
+        if query is None or replaced is None:
+            return "the query projection or the output has an unknown rank"
+        if len(query) != 3:
+            return "the query projection is not 3-D [batch, sequence, hidden]"
+        split = ctx.shape(match.heads)
+        heads = _num_heads(split, query)
+        if heads is None or split is None or not isinstance(split[3], int):
+            return "the number of heads or the head size is unknown"
+        plan = self._plan(ctx, match, heads, int(split[3]), shared)
+        if plan is None or isinstance(plan, str):
+            return plan
+        inputs, attributes, absorbed = plan
+        nodes = match.nodes + absorbed
+        keep = {value for value in inputs if value is not None} | set(match.biases)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
-        flatten = len(shapes[3]) != 3
+        flatten = len(replaced) != 3
         if flatten:
             keep.add(match.root.inputs[1])
-        _absorb_shape_arithmetic(ctx, match.nodes, keep)
-        staying = _still_read(ctx, match.nodes, match.output)
+        _absorb_shape_arithmetic(ctx, nodes, keep)
+        staying = _still_read(ctx, nodes, match.output)
         if staying is None:
-            return uses_outside(match.nodes, [match.output])
+            return uses_outside(nodes, [match.output])
         dtype = ctx.dtype(match.query)
-        if ctx.target == "ort" and not runtime.has_kernel("MultiHeadAttention", MS, 1, dtype):
-            return f"onnxruntime has no com.microsoft.MultiHeadAttention kernel for {dtype}"
+        domain = self.spec.emits_domain
+        opset = ctx.opset if domain == "" else 1
+        if ctx.target == "ort" and not runtime.has_kernel(self.op_type, domain, opset, dtype):
+            name = f"{domain}.{self.op_type}" if domain else self.op_type
+            return f"onnxruntime has no {name} kernel for {dtype}"
         biases, reason = _bias(ctx, match)
         if reason is not None:
             return reason
-        new_nodes = []
-        bias: ir.Value | None = None
-        if len(biases) == 1:
-            bias = biases[0]
-        elif biases:
+        new_nodes: list[ir.Node] = []
+        if self.clamps_mask:
+            if any(_bias_values(b) is None for b in biases):
+                return (
+                    "the additive mask is not a constant or a Where of constants, so it may "
+                    "hold -FLT_MAX, which the standard Attention kernel takes for -inf"
+                )
+            clamped = [_clamped(b, match.root, shared) for b in biases]
+            biases = [value for value, _ in clamped]
+            new_nodes += [node for _, nodes in clamped for node in nodes]
+        computed, prelude = self._prelude(ctx, match, shared)
+        new_nodes += prelude
+        inputs = inputs + computed
+        if len(biases) > 1:
             total = ir.node("Add", biases[:2])
             new_nodes.append(total)
-            bias = total.outputs[0]
-        inputs = [match.query, match.key, match.value, None, None, bias]
+            biases = [total.outputs[0]]
+        inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
         while inputs[-1] is None:
             inputs.pop()
         attention = ir.node(
-            "MultiHeadAttention",
+            self.op_type,
             inputs,
-            attributes={"num_heads": heads, "scale": float(match.scale)},
-            domain=MS,
+            attributes={"scale": float(match.scale), **attributes},
+            domain=domain,
         )
         new_nodes.append(attention)
         result = attention.outputs[0]
-        constants = []
         if match.guarded and not all(_finite(b) for b in biases):
             # A query row masked everywhere with -inf makes the kernel's softmax NaN, where
             # the original's guard gave it zero weights: zero those context rows the same way.
-            zero = ir.Value(
-                name=f"{ctx.spec.name}/{match.root.name}/zero",
-                type=ir.TensorType(ir.DataType.FLOAT),
-                shape=ir.Shape([1]),
-                const_value=ir.tensor(np.zeros(1, np.float32)),
+            graph = match.root.graph
+            assert graph is not None
+            zero = new_constant(
+                graph, f"{ctx.spec.name}/{match.root.name}/zero", np.zeros(1, np.float32)
             )
-            constants.append(zero)
             nan = ir.node("IsNaN", [result])
             guard = ir.node("Where", [nan.outputs[0], zero, result])
             new_nodes += [nan, guard]
@@ -424,19 +539,269 @@ class MultiHeadAttentionFusionPass(FusionPass):
             result = reshape.outputs[0]
         replace_subgraph(
             ctx,
-            "MultiHeadAttention",
+            self.op_type,
             match.root,
-            [node for node in match.nodes if node not in staying],
+            [node for node in nodes if node not in staying],
             new_nodes,
             [match.output],
             [result],
-            constants,
         )
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
-        output.shape = _fused_shape(shapes[0], shapes[2], None if flatten else shapes[3])
+        output.shape = _fused_shape(query, replaced)
         if output.type is None and dtype is not None:
             output.type = ir.TensorType(dtype)
         if not flatten:
             result.shape = output.shape  # the NaN guard keeps the shape
         return None
+
+
+def _plain(operand: _Heads) -> bool:
+    return operand.projection is not None and not operand.repeated
+
+
+@register_pass
+class MultiHeadAttentionFusionPass(_AttentionFusion):
+    spec = PassSpec(
+        name="MultiHeadAttentionFusionPass",
+        category=Category.UB,
+        description="written-out scaled dot-product attention (BERT/ViT bidirectional, GPT-2 "
+        "causal, T5 position bias, KV cache, repeated KV heads) -> com.microsoft "
+        "MultiHeadAttention",
+        aliases=("FlashAttentionFusionV1", "multi_head_attention_fusion", "AttentionFusion"),
+        numerics=Numerics.REASSOCIATING,
+        priority=4500,
+        targets=("ort",),
+        emits=("MultiHeadAttention",),
+        emits_domain=MS,
+    )
+    op_type = "MultiHeadAttention"
+    bias_input = 5
+
+    def _plan(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        heads: int,
+        head_size: int,
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> _Plan | str | None:
+        key, value = match.key, match.value
+        if _plain(key) and _plain(value):
+            projections = [match.query, key.projection, value.projection]
+            shapes = [ctx.shape(v) for v in projections]
+            if any(shape is None or len(shape) != 3 for shape in shapes):
+                return "a Q/K/V projection is not 3-D [batch, sequence, hidden]"
+            return projections, {"num_heads": heads}, key.nodes + value.nodes
+        # A KV cache (Concat(past, new)) or repeated KV heads: read [B, N, L, H] as it is.
+        for operand in (key, value):
+            shape = ctx.shape(operand.tensor) if operand.tensor is not None else None
+            if shape is None or len(shape) != 4 or shape[1] != heads or shape[3] != head_size:
+                return "the key or value is not provably [batch, heads, length, head size]"
+        return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
+
+
+def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
+    """How many key/value heads the plain key and value projections hold (their width over the
+    head size), or why that is unknown or does not divide the query heads."""
+    widths = [ctx.shape(v) for v in (match.key.projection, match.value.projection) if v]
+    if len(widths) != 2 or any(w is None or len(w) != 3 for w in widths):
+        return "the key/value projections are not 3-D [batch, length, hidden]"
+    hidden = {w[2] for w in widths}  # type: ignore[index]
+    width = hidden.pop() if len(hidden) == 1 else None
+    if not isinstance(width, int) or width % head_size:
+        return "the key/value projections' hidden size is unknown or differs"
+    kv_heads = width // head_size
+    if heads % kv_heads:
+        return "the key/value heads do not divide the query heads"
+    times = heads // kv_heads
+    for operand in (match.key, match.value):
+        if operand.repeated and not _repeats_each_head(ctx, operand, heads, head_size, times):
+            return (
+                f"the repeat_kv is not provably {times} copies of each of the {kv_heads} "
+                "key/value heads"
+            )
+    return kv_heads
+
+
+def _repeats_each_head(
+    ctx: PassContext, operand: _Heads, heads: int, head_size: int, times: int
+) -> bool:
+    """Whether repeat_kv's Expand makes ``times`` copies of each key/value head (its axis 2) and
+    nothing known of the result contradicts [batch, heads, length, head size]: a fused op that
+    reads the projections repeats each head heads / kv_heads times, whatever the graph did."""
+    expand = next((node for node in operand.nodes if node.op_type == "Expand"), None)
+    if expand is None:
+        return False
+    shape = ctx.shape(operand.tensor) if operand.tensor is not None else None
+    if shape is not None and len(shape) != 4:
+        return False
+    for axis, size in ((1, heads), (3, head_size)):
+        if shape is not None and isinstance(shape[axis], int) and shape[axis] != size:
+            return False
+    copies = ctx.shape(expand.outputs[0])
+    if copies is not None and len(copies) == 5 and isinstance(copies[2], int):
+        return copies[2] == times
+    target = ctx.shape(expand.inputs[1])
+    if target is None or len(target) != 1 or not isinstance(target[0], int) or target[0] < 3:
+        return False
+    return _shape_element(ctx, expand.inputs[1], target[0] - 3) == times
+
+
+def _shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8) -> int | None:
+    """Element ``index`` of a 1-D integer tensor that spells a shape, where it is a constant:
+    through Concat, Reshape, Unsqueeze and TorchScript's Where(Equal(s, -1), 1, s)."""
+    array = constant_value(value)
+    if array is not None:
+        flat = array.reshape(-1)
+        known = array.dtype.kind in "iu" and 0 <= index < flat.size
+        return int(flat[index]) if known else None
+    node = value.producer()
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in ("Reshape", "Unsqueeze", "Identity"):  # the elements in the same order
+        return _shape_element(ctx, node.inputs[0], index, depth - 1)
+    if node.op_type == "Concat":
+        for part in node.inputs:
+            size = ctx.shape(part)
+            if size is None or len(size) != 1 or not isinstance(size[0], int):
+                return None
+            if index < size[0]:
+                return _shape_element(ctx, part, index, depth - 1)
+            index -= size[0]
+        return None
+    if node.op_type == "Where":  # -1 (keep the dim) becomes 1: only the other elements count
+        test = _producer(node.inputs[0], "Equal")
+        minus = constant_value(test.inputs[1]) if test is not None else None
+        if test is None or test.inputs[0] is not node.inputs[2] or minus is None:
+            return None
+        element = _shape_element(ctx, node.inputs[2], index, depth - 1)
+        return element if bool(np.all(minus == -1)) and element != -1 else None
+    return None
+
+
+@register_pass
+class AttentionFusionPass(_AttentionFusion):
+    spec = PassSpec(
+        name="AttentionFusionPass",
+        category=Category.GRAPH,
+        description="written-out attention on plain projections (one KV head per query head, "
+        "or repeated KV heads) -> the standard Attention op (opset 23)",
+        aliases=("AttentionONNXFusionPass", "attention_onnx_fusion"),
+        numerics=Numerics.REASSOCIATING,
+        min_opset=23,
+        priority=8000,
+        emits=("Attention",),
+    )
+    op_type = "Attention"
+    bias_input = 3
+    clamps_mask = True
+
+    def _plan(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        heads: int,
+        head_size: int,
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> _Plan | str | None:
+        key, value = match.key, match.value
+        if key.projection is None or value.projection is None:
+            return "the key/value are not plain projections (a KV cache): MultiHeadAttention's"
+        if key.repeated != value.repeated:
+            return "only one of key and value has repeated heads"
+        if ctx.opset < self.spec.min_opset:
+            return f"Attention needs opset >= {self.spec.min_opset}, model has {ctx.opset}"
+        kv_heads = _kv_heads(ctx, match, heads, head_size)
+        if isinstance(kv_heads, str):
+            return kv_heads
+        attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads}
+        inputs = [match.query, key.projection, value.projection]
+        return inputs, attributes, key.nodes + value.nodes
+
+
+# onnxruntime's CPU GroupQueryAttention kernel rejects other head sizes at run time.
+_GQA_HEAD_SIZE_MULTIPLE = 16
+
+
+@register_pass
+class GroupQueryAttentionFusionPass(_AttentionFusion):
+    spec = PassSpec(
+        name="GroupQueryAttentionFusionPass",
+        category=Category.UB,
+        description="written-out attention with repeated key/value heads (LLaMA-style "
+        "grouped-query attention, no KV cache) -> com.microsoft GroupQueryAttention",
+        aliases=("group_query_attention_fusion", "GroupQueryAttentionFusion", "GQAFusion"),
+        numerics=Numerics.REASSOCIATING,
+        priority=4450,
+        targets=("ort",),
+        emits=("GroupQueryAttention",),
+        emits_domain=MS,
+    )
+    op_type = "GroupQueryAttention"
+    bias_input = 10
+
+    def _plan(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        heads: int,
+        head_size: int,
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> _Plan | str | None:
+        key, value = match.key, match.value
+        if not (key.repeated and value.repeated):
+            return None  # one KV head per query head: MultiHeadAttention's
+        if key.projection is None or value.projection is None:
+            return "the grouped key/value are not plain projections (a KV cache)"
+        if head_size % _GQA_HEAD_SIZE_MULTIPLE:
+            return (
+                f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
+                f"{_GQA_HEAD_SIZE_MULTIPLE}"
+            )
+        kv_heads = _kv_heads(ctx, match, heads, head_size)
+        if isinstance(kv_heads, str):
+            return kv_heads
+        # causal=0: the model's own additive mask (attention_bias) masks everything it masked.
+        attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "causal": 0}
+        inputs = [match.query, key.projection, value.projection, None, None]
+        return inputs, attributes, key.nodes + value.nodes
+
+    def _prelude(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> _Prelude:
+        """seqlens_k ([B] int32, S - 1: every key is there; padding is in the mask) and
+        total_sequence_length (S), from the query's shape; shared by the layers whose queries
+        have the same named batch and sequence dimensions."""
+        shape = ctx.shape(match.query)
+        assert shape is not None
+        dims = (shape[0], shape[1])
+        named = all(isinstance(d, int) or d.value is not None for d in dims)
+        if named and dims in shared:
+            return list(shared[dims]), []
+        graph = match.root.graph
+        assert graph is not None
+        base = f"{ctx.spec.name}/{match.root.name}"
+        one = new_constant(graph, f"{base}/one", np.array(1, np.int32))
+        second = new_constant(graph, f"{base}/sequence_axis", np.array(1, np.int64))
+        first = new_constant(graph, f"{base}/batch_axis", np.array([0], np.int64))
+        query_shape = ir.node("Shape", [match.query])
+        sequence = ir.node("Gather", [query_shape.outputs[0], second])
+        total = ir.node("Cast", [sequence.outputs[0]], attributes={"to": ir.DataType.INT32})
+        last = ir.node("Sub", [total.outputs[0], one])
+        batch = ir.node("Gather", [query_shape.outputs[0], first])
+        seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
+        int32, int64 = ir.DataType.INT32, ir.DataType.INT64
+        for node, dtype, known in (
+            (query_shape, int64, [3]),
+            (sequence, int64, []),
+            (total, int32, []),
+            (last, int32, []),
+            (batch, int64, [1]),
+            (seqlens, int32, [dims[0]]),
+        ):
+            typed(node.outputs[0], dtype, ir.Shape(known))
+        lengths = (seqlens.outputs[0], total.outputs[0])
+        if named:
+            shared[dims] = lengths
+        return list(lengths), [query_shape, sequence, total, last, batch, seqlens]

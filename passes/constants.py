@@ -139,6 +139,19 @@ def _frees_inputs(node: ir.Node) -> bool:
     )
 
 
+def _remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
+    """Remove the nodes left without readers by a fold (the Shape a folded Gather read), and
+    what only they read: later passes then see the graph as it will be saved."""
+    while nodes:
+        node = nodes.pop()
+        if node is None or node.graph is not graph:
+            continue
+        if any(value.uses() or value.is_graph_output() for value in node.outputs):
+            continue
+        nodes += [value.producer() for value in node.inputs if value is not None]
+        graph.remove(node, safe=True)
+
+
 @register_pass
 class ConstantFoldingPass(FusionPass):
     spec = PassSpec(
@@ -185,7 +198,9 @@ class ConstantFoldingPass(FusionPass):
                 )
             for old, new in zip(node.outputs, constants, strict=True):
                 ir.convenience.replace_all_uses_with(old, new)
+            sources = [value.producer() for value in node.inputs if value is not None]
             graph.remove(node, safe=True)
+            _remove_dead(graph, sources)
             for new in constants:
                 graph.initializers[new.name] = new
             ctx.record_fusion(node.op_type, [node], [])

@@ -395,6 +395,40 @@ class RmsNormFusionPass(PatternPass):
     )
 
 
+def _to_simplified_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    axis = normalised_axis(site, x, **bindings)
+    _check_one(site, bindings)
+    site.require_kernel("SimplifiedLayerNormalization", site.dtype(x))
+    return op.SimplifiedLayerNormalization(
+        x, bindings["gamma"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
+    )
+
+
+@register_pass
+class SimplifiedLayerNormFusionPass(PatternPass):
+    """Off by default: onnxruntime registers SimplifiedLayerNormalization in the ONNX domain,
+    where the ONNX checker knows no such op, so the output would no longer pass the checker.
+    Below opset 23 it is the only fused form of an RMS norm without a residual Add."""
+
+    spec = PassSpec(
+        name="SimplifiedLayerNormFusionPass",
+        category=Category.UB,
+        description="Written-out RMS norm without a residual Add -> onnxruntime's "
+        "SimplifiedLayerNormalization (an ONNX-domain contrib op the ONNX checker rejects; "
+        "off by default)",
+        aliases=("simplified_layer_norm_fusion", "SimplifiedLayerNormFusion"),
+        numerics=Numerics.REASSOCIATING,
+        default_on=False,
+        priority=8100,  # after AddRmsNormFusionPass, which takes the norms after a residual Add
+        targets=("ort",),
+        emits=("SimplifiedLayerNormalization",),
+    )
+    rules = tuple(
+        Rule(f"SimplifiedLayerNorm{form}", _rms_pattern(form, False), _to_simplified_layer_norm)
+        for form in _RMS_FORMS
+    )
+
+
 @register_pass
 class AddRmsNormFusionPass(PatternPass):
     spec = PassSpec(

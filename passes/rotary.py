@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from fusectl import runtime
 from fusectl.context import PassContext
-from fusectl.patterns import constant_value, replace_subgraph, uses_outside
+from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
 from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
@@ -197,31 +197,34 @@ class RotaryEmbeddingFusionPass(FusionPass):
                     stats.decline(reason, add.name or add.op_type)
 
     @staticmethod
-    def _cache(angles: ir.Value, half: int, label: str) -> tuple[list[ir.Node], ir.Value]:
+    def _cache(
+        ctx: PassContext, angles: ir.Value, half: int, label: str
+    ) -> tuple[list[ir.Node], ir.Value]:
         """[S, H/2] rows of cos or sin: the first half of the last axis, flattened."""
         graph = angles.graph
         assert graph is not None
         table = constant_value(angles)
         if table is not None:  # a constant table: its cache is a constant too
             rows = np.ascontiguousarray(table[..., :half].reshape(-1, half))
-            cache = _constant(_free_name(graph, f"{label}/cache"), rows)
-            graph.initializers[cache.name] = cache
-            return [], cache
+            return [], new_constant(graph, f"{label}/cache", rows)
         bounds = {
             "starts": [0],
             "ends": [half],
             "axes": [-1],
             "rows": [-1, half],
         }
-        constants = {}
-        for suffix, numbers in bounds.items():
-            value = _constant(_free_name(graph, f"{label}/{suffix}"), np.array(numbers, np.int64))
-            graph.initializers[value.name] = value
-            constants[suffix] = value
+        constants = {
+            suffix: new_constant(graph, f"{label}/{suffix}", np.array(numbers, np.int64))
+            for suffix, numbers in bounds.items()
+        }
         first_half = ir.node(
             "Slice", [angles, constants["starts"], constants["ends"], constants["axes"]]
         )
         flat = ir.node("Reshape", [first_half.outputs[0], constants["rows"]])
+        shape, dtype = ctx.shape(angles), ctx.dtype(angles)
+        if shape is not None:
+            typed(first_half.outputs[0], dtype, ir.Shape([*shape[:-1], half]))
+            typed(flat.outputs[0], dtype, ir.Shape([shape[-2], half]))
         return [first_half, flat], flat.outputs[0]
 
     @classmethod
@@ -263,8 +266,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if key not in caches:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
             half = head_size // 2
-            cos_nodes, cos_cache = cls._cache(match.cos, half, f"{label}/cos")
-            sin_nodes, sin_cache = cls._cache(match.sin, half, f"{label}/sin")
+            cos_nodes, cos_cache = cls._cache(ctx, match.cos, half, f"{label}/cos")
+            sin_nodes, sin_cache = cls._cache(ctx, match.sin, half, f"{label}/sin")
             new_nodes += cos_nodes + sin_nodes
             caches[key] = (cos_cache, sin_cache)
         cos_cache, sin_cache = caches[key]
@@ -277,7 +280,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             domain=MS,
         )
         new_nodes.append(rotary)
-        result = _like(ctx, rotary.outputs[0], source)
+        result = typed(rotary.outputs[0], ctx.dtype(source), ctx.shape(source))
         if split is not None:
             reshape = split[0]
             heads = ir.node(
@@ -287,8 +290,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
             )
             merge = ir.node("Transpose", [heads.outputs[0]], attributes={"perm": _HEADS})
             new_nodes += [heads, merge]
-            _like(ctx, heads.outputs[0], reshape.outputs[0])
-            result = _like(ctx, merge.outputs[0], match.x)
+            typed(heads.outputs[0], ctx.dtype(source), ctx.shape(reshape.outputs[0]))
+            result = typed(merge.outputs[0], ctx.dtype(source), ctx.shape(match.x))
         replace_subgraph(
             ctx,
             "RotaryEmbedding",
@@ -304,37 +307,9 @@ class RotaryEmbeddingFusionPass(FusionPass):
 _OFFSET_NAME = "RotaryEmbeddingFusionPass/position_offset"
 
 
-def _constant(name: str, array: np.ndarray) -> ir.Value:
-    return ir.Value(
-        name=name,
-        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        shape=ir.Shape(array.shape),
-        const_value=ir.tensor(array, name=name),
-    )
-
-
-def _free_name(graph: ir.Graph, name: str) -> str:
-    """``name``, or ``name_<n>`` when an initializer has it already: roots without a name share
-    one label, and a second cache must not replace the first one's bounds."""
-    candidate, suffix = name, 0
-    while candidate in graph.initializers:
-        suffix += 1
-        candidate = f"{name}_{suffix}"
-    return candidate
-
-
-def _like(ctx: PassContext, new: ir.Value, old: ir.Value) -> ir.Value:
-    """Give a new value the type and shape of the old one it stands for (the contrib op has
-    no ONNX schema, so shape inference would leave everything after it unknown)."""
-    dtype = ctx.dtype(old)
-    new.type = ir.TensorType(dtype) if dtype is not None else None
-    new.shape = ctx.shape(old)
-    return new
-
-
 def _position_offset(graph: ir.Graph | None) -> ir.Value:
     """The shared position_ids input [0]: row s of the per-row cache for query row s."""
     assert graph is not None
     if _OFFSET_NAME not in graph.initializers:
-        graph.initializers[_OFFSET_NAME] = _constant(_OFFSET_NAME, np.array([0], np.int64))
+        new_constant(graph, _OFFSET_NAME, np.array([0], np.int64))
     return graph.initializers[_OFFSET_NAME]

@@ -1,5 +1,7 @@
-"""MultiHeadAttentionFusionPass on real exports (tiny BERT, GPT-2, ViT, T5 encoder, TorchScript
-opsets 14/17 and dynamo): every layer's attention becomes com.microsoft MultiHeadAttention."""
+"""MultiHeadAttentionFusionPass and GroupQueryAttentionFusionPass on real exports (tiny BERT,
+GPT-2, ViT, T5 encoder, LLaMA, with and without a KV cache; TorchScript opsets 14/17 and dynamo)
+and on small onnx.helper models: every layer's attention becomes com.microsoft
+MultiHeadAttention, or GroupQueryAttention where LLaMA's repeat_kv shares key/value heads."""
 
 from __future__ import annotations
 
@@ -9,11 +11,23 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper
 
-from tests.conftest import random_feeds, run_model
-from tests.pass_helpers import fixture_path, optimize_checked, reasons
+from tests.conftest import Run, random_feeds, run_model
+from tests.pass_helpers import (
+    assert_declined,
+    const,
+    fixture_path,
+    lineage,
+    optimize_checked,
+    reasons,
+    save_model,
+    value,
+)
 
 MHA = "MultiHeadAttentionFusionPass"
+GQA = "GroupQueryAttentionFusionPass"
+MS = "com.microsoft"
 
 # name: (matched, effected, heads, scale) — two layers each.
 EXPECTED = {
@@ -136,8 +150,424 @@ def test_target_onnx_keeps_attention_written_out(tmp_path: Path) -> None:
     assert run.op_counts()["Softmax"] == 2
 
 
-def test_llama_grouped_query_attention_is_not_claimed(tmp_path: Path) -> None:
-    """LLaMA's grouped K/V (Expand-repeated heads) and rotary embedding are not this pattern."""
-    run = optimize_checked(fixture_path("llama_tiny_dynamo"), tmp_path)
+# ---------------------------------------------------------------------------------------------
+# LLaMA (4 query heads, 2 key/value heads, head size 16): repeat_kv -> GroupQueryAttention;
+# with a KV cache, and with GroupQueryAttention off, MultiHeadAttention reads the 4-D key/value.
+# ---------------------------------------------------------------------------------------------
+
+LLAMA = ["llama_tiny_ts14", "llama_tiny_ts17", "llama_tiny_dynamo"]
+LLAMA_PAST = ["llama_tiny_past_ts17", "llama_tiny_past_dynamo"]
+GPT2_PAST = ["gpt2_tiny_past_ts17", "gpt2_tiny_past_dynamo"]
+# The ops GroupQueryAttention's seqlens_k / total_sequence_length are computed with, once.
+SEQLENS_CHAIN = Counter({"Shape": 1, "Gather": 2, "Cast": 1, "Sub": 1, "Expand": 1})
+
+
+def _graph(path: Path) -> onnx.GraphProto:
+    return onnx.load(str(path)).graph
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output}
+
+
+def _softmaxes(path: Path) -> list[str]:
+    return [n.name for n in _graph(path).node if n.op_type == "Softmax"]
+
+
+def _repeat_kv_expands(graph: onnx.GraphProto) -> list[str]:
+    """repeat_kv's Expand nodes: Expand(Unsqueeze(x, axes=[2])) read by a Reshape."""
+    producers = _producers(graph)
+    constants = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    constants |= {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t)
+        for n in graph.node
+        if n.op_type == "Constant" and n.attribute[0].name == "value"
+    }
+    reshaped = {n.input[0] for n in graph.node if n.op_type == "Reshape"}
+    found = []
+    for node in graph.node:
+        unsqueeze = producers.get(node.input[0]) if node.op_type == "Expand" else None
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.input) < 2:
+            continue
+        axes = constants.get(unsqueeze.input[1])
+        repeats = axes is not None and axes.reshape(-1).tolist() == [2]
+        if repeats and node.output[0] in reshaped:
+            found.append(node.name)
+    return found
+
+
+def _compare(original: Path, optimized: Path, feeds: dict[str, np.ndarray]) -> None:
+    """Every output agrees on onnxruntime, with no NaN where the original has none."""
+    expected, actual = run_model(original, feeds), run_model(optimized, feeds)
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual, strict=True):
+        assert np.isnan(got).sum() == np.isnan(want).sum() == 0
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def _left_padded(batch: int, length: int, padding: list[int]) -> np.ndarray:
+    """An attention mask whose row i masks its first padding[i] positions."""
+    mask = np.ones((batch, length), np.int64)
+    for row, pad in enumerate(padding):
+        mask[row, :pad] = 0
+    return mask
+
+
+def _text_feeds(name: str, batch: int, sequence: int, padding: list[int]) -> dict[str, np.ndarray]:
+    feeds = random_feeds(fixture_path(name), seed=1, dims={"batch": batch, "sequence": sequence})
+    feeds["input_ids"] = np.random.default_rng(1).integers(0, 100, (batch, sequence))
+    feeds["attention_mask"] = _left_padded(batch, sequence, padding)
+    return feeds
+
+
+def _past_feeds(
+    name: str, batch: int, past: int, sequence: int, padding: list[int]
+) -> dict[str, np.ndarray]:
+    dims = {"batch": batch, "sequence": sequence, "past_sequence": past}
+    dims["total_sequence"] = past + sequence
+    feeds = random_feeds(fixture_path(name), seed=2, dims=dims)
+    feeds["input_ids"] = np.random.default_rng(2).integers(0, 100, (batch, sequence))
+    feeds["attention_mask"] = _left_padded(batch, past + sequence, padding)
+    return feeds
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_llama_grouped_query_attention_fused_in_every_layer(name: str, tmp_path: Path) -> None:
+    """repeat_kv's 2 key/value heads for 4 query heads become GroupQueryAttention on the
+    projections (the rotated q and k, v's MatMul): no Softmax and no repeat is left; the model's
+    causal + padding mask is its attention_bias (causal=0); seqlens_k / total_sequence_length
+    are computed once from the query's shape for both layers."""
+    assert len(_repeat_kv_expands(_graph(fixture_path(name)))) == 4  # k and v, two layers
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    assert reasons(run, GQA) == {}
+    assert run.passed(GQA)["layers"] is None  # every layer
     assert run.counts(MHA) == (0, 0)
-    assert run.op_counts()["Softmax"] == 2
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["GroupQueryAttention"], ops["MultiHeadAttention"], ops["Softmax"]) == (2, 0, 0)
+    assert _repeat_kv_expands(graph) == []
+    producers = _producers(graph)
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    for node in fused:
+        assert node.domain == MS
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
+        assert attributes == {"num_heads": 4, "kv_num_heads": 2, "causal": 0}
+        assert len(node.input) == 11
+        sources = [producers[v].op_type for v in node.input[:3]]
+        assert sources == ["RotaryEmbedding", "RotaryEmbedding", "MatMul"]
+        assert list(node.input[3:5]) == ["", ""]  # no KV cache
+        assert list(node.input[7:10]) == ["", "", ""]  # rotary stays outside
+        assert producers[node.input[10]].op_type == "Where"  # the model's mask
+    assert len({tuple(n.input[5:7]) for n in fused}) == 1
+    seqlens, total = (producers[v] for v in fused[0].input[5:7])
+    assert (seqlens.op_type, total.op_type) == ("Expand", "Cast")
+    made = lineage(run)
+    chain = Counter(
+        n.op_type
+        for n in graph.node
+        if GQA in made.get(n.name, ([], []))[0] and n.op_type in SEQLENS_CHAIN
+    )
+    assert chain == SEQLENS_CHAIN  # one chain, not one per layer
+    (shape,) = [n for n in graph.node if n.op_type == "Shape" and n.name in made]
+    assert shape.input[0] == fused[0].input[0]
+    # The export shape (batch 2, sequence 8), then batch 3, sequence 5, left-padded: row 1
+    # loses 2 tokens, row 2 all but the last, so their first query rows see no key at all.
+    _compare(fixture_path(name), run.output, _text_feeds(name, 2, 8, [0, 0]))
+    _compare(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_llama_target_onnx_keeps_grouped_attention_written_out(name: str, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, "--target", "onnx")
+    for fusion in (GQA, MHA):
+        assert (run.passed(fusion)["state"], run.passed(fusion)["reason"]) == ("off", "target")
+    model = onnx.load(str(run.output))
+    assert [n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx")] == []
+    assert MS not in {o.domain for o in model.opset_import}
+    assert Counter(n.op_type for n in model.graph.node)["Softmax"] == 2
+    assert len(_repeat_kv_expands(model.graph)) == 4
+
+
+def test_layer_left_unfused_is_reported(tmp_path: Path) -> None:
+    """With layer 1's attention probabilities also a graph output, GroupQueryAttention fuses
+    layer 0 only: the report and the summary say which layer it missed."""
+    model = onnx.load(str(fixture_path("llama_tiny_ts17")))
+    (softmax,) = [n for n in model.graph.node if n.op_type == "Softmax" and "layers.1" in n.name]
+    model.graph.output.append(
+        helper.make_tensor_value_info(softmax.output[0], TensorProto.FLOAT, None)
+    )
+    path = tmp_path / "llama_probabilities.onnx"
+    onnx.save(model, str(path))
+    run = optimize_checked(path, tmp_path)
+    assert run.counts(GQA) == (2, 1)
+    assert reasons(run, GQA) == {"an intermediate value (Softmax output) is a graph output": 1}
+    assert run.passed(GQA)["layers"] == {"fused": 1, "total": 2, "missing": ["layers.1"]}
+    assert "GroupQueryAttentionFusionPass fused in 1 of 2 layers; none in layers.1" in run.stderr
+    assert run.passed(MHA)["layers"] is None  # it fused nowhere: no partial coverage
+    assert run.op_counts()["GroupQueryAttention"] == 1
+
+
+@pytest.mark.parametrize("name", LLAMA_PAST + GPT2_PAST)
+def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: Path) -> None:
+    """Concat(past, new) keys and values ([B, KV, P+S, 16], graph outputs as the presents) are
+    read as they are by MultiHeadAttention: through LLaMA's repeat_kv of them (4 heads), GPT-2's
+    straight (2 heads). GroupQueryAttention declines LLaMA's: its key/value are no projections."""
+    original = _graph(fixture_path(name))
+    llama = name.startswith("llama")
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(MHA) == (2, 2)
+    assert reasons(run, MHA) == {}
+    if llama:
+        reason = "the grouped key/value are not plain projections (a KV cache)"
+        assert_declined(run, GQA, reason, _softmaxes(fixture_path(name))[0], count=2)
+    else:
+        assert run.counts(GQA) == (0, 0)
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["MultiHeadAttention"], ops["GroupQueryAttention"], ops["Softmax"]) == (2, 0, 0)
+    assert [o.name for o in graph.output] == [o.name for o in original.output]
+    producers = _producers(graph)
+    for output in graph.output[1:]:
+        assert producers[output.name].op_type == "Concat"  # the presents stay
+    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    for layer, node in enumerate(fused):
+        assert node.domain == MS
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
+        assert attributes == {"num_heads": 4 if llama else 2}
+        presents = [f"present_key_{layer}", f"present_value_{layer}"]
+        if not llama:
+            assert list(node.input[1:3]) == presents
+            continue
+        for read, present in zip(node.input[1:3], presents, strict=True):
+            reshape = producers[read]
+            expand = producers[reshape.input[0]]
+            unsqueeze = producers[expand.input[0]]
+            assert [reshape.op_type, expand.op_type, unsqueeze.op_type] == [
+                "Reshape",
+                "Expand",
+                "Unsqueeze",
+            ]
+            assert unsqueeze.input[0] == present
+    # The export shape (batch 2, past 4, sequence 3), then past 3 + sequence 5 and past 6 +
+    # sequence 1; left padding, in the first check long enough to mask query row 0 entirely.
+    for batch, past, sequence, padding in [(2, 4, 3, [0, 2]), (2, 3, 5, [0, 4]), (2, 6, 1, [0, 2])]:
+        feeds = _past_feeds(name, batch, past, sequence, padding)
+        _compare(fixture_path(name), run.output, feeds)
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_llama_without_grouped_query_attention(name: str, tmp_path: Path) -> None:
+    """GroupQueryAttention off: MultiHeadAttention reads the repeated key/value [B, 4, S, 16]
+    as they are where that shape is proven (dynamo). In TorchScript's export the repeat's
+    shapes are computed from Shape() of the rotated key, which onnx cannot infer: declined."""
+    run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", GQA)
+    assert run.passed(GQA)["state"] == "off"
+    graph = _graph(run.output)
+    if name != "llama_tiny_dynamo":
+        reason = "the key or value is not provably [batch, heads, length, head size]"
+        assert_declined(run, MHA, reason, _softmaxes(fixture_path(name))[0], count=2)
+        assert Counter(n.op_type for n in graph.node)["Softmax"] == 2
+        return
+    assert run.counts(MHA) == (2, 2)
+    assert reasons(run, MHA) == {}
+    producers = _producers(graph)
+    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(fused) == 2
+    for node in fused:
+        assert _attributes(node)["num_heads"] == 4
+        assert producers[node.input[0]].op_type == "RotaryEmbedding"
+        assert [producers[v].op_type for v in node.input[1:3]] == ["Reshape", "Reshape"]
+    assert len(_repeat_kv_expands(graph)) == 4  # the repeats stay, read by the fused ops
+    _compare(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
+
+
+# ---------------------------------------------------------------------------------------------
+# onnx.helper models: LLaMA-style grouped attention without rotary, x [B, S, 32]:
+#   Q, K, V = MatMul(x, W)  ->  Transpose(Reshape(., [0, 0, -1, H]), [0, 2, 1, 3])
+#   k, v = Reshape(Expand(Unsqueeze(., [2]), [1, 1, r, 1, 1]), [0, N, -1, H])     repeat_kv
+#   y = Reshape(Transpose(Softmax(MatMul(q, Transpose(k, [0,1,3,2])) * s + mask) @ v), [0,0,N*H])
+# ---------------------------------------------------------------------------------------------
+
+HIDDEN = 32
+
+
+def _n(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], name=output, **attrs)
+
+
+def _grouped(
+    path: Path,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head: int = 16,
+    repeat: int | None = None,
+    scale: str = "mul",
+    kv: str = "matmul",
+    target: str = "constant",
+) -> Path:
+    """``repeat``: copies of each key/value head (heads / kv_heads); ``scale``: Mul by
+    1/sqrt(H) or Div by sqrt(H); ``kv``: K and V projected (MatMul) or fed as inputs of unknown
+    width; ``target``: repeat_kv's Reshape target a constant or a graph input ``kv_shape``."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        _n("MatMul", ["x", "wq"], "Q"),
+        _n("Reshape", ["Q", "split"], "q_heads"),
+        _n("Transpose", ["q_heads"], "q", perm=[0, 2, 1, 3]),
+    ]
+    inputs = [value("x", ["batch", "seq", HIDDEN]), value("mask", ["batch", 1, "seq", "kv_len"])]
+    initializers = [
+        const("wq", rng.normal(size=(HIDDEN, heads * head)) * 0.3),
+        const("split", [0, 0, -1, head], np.int64),
+        const("axis2", [2], np.int64),
+        const("copies", [1, 1, repeat or heads // kv_heads, 1, 1], np.int64),
+        const("merge", [0, 0, heads * head], np.int64),
+        const("s", np.array(head**0.5 if scale == "div" else head**-0.5)),
+    ]
+    reshape = "kv_shape" if target == "input" else "kv_target"
+    if target == "input":
+        inputs.append(value("kv_shape", [4], TensorProto.INT64))
+    else:
+        initializers.append(const("kv_target", [0, heads, -1, head], np.int64))
+    for name in ("K", "V"):
+        if kv == "input":
+            inputs.append(value(name, ["batch", "seq", "kv_hidden"]))
+        else:
+            width = kv_heads * head
+            initializers.append(const(f"w{name}", rng.normal(size=(HIDDEN, width)) * 0.3))
+            nodes.append(_n("MatMul", ["x", f"w{name}"], name))
+        t = name.lower()
+        nodes += [
+            _n("Reshape", [name, "split"], f"{t}_heads"),
+            _n("Transpose", [f"{t}_heads"], f"{t}_split", perm=[0, 2, 1, 3]),
+            _n("Unsqueeze", [f"{t}_split", "axis2"], f"{t}_5d"),
+            _n("Expand", [f"{t}_5d", "copies"], f"{t}_copies"),
+            _n("Reshape", [f"{t}_copies", reshape], f"{t}_all"),
+        ]
+    nodes += [
+        _n("Transpose", ["k_all"], "kT", perm=[0, 1, 3, 2]),
+        _n("MatMul", ["q", "kT"], "scores"),
+        _n("Div" if scale == "div" else "Mul", ["scores", "s"], "scaled"),
+        _n("Add", ["scaled", "mask"], "masked"),
+        _n("Softmax", ["masked"], "probs", axis=-1),
+        _n("MatMul", ["probs", "v_all"], "context"),
+        _n("Transpose", ["context"], "merged", perm=[0, 2, 1, 3]),
+        _n("Reshape", ["merged", "merge"], "y"),
+    ]
+    output = value("y", ["batch", "seq", heads * head])
+    return save_model(path, nodes, inputs, [output], initializers)
+
+
+def _grouped_feeds(
+    path: Path, *, batch: int = 3, seq: int = 5, kv_len: int = 5, **fixed: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Random x, an arbitrary additive mask [B, 1, S, kv_len] (so the bias is really read),
+    K / V of width 32 where they are inputs."""
+    dims = {"batch": batch, "seq": seq, "kv_len": kv_len, "kv_hidden": 32}
+    return random_feeds(path, seed=3, dims=dims) | fixed
+
+
+def _fused_ops(run: Run) -> Counter[str]:
+    graph = _graph(run.output)
+    return Counter(n.op_type for n in graph.node if n.domain == MS)
+
+
+@pytest.mark.parametrize("scale", ["mul", "div"])
+def test_grouped_attention_becomes_group_query_attention(scale: str, tmp_path: Path) -> None:
+    model = _grouped(tmp_path / f"{scale}.onnx", scale=scale)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (1, 1)
+    assert reasons(run, GQA) == {}
+    assert run.counts(MHA) == (0, 0)
+    assert run.op_counts() == Counter({"MatMul": 3, "GroupQueryAttention": 1}) + SEQLENS_CHAIN
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
+    assert node.domain == MS
+    assert list(node.input[:5]) == ["Q", "K", "V", "", ""]
+    assert node.input[10] == "mask"
+    attributes = _attributes(node)
+    assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
+    assert attributes == {"num_heads": 4, "kv_num_heads": 2, "causal": 0}
+    for batch, seq in [(3, 5), (1, 1), (2, 7)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
+        _compare(model, run.output, feeds)
+
+
+# name: (builder options, GroupQueryAttention's reason, key length per query position)
+GROUPED_MISSES = {
+    "head_size_8": (
+        {"head": 8},
+        "head size 8: onnxruntime's GroupQueryAttention takes multiples of 16",
+        1,
+    ),
+    # 4 copies of each of 2 heads, read as 4 heads of twice the length: not repeat_kv
+    "repeat_does_not_match": (
+        {"repeat": 4},
+        "the repeat_kv is not provably 2 copies of each of the 2 key/value heads",
+        2,
+    ),
+    # 3 key/value heads for 4 query heads, 4 copies each: 4 heads of three times the length
+    "kv_heads_do_not_divide": (
+        {"kv_heads": 3, "repeat": 4},
+        "the key/value heads do not divide the query heads",
+        3,
+    ),
+    "unknown_projection_width": (
+        {"kv": "input"},
+        "the key/value projections' hidden size is unknown or differs",
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(GROUPED_MISSES))
+def test_grouped_near_misses_go_to_multi_head_attention(miss: str, tmp_path: Path) -> None:
+    """GroupQueryAttention declines with the reason; the key/value, [B, 4, L, H] as inferred,
+    are read as they are by MultiHeadAttention, which computes what the graph did."""
+    options, reason, ratio = GROUPED_MISSES[miss]
+    model = _grouped(tmp_path / f"{miss}.onnx", **options)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert_declined(run, GQA, reason, "probs")
+    assert run.counts(MHA) == (1, 1)
+    assert reasons(run, MHA) == {}
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    assert list(node.input) == ["Q", "k_all", "v_all", "", "", "mask"]
+    assert _attributes(node)["num_heads"] == 4
+    assert len(_repeat_kv_expands(graph)) == 2
+    for batch, seq in [(2, 2), (3, 5)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq * ratio)
+        _compare(model, run.output, feeds)
+
+
+def test_unprovable_key_heads_keep_the_attention(tmp_path: Path) -> None:
+    """repeat_kv reshaped to a target fed at run time: nothing proves the 4-D key/value
+    [batch, heads, length, head size] MultiHeadAttention would read (and GroupQueryAttention
+    declines head size 8): the attention stays written out."""
+    model = _grouped(tmp_path / "fed_target.onnx", head=8, target="input")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert_declined(
+        run, GQA, "head size 8: onnxruntime's GroupQueryAttention takes multiples of 16", "probs"
+    )
+    reason = "the key or value is not provably [batch, heads, length, head size]"
+    assert_declined(run, MHA, reason, "probs")
+    assert _fused_ops(run)["MultiHeadAttention"] == 0
+    assert run.op_counts()["Softmax"] == 1
+    target = np.array([0, 4, -1, 8], np.int64)
+    _compare(model, run.output, _grouped_feeds(model, kv_shape=target))
+
+
+def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) -> None:
+    model = _grouped(tmp_path / "off.onnx")
+    run = optimize_checked(model, tmp_path, "--disable_pass", GQA)
+    assert run.passed(GQA)["state"] == "off"
+    assert run.counts(MHA) == (1, 1)
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    _compare(model, run.output, _grouped_feeds(model))

@@ -110,11 +110,11 @@ def test_shared_scaled_input_and_missing_kernel_decline(tmp_path: Path) -> None:
     ],
 )
 def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) -> None:
-    # With attention fusion on, MultiHeadAttention takes these MatMuls first (it runs
-    # earlier); here it is off to see the scale fusion on its own.
-    run = optimize_checked(
-        fixture_path(name), tmp_path, "--disable_pass", "MultiHeadAttentionFusionPass"
-    )
+    # With attention fusion on, MultiHeadAttention (GroupQueryAttention for LLaMA's shared
+    # key/value heads) takes these MatMuls first (it runs earlier); here both are off to see
+    # the scale fusion on its own.
+    attention = "MultiHeadAttentionFusionPass,GroupQueryAttentionFusionPass"
+    run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", attention)
     assert run.counts(SCALE) == (2, 2)
     assert run.passed(SCALE)["patterns"]["ScaleBoth"] == {"matched": 2, "effected": 2}
     assert Counter(n.op_type for n in onnx.load(str(run.output)).graph.node)["FusedMatMul"] == 2

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import random_feeds, run_model
+from tests.conftest import assert_same_outputs, optimize, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -344,6 +344,42 @@ def test_llama_and_t5_residual_rms_norms(name: str, casts: int, tmp_path: Path) 
     assert run.counts(RMS) == (5, 0)
     assert run.counts(SKIP_RMS) == (4, 4)
     assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 4
+
+
+SIMPLIFIED = "SimplifiedLayerNormFusionPass"
+
+
+# The one RMS norm of LLaMA / T5 without a residual Add in front (LLaMA: the first layer's input
+# norm, over the embeddings; T5: the first block's) has no skip form. Below opset 23 only
+# onnxruntime's ONNX-domain SimplifiedLayerNormalization fuses it, which the ONNX checker
+# rejects: the pass is off unless asked for, and then runs after AddRmsNormFusionPass.
+@pytest.mark.parametrize("name", ["llama_tiny_ts17", "llama_tiny_dynamo", "t5_tiny_ts14"])
+def test_simplified_layer_norm_on_request(name: str, tmp_path: Path) -> None:
+    (tmp_path / "default").mkdir()
+    (tmp_path / "on").mkdir()
+    default = optimize(fixture_path(name), tmp_path / "default")
+    assert default.passed(SIMPLIFIED)["state"] == "off"
+    assert default.op_counts()["SimplifiedLayerNormalization"] == 0
+    run = optimize(fixture_path(name), tmp_path / "on", "--enable_pass", SIMPLIFIED)
+    assert run.counts(SKIP_RMS) == (4, 4)
+    assert run.counts(SIMPLIFIED) == (1, 1)
+    counts = run.op_counts()
+    assert counts["SimplifiedLayerNormalization"] == 1
+    assert counts["SkipSimplifiedLayerNormalization"] == 4
+    assert counts["ReduceMean"] == 0
+    (norm,) = [n for n in onnx.load(str(run.output)).graph.node if n.op_type.startswith("Simpl")]
+    assert norm.domain == ""
+    with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
+        onnx.checker.check_model(onnx.load(str(run.output)), full_check=True)
+    assert_same_outputs(fixture_path(name), run.output, atol=1e-4)
+
+
+def test_simplified_layer_norm_not_for_other_targets(tmp_path: Path) -> None:
+    run = optimize(
+        fixture_path("llama_tiny_dynamo"), tmp_path, "--enable_pass", SIMPLIFIED, "--target", "onnx"
+    )
+    assert run.passed(SIMPLIFIED)["state"] == "off"
+    assert run.op_counts()["SimplifiedLayerNormalization"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,9 +40,12 @@ def _graph(path: Path) -> onnx.GraphProto:
     return onnx.load(str(path)).graph
 
 
-def _check_llama_rotaries(original: Path, run: Run) -> None:
-    """Four rotaries (q and k, two layers) on the MatMul projections, split into heads after,
-    sharing one cos / sin cache pair and one position offset [0]; no rotate_half is left."""
+def _check_llama_rotaries(original: Path, run: Run, *, cache: bool = False) -> None:
+    """Four rotaries (q and k, two layers) on the MatMul projections, sharing one cos / sin
+    cache pair and one position offset [0]; no rotate_half is left. The head split after them
+    went into the fused attention, which reads each rotated projection itself: without a KV
+    cache GroupQueryAttention reads q and k, with one MultiHeadAttention reads q and the rotated
+    k is split into heads for Concat(past, k), the present key."""
     assert Counter(n.op_type for n in _graph(original).node)["Neg"] == 4  # the rotate_halfs
     assert run.counts(ROTARY) == (4, 4)
     assert reasons(run, ROTARY) == {}
@@ -51,21 +54,37 @@ def _check_llama_rotaries(original: Path, run: Run) -> None:
     assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
     assert (ops["Cos"], ops["Sin"]) == (1, 1)  # the angles, computed once for the caches
     producers = {out: n for n in graph.node for out in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = _readers(graph)
+    attention = "MultiHeadAttention" if cache else "GroupQueryAttention"
+    fused = [n for n in graph.node if n.op_type == attention]
+    assert len(fused) == 2
     rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
     for node in rotaries:
         assert node.domain == MS
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"interleaved": 0}
         assert producers[node.input[0]].op_type == "MatMul"  # hoisted above the head split
-        (reshape,) = readers[node.output[0]]
-        assert reshape.op_type == "Reshape"
-        (transpose,) = readers[reshape.output[0]]
+    rotated = {n.output[0] for n in rotaries}
+    queries = [n.input[0] for n in fused]
+    assert set(queries) <= rotated
+    keys = rotated - set(queries)
+    assert len(keys) == 2
+    if not cache:
+        assert {n.input[1] for n in fused} == keys
+    # GroupQueryAttention's seqlens_k / total_sequence_length: Shape of the first query, once.
+    shapes = [r for name in rotated for r in readers[name] if r.op_type == "Shape"]
+    assert len(shapes) == (0 if cache else 1)
+    for name in rotated:
+        (reader,) = [r for r in readers[name] if r.op_type != "Shape"]
+        if not cache or name in queries:
+            assert reader in fused
+            continue
+        assert reader.op_type == "Reshape"
+        (transpose,) = readers[reader.output[0]]
         assert transpose.op_type == "Transpose"
         assert list(transpose.attribute[0].ints) == [0, 2, 1, 3]
+        (concat,) = readers[transpose.output[0]]
+        assert concat.op_type == "Concat" and concat.output[0].startswith("present_key_")
     assert len({tuple(n.input[1:]) for n in rotaries}) == 1
     offset = next(i for i in graph.initializer if i.name == rotaries[0].input[1])
     assert numpy_helper.to_array(offset).tolist() == [0]
@@ -80,13 +99,33 @@ def test_llama_q_and_k_rotated_in_every_layer(name: str, tmp_path: Path) -> None
 @pytest.mark.parametrize("name", LLAMA_PAST)
 def test_llama_with_kv_cache_rotates_the_new_positions(name: str, tmp_path: Path) -> None:
     run = optimize_checked(fixture_path(name), tmp_path, compare=False)
-    _check_llama_rotaries(fixture_path(name), run)
+    _check_llama_rotaries(fixture_path(name), run, cache=True)
     feeds = random_feeds(fixture_path(name), dims=PAST_DIMS)
     expected = run_model(fixture_path(name), feeds)
     actual = run_model(run.output, feeds)
     assert len(expected) == len(actual)
     for want, got in zip(expected, actual, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_llama_rotary_alone_is_split_into_heads_after(name: str, tmp_path: Path) -> None:
+    """With the attention fusions off, each rotary is followed by the head split it was hoisted
+    above: Reshape, then Transpose [0, 2, 1, 3]."""
+    attention = "GroupQueryAttentionFusionPass,MultiHeadAttentionFusionPass"
+    run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", attention)
+    assert run.counts(ROTARY) == (4, 4)
+    graph = _graph(run.output)
+    readers = _readers(graph)
+    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotaries) == 4
+    for node in rotaries:
+        (reshape,) = readers[node.output[0]]
+        assert reshape.op_type == "Reshape"
+        (transpose,) = readers[reshape.output[0]]
+        assert transpose.op_type == "Transpose"
+        assert list(transpose.attribute[0].ints) == [0, 2, 1, 3]
+    assert Counter(n.op_type for n in graph.node)["Softmax"] == 2
 
 
 def test_torchscript_split_point_is_the_folded_head_size(tmp_path: Path) -> None:

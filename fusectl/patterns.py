@@ -133,6 +133,8 @@ class Site:
 
 
 _FOLD_DEPTH = 4
+# The ops a constant is seen through (see Site.constant).
+_SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
 
 
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
@@ -148,6 +150,8 @@ def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
         tensor = ir.convenience.get_const_tensor(value)
         return None if tensor is None else tensor.numpy()
     if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
+        return None
+    if producer.op_type not in _SEEN_THROUGH:
         return None
     inputs = producer.inputs
     data = _fold_constant(inputs[0], depth + 1) if inputs else None

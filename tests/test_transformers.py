@@ -1,0 +1,110 @@
+"""Every tiny transformer fixture, every exporter: what the default run leaves in the graph.
+
+The issue's bar, per model x exporter: attention fused in every layer, every residual Add +
+norm in its skip form, every GELU fused; outputs equal on onnxruntime; the checker passes;
+``--target onnx`` leaves only standard ops. Each fixture has two layers. What stays written
+out is the one norm with no residual Add in front (GPT-2/ViT/LLaMA/T5: the first layer's, over
+the embeddings; BERT's becomes EmbedLayerNormalization): below opset 17 a written-out layer
+norm (ReduceMean x2, Pow), an RMS norm (ReduceMean, Pow) below opset 23.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from tests.conftest import Run, random_feeds, run_model
+from tests.pass_helpers import fixture_path, optimize_checked
+
+MHA, GQA, ROPE = "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding"
+SKIP, SKIP_RMS, LN = (
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+    "LayerNormalization",
+)
+BERT = {MHA: 2, SKIP: 4, "EmbedLayerNormalization": 1, "BiasGelu": 2}
+GPT2 = {MHA: 2, SKIP: 4, LN: 1, "FastGelu": 2}
+WRITTEN_RMS = {"ReduceMean": 1, "Pow": 1, "Sqrt": 1}
+LLAMA = {GQA: 2, ROPE: 4, SKIP_RMS: 4, "QuickGelu": 2} | WRITTEN_RMS
+T5 = {MHA: 2, SKIP_RMS: 4} | WRITTEN_RMS
+VIT = {MHA: 2, SKIP: 4, LN: 1, "BiasGelu": 2}
+WRITTEN_LN = {LN: 0, "ReduceMean": 2, "Pow": 1, "Sqrt": 1}  # opset 14: no LayerNormalization
+
+EXPECTED = {
+    "bert_tiny_ts14": BERT,
+    "bert_tiny_ts17": BERT,
+    "bert_tiny_dynamo": BERT,
+    "bert_tiny_eager_ts17": BERT,
+    "bert_tiny_eager_dynamo": BERT,
+    "bert_tiny_eager_dynamo23": {**BERT, MHA: 0, "Attention": 2},  # the standard op
+    "gpt2_tiny_ts14": GPT2 | WRITTEN_LN,
+    "gpt2_tiny_ts17": GPT2,
+    "gpt2_tiny_dynamo": GPT2,
+    "gpt2_tiny_eager_dynamo": GPT2,
+    "gpt2_tiny_past_ts17": GPT2,
+    "gpt2_tiny_past_dynamo": GPT2,
+    "llama_tiny_ts14": LLAMA,
+    "llama_tiny_ts17": LLAMA,
+    "llama_tiny_dynamo": LLAMA,
+    # with a KV cache the grouped key/value are the joined cache: MultiHeadAttention reads them
+    "llama_tiny_past_ts17": {**LLAMA, GQA: 0, MHA: 2},
+    "llama_tiny_past_dynamo": {**LLAMA, GQA: 0, MHA: 2},
+    "t5_tiny_ts14": T5,
+    "t5_tiny_ts17": T5,
+    "t5_tiny_dynamo": T5,
+    "vit_tiny_ts14": VIT | WRITTEN_LN,
+    "vit_tiny_ts17": VIT,
+    "vit_tiny_dynamo": VIT,
+}
+# Written-out pieces that must all be gone: the softmax of every attention, GELU's erf / tanh
+# (and the poolers' Tanh, now FusedGemm's activation), SiLU's sigmoid, rotate_half's Neg.
+GONE = ("Softmax", "Erf", "Tanh", "Sigmoid", "Neg")
+COUNTED = sorted({op for ops in EXPECTED.values() for op in ops} | {MHA, GQA, "Attention"})
+# Shapes at which the KV-cache fixtures run: the mask covers past + new positions.
+PAST_DIMS = {"batch": 2, "sequence": 3, "past_sequence": 4, "total_sequence": 7}
+
+
+def test_every_fixture_is_covered() -> None:
+    names = {p.stem for p in fixture_path("bert_tiny_ts14").parent.glob("*.onnx")}
+    transformers = {n for n in names if n.split("_")[0] in ("bert", "gpt2", "llama", "t5", "vit")}
+    assert transformers == set(EXPECTED)
+
+
+def _optimize(name: str, tmp_path: Path, *args: str) -> Run:
+    """Optimize with the full checker and compare outputs on onnxruntime, at shapes that fit
+    the KV-cache fixtures' mask where needed (a left-padded row included)."""
+    model = fixture_path(name)
+    past = "_past_" in name
+    run = optimize_checked(model, tmp_path, *args, compare=not past)
+    if past:
+        feeds = random_feeds(model, dims=PAST_DIMS)
+        feeds["attention_mask"] = np.ones_like(feeds["attention_mask"])
+        feeds["attention_mask"][-1, :2] = 0
+        want, got = run_model(model, feeds), run_model(run.output, feeds)
+        assert len(got) == 5  # the hidden state and both layers' present key and value
+        for expected, actual in zip(want, got, strict=True):
+            np.testing.assert_allclose(actual, expected, atol=1e-4, rtol=1e-3)
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fused_in_every_layer(name: str, tmp_path: Path) -> None:
+    run = _optimize(name, tmp_path)
+    counts = run.op_counts()
+    assert {op: counts[op] for op in COUNTED} == {op: EXPECTED[name].get(op, 0) for op in COUNTED}
+    assert {op: counts[op] for op in GONE} == dict.fromkeys(GONE, 0)
+    for entry in run.report["passes"]:
+        assert entry.get("layers") is None, f"{entry['name']}: {entry['layers']}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_target_onnx_has_only_standard_ops(name: str, tmp_path: Path) -> None:
+    run = _optimize(name, tmp_path, "--target", "onnx")
+    model = onnx.load(str(run.output))
+    assert {node.domain for node in model.graph.node} == {""}
+    assert {o.domain for o in model.opset_import} == {""}
+    assert not Counter(n.op_type for n in model.graph.node).keys() & {MHA, GQA, ROPE, SKIP}

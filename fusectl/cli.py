@@ -29,6 +29,7 @@ from fusectl.switches import (
     resolve,
     split_pass_list,
 )
+from fusectl.verify import VerifyFailed, print_result, verify_models
 
 INTERNAL_ERROR_EXIT = 3
 
@@ -104,6 +105,12 @@ def cli() -> None:
     help="Write the model before and after each pass that changed it to DIR.",
 )
 @_option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@_option(
+    "--verify",
+    is_flag=True,
+    help="Then run MODEL and the output on onnxruntime and compare (as `fusectl verify`); "
+    "exit 1 beyond tolerance. The output stays written either way.",
+)
 @_option("--strict", is_flag=True, help="Unknown pass names are errors, not warnings.")
 @_option(
     "--log",
@@ -122,7 +129,8 @@ def _guarded(action: Callable[[], None]) -> None:
     try:
         action()
     except FusectlError as error:
-        stderr.print(f"fusectl: error: {error}", markup=False, soft_wrap=True)
+        label = getattr(error, "label", "error")
+        stderr.print(f"fusectl: {label}: {error}", markup=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:
         stderr.print("fusectl: interrupted", markup=False)
@@ -163,6 +171,7 @@ def _optimize(
     report: Path | None,
     dump_graph: Path | None,
     as_json: bool,
+    verify: bool,
     strict: bool,
     log_level: str | None,
 ) -> None:
@@ -238,6 +247,8 @@ def _optimize(
     if result_path and export_compile_stat == "1":
         reports.write_text_atomic(result_path, fusion_text)
 
+    checked = verify_models(model_path, output, input_shape=input_shape) if verify else None
+
     layers = reports.model_layers(result, model)
     document = reports.report_document(
         plan=plan,
@@ -262,6 +273,8 @@ def _optimize(
             "input_shape": input_shape or None,
         },
     )
+    if checked is not None:
+        document["verify"] = checked.to_json()
     if report:
         reports.write_text_atomic(report, json.dumps(document, indent=2) + "\n")
     if as_json:
@@ -269,6 +282,67 @@ def _optimize(
     if log_level != "null":
         reports.print_summary(stderr, result, layers)
         stderr.print(f"wrote {output}" + (f" (+ {data_path.name})" if data_path else ""))
+        if checked is not None:
+            print_result(stderr, checked)
+    if checked is not None and not checked.passed:
+        raise VerifyFailed(f"{checked.summary()}; {output} stays written")
+
+
+@cli.command("verify")
+@click.argument("models", metavar="ORIGINAL OPTIMIZED", nargs=-1, type=click.Path(path_type=Path))
+@_option("--input_shape", default="", help='Sizes for symbolic dims: "ids:1,128;mask:1,128".')
+@_option("--inputs", type=click.Path(path_type=Path), help="Feeds from an .npz (one per input).")
+@_option(
+    "--golden",
+    type=click.Path(path_type=Path),
+    help="Compare the model with these stored outputs (.npz by output name) instead of running "
+    "ORIGINAL: `fusectl verify --golden G.npz MODEL`.",
+)
+@_option("--atol", type=float, default=None, help="Absolute tolerance [by the passes that fired].")
+@_option("--rtol", type=float, default=None, help="Relative tolerance [by the passes that fired].")
+@_option(
+    "--providers",
+    default=None,
+    help="Comma list of onnxruntime execution providers [CPUExecutionProvider].",
+)
+@_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
+@_option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
+def verify(**options: Any) -> None:
+    """Run ORIGINAL and OPTIMIZED on onnxruntime and compare every output.
+
+    Exit 0 when every output is within tolerance, 1 when one is not (or OPTIMIZED does not
+    run), 2 on bad arguments or inputs.
+    """
+    _guarded(lambda: _verify(**options))
+
+
+def _verify(
+    *,
+    models: tuple[Path, ...],
+    as_json: bool,
+    golden: Path | None,
+    **options: Any,
+) -> None:
+    logs.configure(logs.default_level())
+    if golden is not None:
+        if len(models) != 1:
+            raise FusectlError(
+                "--golden replaces running ORIGINAL: fusectl verify --golden G.npz MODEL"
+            )
+        original, optimized = None, models[0]
+    else:
+        if len(models) != 2:
+            raise FusectlError(
+                f"verify takes ORIGINAL and OPTIMIZED, got {len(models)} model(s) "
+                "(or --golden G.npz MODEL)"
+            )
+        original, optimized = models
+    result = verify_models(original, optimized, golden=golden, **options)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    print_result(stderr, result)
+    if not result.passed:
+        raise VerifyFailed(result.summary())
 
 
 @cli.command("passes")

@@ -1,0 +1,411 @@
+"""`fusectl verify`: does the optimized model still compute what the original did?
+
+Both models run on onnxruntime with its own graph optimizations off (ORT_DISABLE_ALL), so the
+only difference between the two runs is fusectl's rewrite. Every output is compared with numpy
+``allclose`` semantics, ``|optimized - expected| <= atol + rtol * |expected|``.
+
+Default tolerances follow the numerics class of the passes that fired, read from the lineage
+metadata (``fusectl.pass_name``) the passes stamp on the nodes they create; the loosest class
+present wins (see ``TOLERANCES``). A pass name the registry does not know (a plugin not loaded
+here) counts as reassociating. Integer and bool outputs must match exactly unless ``--atol`` /
+``--rtol`` are given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+from rich.console import Console
+from rich.table import Table
+
+from fusectl.context import LINEAGE_PASSES
+from fusectl.errors import FusectlError
+from fusectl.inputs import FeedPlan, generate_feeds, load_feeds, read_npz
+from fusectl.model_io import load_model
+from fusectl.registry import Numerics, load_builtin_passes
+from fusectl.shapes import parse_input_shape
+
+# (atol, rtol) per numerics class. Exact passes only move or merge ops, but a fused kernel
+# may still round once where the original rounded twice, hence not zero; reassociating is
+# SPEC §6's fp32 tolerance; approximate passes (a tanh GELU for an erf one) drift by ~1e-3.
+TOLERANCES: dict[Numerics, tuple[float, float]] = {
+    Numerics.EXACT: (1e-6, 1e-5),
+    Numerics.REASSOCIATING: (1e-4, 1e-3),
+    Numerics.APPROXIMATE: (1e-2, 1e-2),
+}
+_RANK = {Numerics.EXACT: 0, Numerics.REASSOCIATING: 1, Numerics.APPROXIMATE: 2}
+DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
+
+
+class VerifyFailed(FusectlError):
+    """Outputs beyond tolerance, or an optimized model onnxruntime cannot run: exit 1."""
+
+    exit_code = 1
+    label = "verification failed"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The tolerance applied, and why: the numerics class and the passes that set it."""
+
+    atol: float
+    rtol: float
+    numerics: str  # a Numerics value, or "given" for --atol/--rtol
+    passes: tuple[str, ...] = ()
+    overridden: bool = False
+
+
+def fired_passes(model: ir.Model) -> list[str]:
+    """Names of the passes whose rewrites appear in the model, in first-seen order."""
+    found: dict[str, None] = {}
+    graphs = [model.graph, *(function for function in model.functions.values())]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            text = node.metadata_props.get(LINEAGE_PASSES)
+            if not text:
+                continue
+            try:
+                names = json.loads(text)
+            except ValueError:
+                continue
+            found.update((str(name), None) for name in names if isinstance(names, list))
+    return list(found)
+
+
+def default_tolerance(
+    model: ir.Model, atol: float | None = None, rtol: float | None = None
+) -> Tolerance:
+    """The loosest class among the passes that fired; --atol / --rtol replace either part."""
+    registry = load_builtin_passes()
+    numerics = Numerics.EXACT
+    names = fired_passes(model)
+    for name in names:
+        canonical = registry.canonical(name)
+        cls = registry[canonical].spec.numerics if canonical else Numerics.REASSOCIATING
+        if _RANK[cls] > _RANK[numerics]:
+            numerics = cls
+    base_atol, base_rtol = TOLERANCES[numerics]
+    overridden = atol is not None or rtol is not None
+    return Tolerance(
+        atol if atol is not None else base_atol,
+        rtol if rtol is not None else base_rtol,
+        "given" if atol is not None and rtol is not None else numerics.value,
+        tuple(names),
+        overridden,
+    )
+
+
+def parse_providers(text: str | None) -> list[str]:
+    """A comma list of execution providers; 'cpu' and 'cuda' are short for the full names."""
+    if not text:
+        return list(DEFAULT_PROVIDERS)
+    available = ort.get_available_providers()
+    folded = {p.lower().removesuffix("executionprovider"): p for p in available}
+    chosen = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name = folded.get(item.lower().removesuffix("executionprovider"))
+        if name is None:
+            raise FusectlError(
+                f"--providers: '{item}' is not available in this onnxruntime "
+                f"(available: {', '.join(available)})"
+            )
+        chosen.append(name)
+    if not chosen:
+        raise FusectlError("--providers names no provider")
+    return chosen
+
+
+def run_model(
+    path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str], *, failure: type
+) -> dict[str, np.ndarray]:
+    """Outputs by name, in the model's order; onnxruntime's own graph optimizations off."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4  # its errors come back as one line of ours
+    try:
+        session = ort.InferenceSession(str(path), options, providers=list(providers))
+        names = [output.name for output in session.get_outputs()]
+        wanted = {i.name for i in session.get_inputs()}
+        values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    except Exception as error:  # onnxruntime raises its own types for load and run errors
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise failure(f"onnxruntime cannot run it: {message}", path=path) from None
+    return dict(zip(names, values, strict=True))
+
+
+@dataclass
+class OutputCheck:
+    """One output compared: its errors, the worst element, and the verdict."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    atol: float
+    rtol: float
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    worst_index: tuple[int, ...] | None = None
+    expected: float | None = None
+    actual: float | None = None
+    passed: bool = True
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        def number(x: float | None) -> float | str | None:
+            return x if x is None or math.isfinite(x) else str(x)
+
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "max_abs": number(self.max_abs),
+            "max_rel": number(self.max_rel),
+            "worst_index": list(self.worst_index) if self.worst_index is not None else None,
+            "expected": number(self.expected),
+            "actual": number(self.actual),
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "passed": self.passed,
+            "note": self.note or None,
+        }
+
+
+def compare(
+    name: str, expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance
+) -> OutputCheck:
+    """allclose per element; the worst element is the one furthest past (or closest to) its
+    allowance atol + rtol*|expected|. Relative error skips elements whose expected value is 0."""
+    floating = np.issubdtype(expected.dtype, np.inexact) or np.issubdtype(actual.dtype, np.inexact)
+    atol, rtol = tolerance.atol, tolerance.rtol
+    if not floating and not tolerance.overridden:
+        atol = rtol = 0.0
+    check = OutputCheck(name, tuple(actual.shape), str(actual.dtype), atol, rtol)
+    if expected.shape != actual.shape:
+        check.passed = False
+        check.note = f"shape {list(actual.shape)}, expected {list(expected.shape)}"
+        check.max_abs = check.max_rel = math.inf
+        return check
+    if expected.size == 0:
+        return check
+    want = expected.astype(np.float64)
+    got = actual.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.abs(got - want)
+        diff[(want == got) | (np.isnan(want) & np.isnan(got))] = 0.0
+        diff[np.isnan(diff)] = np.inf  # NaN on one side only
+        allowance = atol + rtol * np.abs(want)
+        ratio = np.where(allowance > 0, diff / allowance, np.where(diff > 0, np.inf, 0.0))
+        nonzero = np.abs(want) > 0
+        rel = diff[nonzero] / np.abs(want[nonzero])
+    check.max_abs = float(diff.max())
+    check.max_rel = float(rel.max()) if rel.size else 0.0
+    check.passed = bool((diff <= allowance).all())
+    if check.max_abs > 0:
+        worst = np.unravel_index(int(np.argmax(ratio)), diff.shape)
+        check.worst_index = tuple(int(i) for i in worst)
+        check.expected = float(want[worst])
+        check.actual = float(got[worst])
+    return check
+
+
+@dataclass
+class VerifyResult:
+    """Everything one verification found, for the table, the JSON and the exit code."""
+
+    reference: str  # "original" or "golden"
+    reference_path: Path
+    optimized: Path
+    providers: list[str]
+    tolerance: Tolerance
+    feeds: dict[str, np.ndarray]
+    plans: dict[str, FeedPlan]
+    checks: list[OutputCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failures(self) -> int:
+        return sum(not check.passed for check in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        tol = self.tolerance
+        return {
+            "passed": self.passed,
+            "reference": self.reference,
+            self.reference: str(self.reference_path),
+            "optimized": str(self.optimized),
+            "providers": self.providers,
+            "tolerance": {
+                "atol": tol.atol,
+                "rtol": tol.rtol,
+                "numerics": tol.numerics,
+                "passes": list(tol.passes),
+            },
+            "inputs": {
+                name: {
+                    "dtype": str(array.dtype),
+                    "shape": list(array.shape),
+                    "kind": self.plans[name].kind if name in self.plans else "file",
+                    "high": self.plans[name].high if name in self.plans else None,
+                }
+                for name, array in self.feeds.items()
+            },
+            "outputs": [check.to_json() for check in self.checks],
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.failures} of {len(self.checks)} output(s) beyond tolerance "
+            f"(atol {self.tolerance.atol:g}, rtol {self.tolerance.rtol:g})"
+        )
+
+
+def _pair_outputs(
+    expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance: Tolerance
+) -> list[OutputCheck]:
+    """Compare by name when both models name the same outputs, else by position."""
+    if set(expected) == set(actual):
+        return [compare(name, expected[name], actual[name], tolerance) for name in expected]
+    checks = []
+    pairs = list(zip(expected.items(), actual.items(), strict=False))
+    for (want_name, want), (got_name, got) in pairs:
+        label = want_name if want_name == got_name else f"{want_name} / {got_name}"
+        checks.append(compare(label, want, got, tolerance))
+    for name, array in list(expected.items())[len(pairs) :]:
+        missing = OutputCheck(name, tuple(array.shape), str(array.dtype), 0.0, 0.0)
+        missing.passed, missing.note = False, "missing from the optimized model"
+        checks.append(missing)
+    for name, array in list(actual.items())[len(pairs) :]:
+        extra = OutputCheck(name, tuple(array.shape), str(array.dtype), 0.0, 0.0)
+        extra.passed, extra.note = False, "not an output of the reference"
+        checks.append(extra)
+    return checks
+
+
+def verify_models(
+    original: Path | None,
+    optimized: Path,
+    *,
+    input_shape: str = "",
+    inputs: Path | None = None,
+    golden: Path | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    providers: str | None = None,
+    seed: int = 0,
+) -> VerifyResult:
+    """Run the reference (ORIGINAL, or the --golden outputs) and OPTIMIZED on the same feeds.
+
+    Bad arguments and an ORIGINAL that does not run raise FusectlError (exit 2); an OPTIMIZED
+    that does not run raises VerifyFailed (exit 1). Outputs beyond tolerance are in the result.
+    """
+    if (original is None) == (golden is None):
+        raise FusectlError(
+            "give ORIGINAL and OPTIMIZED, or --golden FILE.npz and one model"
+            if original is None
+            else "--golden replaces running ORIGINAL: give only the model to check"
+        )
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise FusectlError(f"{name} must be a finite number >= 0, not {value}")
+    chosen = parse_providers(providers)
+    shapes = parse_input_shape(input_shape)
+    golden_outputs = read_npz(golden, "reference outputs") if golden else None
+    source = original if original is not None else optimized
+    source_model = load_model(source).model
+    checked_model = load_model(optimized).model if original is not None else source_model
+    if inputs is not None:
+        if shapes:
+            raise FusectlError("--inputs gives the data itself; drop --input_shape")
+        feeds, plans = load_feeds(inputs, source_model), {}
+    else:
+        feeds, plans = generate_feeds(source_model, shapes, seed)
+    tolerance = default_tolerance(checked_model, atol, rtol)
+
+    if golden_outputs is not None:
+        assert golden is not None
+        names = [value.name or "" for value in checked_model.graph.outputs]
+        missing = [n for n in names if n not in golden_outputs]
+        extra = [n for n in golden_outputs if n not in names]
+        if missing or extra:
+            problem = (
+                f"no array for output(s) {', '.join(map(repr, missing))}"
+                if missing
+                else f"array(s) {', '.join(map(repr, extra))} name no model output"
+            )
+            raise FusectlError(f"{problem} (outputs: {', '.join(names)})", path=golden)
+        expected = {name: golden_outputs[name] for name in names}
+        reference, reference_path = "golden", golden
+    else:
+        assert original is not None
+        expected = run_model(original, feeds, chosen, failure=FusectlError)
+        reference, reference_path = "original", original
+    actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
+    result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)
+    result.checks = _pair_outputs(expected, actual, tolerance)
+    return result
+
+
+def _number(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def print_result(console: Console, result: VerifyResult) -> None:
+    """The per-output table, the inputs used and the tolerance with its reason."""
+    table = Table(title=f"fusectl verify ({result.reference} vs optimized)", title_justify="left")
+    for column, justify in (
+        ("output", "left"),
+        ("shape", "left"),
+        ("max abs", "right"),
+        ("max rel", "right"),
+        ("worst index", "left"),
+        ("verdict", "left"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for check in result.checks:
+        verdict = "[green]ok[/]" if check.passed else "[bold red]FAIL[/]"
+        if check.note:
+            verdict += f" [dim]{check.note}[/]"
+        index = "-" if check.worst_index is None else str(list(check.worst_index))
+        table.add_row(
+            check.name,
+            "x".join(map(str, check.shape)) or "scalar",
+            _number(check.max_abs),
+            _number(check.max_rel),
+            index,
+            verdict,
+        )
+    console.print(table)
+    described = []
+    for name, array in result.feeds.items():
+        plan = result.plans.get(name)
+        how = "from file" if plan is None else plan.kind
+        if plan is not None and plan.kind in ("ids", "integer") and plan.high is not None:
+            how += f" in [0, {plan.high})"
+        shape = ",".join(map(str, array.shape))
+        described.append(f"{name} {array.dtype}[{shape}] {how}")
+    console.print("inputs: " + "; ".join(described), markup=False, soft_wrap=True)
+    tol = result.tolerance
+    why = "given" if tol.numerics == "given" else f"{tol.numerics} passes fired"
+    if tol.numerics == Numerics.EXACT.value and not tol.passes:
+        why = "no fused nodes"
+    console.print(
+        f"tolerance: atol {tol.atol:g}, rtol {tol.rtol:g} ({why}); providers "
+        f"{', '.join(result.providers)}",
+        markup=False,
+        soft_wrap=True,
+    )
+    state = "all outputs within tolerance" if result.passed else result.summary()
+    console.print(f"{len(result.checks)} output(s): {state}", markup=False)

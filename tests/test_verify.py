@@ -1,0 +1,271 @@
+"""`fusectl verify` and `optimize --verify` on real fixtures: verdicts, inputs, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from fusectl.inputs import generate_feeds
+from fusectl.model_io import load_model
+from fusectl.registry import Numerics
+from fusectl.verify import TOLERANCES, default_tolerance
+from tests.conftest import FIXTURES, optimize, run_cli, run_model
+from tests.pass_helpers import const, save_model, value
+
+LLAMA = FIXTURES / "llama_tiny_ts17.onnx"
+BERT = FIXTURES / "bert_tiny_dynamo.onnx"
+GPT2 = FIXTURES / "gpt2_tiny_ts17.onnx"
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each transformer fixture optimized once for the whole module."""
+    out = tmp_path_factory.mktemp("verify")
+    return {model.stem: optimize(model, out).output for model in (LLAMA, BERT, GPT2)}
+
+
+def verify_json(*args: str | Path, expect: int) -> dict:
+    result = run_cli("verify", *args, "--json")
+    assert result.exit_code == expect, result.stderr + result.stdout
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("model", [LLAMA, BERT, GPT2], ids=lambda p: p.stem)
+def test_optimized_fixture_verifies(model: Path, optimized: dict[str, Path]) -> None:
+    result = run_cli("verify", model, optimized[model.stem])
+    assert result.exit_code == 0, result.stderr
+    assert "all outputs within tolerance" in result.stderr
+    document = verify_json(model, optimized[model.stem], expect=0)
+    # Attention / norm fusions reassociate: SPEC §6's tolerance, and the passes are named.
+    assert document["tolerance"]["atol"] == 1e-4 and document["tolerance"]["rtol"] == 1e-3
+    assert document["tolerance"]["numerics"] == "reassociating"
+    assert "AttentionFusionPass" in " ".join(document["tolerance"]["passes"])
+    for output in document["outputs"]:
+        assert output["passed"] and output["max_abs"] < 1e-4
+
+
+def test_a_model_against_itself_is_exact() -> None:
+    document = verify_json(LLAMA, LLAMA, expect=0)
+    assert document["tolerance"]["numerics"] == "exact"
+    assert (document["tolerance"]["atol"], document["tolerance"]["rtol"]) == TOLERANCES[
+        Numerics.EXACT
+    ]
+    assert document["outputs"][0]["max_abs"] == 0 and document["outputs"][0]["worst_index"] is None
+
+
+def _pair(tmp_path: Path, delta_at: tuple[int, int], delta: float) -> tuple[Path, Path]:
+    """Y = X + C, and a copy whose C differs in one element."""
+    c = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    changed = c.copy()
+    changed[delta_at] += delta
+    paths = []
+    for name, constant in (("a", c), ("b", changed)):
+        paths.append(
+            save_model(
+                tmp_path / f"{name}.onnx",
+                [helper.make_node("Add", ["X", "C"], ["Y"])],
+                [value("X", [3, 4])],
+                [value("Y", [3, 4])],
+                [const("C", constant)],
+            )
+        )
+    return paths[0], paths[1]
+
+
+def test_mismatch_exits_1_with_the_worst_index(tmp_path: Path) -> None:
+    original, changed = _pair(tmp_path, (1, 2), 0.5)
+    result = run_cli("verify", original, changed)
+    assert result.exit_code == 1
+    assert "FAIL" in result.stderr and "[1, 2]" in result.stderr
+    assert "verification failed: 1 of 1 output(s) beyond tolerance" in result.stderr
+    check = verify_json(original, changed, expect=1)["outputs"][0]
+    assert check["worst_index"] == [1, 2] and not check["passed"]
+    assert check["max_abs"] == pytest.approx(0.5, rel=1e-5)
+    assert check["actual"] - check["expected"] == pytest.approx(0.5, rel=1e-5)
+    # A tolerance wide enough for the change passes; --atol/--rtol replace the default.
+    assert verify_json(original, changed, "--atol", "0.6", expect=0)["passed"]
+
+
+def test_perturbed_weight_of_an_optimized_llama_fails(
+    tmp_path: Path, optimized: dict[str, Path]
+) -> None:
+    proto = onnx.load(str(optimized["llama_tiny_ts17"]))
+    weights = max(
+        (t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT),
+        key=lambda t: int(np.prod(t.dims)),
+    )
+    array = numpy_helper.to_array(weights) + np.float32(0.05)  # every row a token may use
+    weights.CopyFrom(numpy_helper.from_array(array, weights.name))
+    broken = tmp_path / "broken.onnx"
+    onnx.save(proto, str(broken))
+    result = run_cli("verify", LLAMA, broken)
+    assert result.exit_code == 1, result.stderr
+    assert "FAIL" in result.stderr and "last_hidden_state" in result.stderr
+
+
+def test_integer_inputs_stay_in_range() -> None:
+    model = load_model(LLAMA).model
+    feeds, plans = generate_feeds(model, {"input_ids": [3, 50]}, seed=1)
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    assert ids.shape == mask.shape == (3, 50)  # the mask follows the shared symbolic dims
+    assert ids.dtype == np.int64 and ids.min() >= 0 and ids.max() < 100
+    assert len(np.unique(ids)) > 20  # spread over the vocabulary, not a constant
+    assert plans["input_ids"].kind == "ids" and plans["input_ids"].high == 100
+    assert set(np.unique(mask)) == {1} and plans["attention_mask"].kind == "mask"
+    again, _ = generate_feeds(model, {"input_ids": [3, 50]}, seed=1)
+    assert np.array_equal(again["input_ids"], ids)  # deterministic per seed
+    other, _ = generate_feeds(model, {"input_ids": [3, 50]}, seed=2)
+    assert not np.array_equal(other["input_ids"], ids)
+
+
+def test_long_sequence_runs_without_gather_errors(optimized: dict[str, Path]) -> None:
+    document = verify_json(
+        LLAMA, optimized["llama_tiny_ts17"], "--input_shape", "input_ids:1,300", expect=0
+    )
+    assert document["inputs"]["input_ids"] == {
+        "dtype": "int64",
+        "shape": [1, 300],
+        "kind": "ids",
+        "high": 100,
+    }
+    assert document["inputs"]["attention_mask"]["shape"] == [1, 300]
+
+
+def test_position_ids_are_in_range(tmp_path: Path) -> None:
+    """ids gathered through a Cast, position ids 0..n-1, a mask found by its Cast to bool."""
+    model = save_model(
+        tmp_path / "pos.onnx",
+        [
+            helper.make_node("Cast", ["tok"], ["tok32"], to=onnx.TensorProto.INT32),
+            helper.make_node("Gather", ["E", "tok32"], ["e"]),
+            helper.make_node("Gather", ["P", "position_ids"], ["p"]),
+            helper.make_node("Add", ["e", "p"], ["s"]),
+            helper.make_node("Cast", ["keep"], ["keep_b"], to=onnx.TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["keep_b", "axes"], ["keep_u"]),
+            helper.make_node("Where", ["keep_u", "s", "zero"], ["Y"]),
+        ],
+        [
+            value("tok", ["b", "n"], onnx.TensorProto.INT64),
+            value("position_ids", ["b", "n"], onnx.TensorProto.INT64),
+            value("keep", ["b", "n"], onnx.TensorProto.INT64),
+        ],
+        [value("Y", ["b", "n", 4])],
+        [
+            const("E", np.ones((7, 4))),
+            const("P", np.ones((5, 4))),
+            const("axes", [-1], np.int64),
+            const("zero", [0.0]),
+        ],
+    )
+    feeds, plans = generate_feeds(load_model(model).model, {"tok": [2, 5]})
+    assert plans["tok"].high == 7 and feeds["tok"].max() < 7
+    assert feeds["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert plans["keep"].kind == "mask" and feeds["keep"].min() == 1
+
+
+def test_input_shape_resolves_symbolic_dims(optimized: dict[str, Path]) -> None:
+    document = verify_json(
+        BERT, optimized["bert_tiny_dynamo"], "--input_shape", "input_ids:1,5", expect=0
+    )
+    shapes = {o["name"]: o["shape"] for o in document["outputs"]}
+    assert shapes == {"last_hidden_state": [1, 5, 32], "pooler_output": [1, 32]}
+    # Without --input_shape the documented defaults apply: batch 2, other dims 8.
+    document = verify_json(BERT, optimized["bert_tiny_dynamo"], expect=0)
+    assert document["inputs"]["input_ids"]["shape"] == [2, 8]
+
+
+def test_inputs_npz_round_trip_and_wrong_names(tmp_path: Path, optimized: dict[str, Path]) -> None:
+    ids = np.array([[5, 6, 7, 99]], dtype=np.int64)
+    good = tmp_path / "feeds.npz"
+    np.savez(good, input_ids=ids, attention_mask=np.ones_like(ids))
+    document = verify_json(GPT2, optimized["gpt2_tiny_ts17"], "--inputs", good, expect=0)
+    assert document["inputs"]["input_ids"]["kind"] == "file"
+    assert document["outputs"][0]["shape"] == [1, 4, 32]
+
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, input_ids=ids, attn_mask=np.ones_like(ids))
+    result = run_cli("verify", GPT2, optimized["gpt2_tiny_ts17"], "--inputs", wrong)
+    assert result.exit_code == 2
+    assert "'attention_mask'" in result.stderr and "wrong.npz" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    extra = tmp_path / "extra.npz"
+    np.savez(extra, input_ids=ids, attention_mask=ids, labels=ids)
+    result = run_cli("verify", GPT2, optimized["gpt2_tiny_ts17"], "--inputs", extra)
+    assert result.exit_code == 2 and "'labels'" in result.stderr
+
+    floats = tmp_path / "floats.npz"
+    np.savez(floats, input_ids=ids.astype(np.float32), attention_mask=ids)
+    result = run_cli("verify", GPT2, optimized["gpt2_tiny_ts17"], "--inputs", floats)
+    assert result.exit_code == 2 and "float32" in result.stderr
+
+
+def test_golden_outputs(tmp_path: Path, optimized: dict[str, Path]) -> None:
+    ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    inputs = tmp_path / "feeds.npz"
+    np.savez(inputs, **feeds)
+    (expected,) = run_model(LLAMA, feeds)
+    golden = tmp_path / "golden.npz"
+    np.savez(golden, last_hidden_state=expected)
+    model = optimized["llama_tiny_ts17"]
+    document = verify_json("--golden", golden, "--inputs", inputs, model, expect=0)
+    assert document["reference"] == "golden" and document["outputs"][0]["shape"] == [2, 3, 64]
+
+    off = expected.copy()
+    off[1, 2, 3] += 1.0
+    np.savez(golden, last_hidden_state=off)
+    document = verify_json("--golden", golden, "--inputs", inputs, model, expect=1)
+    assert document["outputs"][0]["worst_index"] == [1, 2, 3]
+
+    np.savez(golden, hidden=expected)
+    result = run_cli("verify", "--golden", golden, "--inputs", inputs, model)
+    assert result.exit_code == 2 and "'last_hidden_state'" in result.stderr
+    result = run_cli("verify", "--golden", golden, LLAMA, model)
+    assert result.exit_code == 2 and "--golden" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.onnx", LLAMA], "missing.onnx: no such file"),
+        (["NOT_ONNX", LLAMA], "not an ONNX model"),
+        ([LLAMA], "ORIGINAL and OPTIMIZED"),
+        ([LLAMA, LLAMA, "--input_shape", "input_ids=1,2"], "--input_shape"),
+        ([LLAMA, LLAMA, "--input_shape", "ids:1,2"], "not an input"),
+        ([LLAMA, LLAMA, "--inputs", "none.npz"], "none.npz: no such file"),
+        ([LLAMA, LLAMA, "--providers", "NoSuchProvider"], "NoSuchProvider"),
+        ([LLAMA, LLAMA, "--atol", "-1"], "--atol"),
+    ],
+)
+def test_bad_arguments_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "NOT_ONNX").write_bytes(b"this is not a protobuf \xff\xfe")
+    result = run_cli("verify", *args)
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr
+    assert result.stderr.startswith("fusectl: error:")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_optimize_verify(tmp_path: Path) -> None:
+    run = optimize(GPT2, tmp_path, "--verify")
+    assert run.output.exists()
+    assert "all outputs within tolerance" in run.stderr
+    assert run.report is not None and run.report["verify"]["passed"] is True
+    assert run.report["verify"]["tolerance"]["numerics"] == "reassociating"
+
+
+def test_default_tolerance_follows_lineage(optimized: dict[str, Path]) -> None:
+    model = load_model(optimized["llama_tiny_ts17"]).model
+    tolerance = default_tolerance(model)
+    assert (tolerance.atol, tolerance.rtol) == TOLERANCES[Numerics.REASSOCIATING]
+    assert "GroupQueryAttentionFusionPass" in tolerance.passes
+    assert default_tolerance(model, atol=0.5).atol == 0.5

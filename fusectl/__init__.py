@@ -20,6 +20,7 @@ from fusectl.registry import (
     Numerics,
     PassSpec,
     register_pass,
+    unregister_pass,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "Site",
     "__version__",
     "register_pass",
+    "unregister_pass",
 ]
 
 # Installed, the built-in passes are the subpackage fusectl.passes; in a source checkout they

@@ -15,6 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from fusectl import __version__, logs, reports
+from fusectl.bench import bench_models
+from fusectl.bench import print_result as print_bench
+from fusectl.bisect import bisect_model
+from fusectl.bisect import print_result as print_bisect
 from fusectl.dump import GraphDumper
 from fusectl.engine import PassRun, run_plan
 from fusectl.errors import FusectlError
@@ -343,6 +347,126 @@ def _verify(
     print_result(stderr, result)
     if not result.passed:
         raise VerifyFailed(result.summary())
+
+
+@cli.command("bench")
+@click.argument(
+    "models", metavar="ORIGINAL OPTIMIZED [MORE...]", nargs=-1, type=click.Path(path_type=Path)
+)
+@_option("--runs", type=int, default=20, show_default=True, help="Timed runs per model.")
+@_option("--warmup", type=int, default=3, show_default=True, help="Untimed runs first.")
+@_option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="onnxruntime intra-op threads (0: its choice). 1 keeps numbers comparable across "
+    "machines and runs: no thread pool contention, no core count dependence.",
+)
+@_option(
+    "--opt_levels",
+    default="all,none",
+    show_default=True,
+    help="onnxruntime graph optimization levels: all (ORT_ENABLE_ALL), none (ORT_DISABLE_ALL).",
+)
+@_option(
+    "--providers",
+    default=None,
+    help="Comma list of onnxruntime execution providers [CPUExecutionProvider].",
+)
+@_option("--input_shape", default="", help='Sizes for symbolic dims: "ids:1,128;mask:1,128".')
+@_option("--inputs", type=click.Path(path_type=Path), help="Feeds from an .npz (one per input).")
+@_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
+@_option("--json", "as_json", is_flag=True, help="Print the timings as JSON on stdout.")
+def bench(**options: Any) -> None:
+    """Time ORIGINAL, OPTIMIZED (and more models) on onnxruntime, side by side.
+
+    Runs are interleaved round-robin across the models; the table (or --json) gives session
+    creation time, median and p10/p90 latency, and each median's ratio to ORIGINAL's.
+    """
+    _guarded(lambda: _bench(**options))
+
+
+def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
+    logs.configure(logs.default_level())
+    result = bench_models(models, **options)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        print_bench(stderr, result)
+
+
+@cli.command("bisect")
+@click.argument("model", metavar="MODEL", type=click.Path(path_type=Path))
+@_option("--input_shape", default="", help='Sizes for symbolic dims: "ids:1,128;mask:1,128".')
+@_option("--inputs", type=click.Path(path_type=Path), help="Feeds from an .npz (one per input).")
+@_option("--atol", type=float, default=None, help="Absolute tolerance [by the passes that fired].")
+@_option("--rtol", type=float, default=None, help="Relative tolerance [by the passes that fired].")
+@_option("--providers", default=None, help="onnxruntime execution providers [CPU].")
+@_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
+@_option(
+    "--fusion_switch_file",
+    type=click.Path(path_type=Path),
+    help="Bisect the optimization this switch file selects.",
+)
+@_option("--enable_pass", multiple=True, help="Comma-separated passes to turn on (repeatable).")
+@_option("--disable_pass", multiple=True, help="Comma-separated passes to turn off (repeatable).")
+@_option(
+    "--target",
+    type=click.Choice(["ort", "onnx"]),
+    default="ort",
+    show_default=True,
+    help="As optimize.",
+)
+@_option(
+    "--output_switch",
+    type=click.Path(path_type=Path),
+    default=Path("fusion_switch.cfg"),
+    show_default=True,
+    help="Where to write the switch file that turns the culprit pass(es) off.",
+)
+@_option(
+    "--per_pass",
+    is_flag=True,
+    help="First print the error after each pass that rewrote something (one round per pass).",
+)
+@_option("--json", "as_json", is_flag=True, help="Print the findings as JSON on stdout.")
+def bisect(**options: Any) -> None:
+    """Find the pass and the fusion sites that push MODEL's outputs beyond tolerance.
+
+    Rewrites are numbered in execution order and the search binary-searches how many run.
+    Exit 0 when the optimized model is within tolerance, 1 when a culprit was found (and a
+    switch file turning it off written), 2 on bad arguments.
+    """
+    _guarded(lambda: _bisect(**options))
+
+
+def _bisect(
+    *,
+    model: Path,
+    fusion_switch_file: Path | None,
+    enable_pass: Sequence[str],
+    disable_pass: Sequence[str],
+    target: str,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    logs.configure(logs.default_level())
+    request = SwitchRequest(
+        switch_file=parse_switch_file(fusion_switch_file) if fusion_switch_file else None,
+        enable=split_pass_list(enable_pass),
+        disable=split_pass_list(disable_pass),
+        target=target,
+    )
+    plan = resolve(load_builtin_passes(), request)
+    for message in plan.warnings + plan.notes:
+        logs.logger.warning("%s", message)
+    result = bisect_model(model, plan, target=target, **options)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    print_bisect(stderr, result)
+    if not result.full.passed:
+        raise VerifyFailed(f"culprit pass(es): {', '.join(result.culprit_passes) or 'not found'}")
 
 
 @cli.command("passes")

@@ -63,6 +63,7 @@ class FusionSite:
     original_types: list[str]
     new_names: list[str]
     layer: str | None = None
+    index: int | None = None  # the run-wide rewrite number (see Rewrites)
 
 
 # A model layer in exporters' node names and dynamo's namespace metadata: "/inner/h.0/attn/..",
@@ -98,6 +99,32 @@ class NodeNames:
 
 
 @dataclass
+class Rewrites:
+    """Numbers every rewrite of one run in execution order, as LLVM's opt-bisect does, and
+    declines those a bisection leaves out: numbers from ``limit`` on, and those in ``skip``.
+
+    The numbering is deterministic, so two runs agree on every number below the first one
+    either of them declined; that is what lets a bisection compare runs by number.
+    """
+
+    limit: int | None = None
+    skip: frozenset[int] = frozenset()
+    count: int = 0
+
+    def claim(self) -> tuple[int, str | None]:
+        """The next number, and why the rewrite it stands for must not happen, if it must not."""
+        index = self.count
+        self.count += 1
+        if index in self.skip or (self.limit is not None and index >= self.limit):
+            return index, f"bisect: rewrite #{index} skipped"
+        return index, None
+
+
+class UnguardedRewrite(RuntimeError):
+    """A pass changed the graph without asking ``ctx.may_rewrite`` while a bisection ran."""
+
+
+@dataclass
 class PassContext:
     """Per-run state handed to a pass: options it may consult and counters it fills."""
 
@@ -109,6 +136,8 @@ class PassContext:
     sites: list[FusionSite] = field(default_factory=list)
     changed: bool = False
     names: NodeNames = field(default_factory=NodeNames)
+    rewrites: Rewrites = field(default_factory=Rewrites)
+    _granted: int | None = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
@@ -138,10 +167,33 @@ class PassContext:
             total.update(stats.declines)
         return total
 
+    def may_rewrite(self, pattern: str, site: str) -> bool:
+        """Ask, before touching the graph, whether this rewrite may happen. It numbers the
+        rewrite (see Rewrites); a declined one is counted as a match without effect. Passes
+        call it at the one point where a candidate has passed every check."""
+        return self.refusal(pattern, site) is None
+
+    def refusal(self, pattern: str, site: str) -> str | None:
+        """may_rewrite, answering with the reason recorded for a declined rewrite."""
+        index, reason = self.rewrites.claim()
+        if reason is not None:
+            self.pattern(pattern).decline(reason, site)
+            return reason
+        self._granted = index
+        return None
+
     def record_fusion(
         self, pattern: str, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node]
     ) -> None:
         """Count one effect and stamp the new nodes with the lineage of the ones they replace."""
+        index, self._granted = self._granted, None
+        if index is None:  # a pass that does not ask first: number it now, it cannot be declined
+            index, reason = self.rewrites.claim()
+            if reason is not None:
+                raise UnguardedRewrite(
+                    f"{self.spec.name} rewrote the graph without asking ctx.may_rewrite() "
+                    f"first, so a bisection cannot leave rewrite #{index} out"
+                )
         stats = self.pattern(pattern)
         stats.matched += 1
         stats.effected += 1
@@ -167,5 +219,5 @@ class PassContext:
             node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
         layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
-            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer)
+            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer, index)
         )

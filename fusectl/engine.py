@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fusectl import logs
-from fusectl.context import NodeNames, PassContext
+from fusectl.context import NodeNames, PassContext, Rewrites
 from fusectl.shapes import ShapeOracle
 from fusectl.switches import Decision, Plan
 
@@ -49,12 +49,17 @@ def run_plan(
     shapes: ShapeOracle | None = None,
     before_pass: BeforePass | None = None,
     after_pass: AfterPass | None = None,
+    rewrites: Rewrites | None = None,
 ) -> RunResult:
-    """Apply every enabled pass of the plan to ``model`` in place, in plan order."""
+    """Apply every enabled pass of the plan to ``model`` in place, in plan order.
+
+    ``rewrites`` numbers the rewrites across all passes and may leave some out (fusectl
+    bisect); by default every rewrite happens."""
     start = time.perf_counter()
     nodes_before = len(model.graph)
     runs: list[PassRun] = []
     names = NodeNames()
+    rewrites = rewrites if rewrites is not None else Rewrites()
     for decision in plan.decisions:
         run = PassRun(decision)
         runs.append(run)
@@ -64,7 +69,12 @@ def run_plan(
         if before_pass is not None:
             before_pass(decision)
         ctx = PassContext(
-            decision.fusion_pass.spec, target, model_opset(model), shapes, names=names
+            decision.fusion_pass.spec,
+            target,
+            model_opset(model),
+            shapes,
+            names=names,
+            rewrites=rewrites,
         )
         run.nodes_before = len(model.graph)
         began = time.perf_counter()

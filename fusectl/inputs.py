@@ -316,3 +316,31 @@ def load_feeds(path: Path, model: ir.Model) -> dict[str, np.ndarray]:
                         path=path,
                     )
     return arrays
+
+
+def model_feeds(
+    model: ir.Model, shapes: Mapping[str, list[int]], inputs: Path | None, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan]]:
+    """The feeds every command runs a model on: ``--inputs`` data, else generated ones.
+
+    Shared by verify and bench so both run a model on the same values for the same options.
+    File feeds have no plan: the caller reports them as "from file".
+    """
+    if inputs is not None:
+        if shapes:
+            raise FusectlError("--inputs gives the data itself; drop --input_shape")
+        return load_feeds(inputs, model), {}
+    return generate_feeds(model, shapes, seed)
+
+
+def describe_feeds(feeds: Mapping[str, np.ndarray], plans: Mapping[str, FeedPlan]) -> str:
+    """One line naming each feed's dtype, shape and how its values were chosen."""
+    described = []
+    for name, array in feeds.items():
+        plan = plans.get(name)
+        how = "from file" if plan is None else plan.kind
+        if plan is not None and plan.kind in ("ids", "integer") and plan.high is not None:
+            how += f" in [0, {plan.high})"
+        shape = ",".join(map(str, array.shape))
+        described.append(f"{name} {array.dtype}[{shape}] {how}")
+    return "inputs: " + "; ".join(described)

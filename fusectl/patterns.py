@@ -403,7 +403,7 @@ class PatternPass(FusionPass):
                 if unprovided is not None:
                     declined = declined or unprovided
                     continue
-                replace_subgraph(
+                refused = replace_subgraph(
                     compiled.ctx,
                     compiled.rule.name,
                     node,
@@ -413,7 +413,9 @@ class PatternPass(FusionPass):
                     [*delta.new_outputs, *site.provided.values()],
                     delta.new_initializers,
                 )
-                return delta.new_nodes
+                # Left out by a bisection, replace_subgraph counted the decline; trying
+                # another input order would only number the same site again.
+                return delta.new_nodes if refused is None else refused
             if compiled.outcome.reason is not None and declined is None:
                 declined = compiled.outcome.reason
         if declined is not None:
@@ -431,12 +433,18 @@ def replace_subgraph(
     old_outputs: Sequence[ir.Value],
     new_outputs: Sequence[ir.Value],
     new_initializers: Sequence[ir.Value] = (),
-) -> None:
+) -> str | None:
     """Swap matched nodes for new ones, as every pass does it: deterministic names
     (``<Pass>/<root>``), new outputs taking the old outputs' names and uses, new nodes placed
-    at the root (which keeps the graph sorted), the effect counted and lineage stamped."""
+    at the root (which keeps the graph sorted), the effect counted and lineage stamped.
+
+    The graph is left as it is when a bisection leaves this rewrite out (ctx.may_rewrite):
+    the answer is then the reason, recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
+    refused = ctx.refusal(pattern, _node_label(root))
+    if refused is not None:
+        return refused
     produced = {value for node in new_nodes for value in node.outputs}
     if any(value not in produced for value in new_outputs):
         raise ValueError(f"{ctx.spec.name}: a replacement output must come from a new node")
@@ -458,6 +466,7 @@ def replace_subgraph(
     for node in new_nodes:
         if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
             bypass(node)  # when it cannot go, the Identity stays: correct, just not minimal
+    return None
 
 
 def new_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -490,16 +499,14 @@ def bypass(node: ir.Node) -> str | None:
     consumers; None when done, else why it stays. A graph output keeps its name, type and
     shape: the producer of the input takes them over, unless the input is itself a graph
     input, initializer or another graph output."""
+    reason = bypass_refusal(node)
+    if reason is not None:
+        return reason
     graph = node.graph
     assert graph is not None
     source, result = node.inputs[0], node.outputs[0]
-    if source is None:
-        return "it has no input"
+    assert source is not None
     if result.is_graph_output():
-        if source.is_graph_input() or source.is_initializer():
-            return "it links a graph input or initializer straight to a graph output"
-        if source.is_graph_output():
-            return "it copies one graph output to another"
         ir.convenience.replace_all_uses_with(result, source, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         source.name = result.name
@@ -508,4 +515,17 @@ def bypass(node: ir.Node) -> str | None:
         return None
     ir.convenience.replace_all_uses_with(result, source)
     graph.remove(node, safe=True)
+    return None
+
+
+def bypass_refusal(node: ir.Node) -> str | None:
+    """Why bypass(node) would leave the node in place, without touching the graph."""
+    source, result = node.inputs[0], node.outputs[0]
+    if source is None:
+        return "it has no input"
+    if result.is_graph_output():
+        if source.is_graph_input() or source.is_initializer():
+            return "it links a graph input or initializer straight to a graph output"
+        if source.is_graph_output():
+            return "it copies one graph output to another"
     return None

@@ -169,6 +169,17 @@ def register_pass(
     return decorate if cls is None else decorate(cls)
 
 
+def unregister_pass(name: str) -> FusionPass:
+    """Remove a pass (by canonical name or alias) that ``register_pass`` added, and return
+    it: tests and interactive sessions register a pass for a while, then take it back."""
+    canonical = REGISTRY.canonical(name)
+    if canonical is None:
+        raise KeyError(f"no pass named {name!r} is registered")
+    removed = REGISTRY[canonical]
+    REGISTRY.unregister(canonical)
+    return removed
+
+
 _builtins_loaded = False
 
 

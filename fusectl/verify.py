@@ -28,7 +28,7 @@ from rich.table import Table
 
 from fusectl.context import LINEAGE_PASSES
 from fusectl.errors import FusectlError
-from fusectl.inputs import FeedPlan, generate_feeds, load_feeds, read_npz
+from fusectl.inputs import FeedPlan, describe_feeds, model_feeds, read_npz
 from fusectl.model_io import load_model
 from fusectl.registry import Numerics, load_builtin_passes
 from fusectl.shapes import parse_input_shape
@@ -272,7 +272,7 @@ class VerifyResult:
         )
 
 
-def _pair_outputs(
+def pair_outputs(
     expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance: Tolerance
 ) -> list[OutputCheck]:
     """Compare by name when both models name the same outputs, else by position."""
@@ -326,12 +326,7 @@ def verify_models(
     source = original if original is not None else optimized
     source_model = load_model(source).model
     checked_model = load_model(optimized).model if original is not None else source_model
-    if inputs is not None:
-        if shapes:
-            raise FusectlError("--inputs gives the data itself; drop --input_shape")
-        feeds, plans = load_feeds(inputs, source_model), {}
-    else:
-        feeds, plans = generate_feeds(source_model, shapes, seed)
+    feeds, plans = model_feeds(source_model, shapes, inputs, seed)
     tolerance = default_tolerance(checked_model, atol, rtol)
 
     if golden_outputs is not None:
@@ -354,7 +349,7 @@ def verify_models(
         reference, reference_path = "original", original
     actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
     result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)
-    result.checks = _pair_outputs(expected, actual, tolerance)
+    result.checks = pair_outputs(expected, actual, tolerance)
     return result
 
 
@@ -388,15 +383,7 @@ def print_result(console: Console, result: VerifyResult) -> None:
             verdict,
         )
     console.print(table)
-    described = []
-    for name, array in result.feeds.items():
-        plan = result.plans.get(name)
-        how = "from file" if plan is None else plan.kind
-        if plan is not None and plan.kind in ("ids", "integer") and plan.high is not None:
-            how += f" in [0, {plan.high})"
-        shape = ",".join(map(str, array.shape))
-        described.append(f"{name} {array.dtype}[{shape}] {how}")
-    console.print("inputs: " + "; ".join(described), markup=False, soft_wrap=True)
+    console.print(describe_feeds(result.feeds, result.plans), markup=False, soft_wrap=True)
     tol = result.tolerance
     why = "given" if tol.numerics == "given" else f"{tol.numerics} passes fired"
     if tol.numerics == Numerics.EXACT.value and not tol.passes:

@@ -165,11 +165,11 @@ class FusionVirtualOpSetSwitch(FusionPass):
             if NO_TASK in split.metadata_props:
                 continue
             reason = _virtual_split_reason(ctx, split)
-            if reason is None:
+            if reason is not None:
+                stats.decline(reason, _label(split))
+            elif ctx.may_rewrite("SplitVirtualOp", _label(split)):
                 split.metadata_props[NO_TASK] = "1"
                 ctx.record_fusion("SplitVirtualOp", [split], [])
-            else:
-                stats.decline(reason, _label(split))
 
 
 def _virtual_split_reason(ctx: PassContext, split: ir.Node) -> str | None:

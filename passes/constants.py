@@ -185,6 +185,8 @@ class ConstantFoldingPass(FusionPass):
                     node.name or node.op_type,
                 )
                 continue
+            if not ctx.may_rewrite(node.op_type, node.name or node.op_type):
+                continue
             constants = []
             for old, array in zip(node.outputs, results, strict=True):
                 tensor = ir.tensor(array, name=old.name)

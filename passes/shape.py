@@ -8,7 +8,15 @@ from typing import Any
 import onnx_ir as ir
 
 from fusectl.context import PassContext
-from fusectl.patterns import Decline, PatternPass, Rule, Site, bypass, constant_value
+from fusectl.patterns import (
+    Decline,
+    PatternPass,
+    Rule,
+    Site,
+    bypass,
+    bypass_refusal,
+    constant_value,
+)
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
 
 
@@ -236,13 +244,14 @@ class IdentityEliminationPass(FusionPass):
             if node.op_type == "Cast" and not _is_noop_cast(ctx, node):
                 continue
             stats = ctx.pattern(node.op_type)
+            site = node.name or node.op_type
             reason = _dropout_is_active(node) if node.op_type == "Dropout" else None
-            if reason is None:
-                reason = bypass(node)
-            if reason is None:
+            reason = reason or bypass_refusal(node)
+            if reason is not None:
+                stats.decline(reason, site)
+            elif ctx.may_rewrite(node.op_type, site):
+                bypass(node)
                 ctx.record_fusion(node.op_type, [node], [])
-            else:
-                stats.decline(reason, node.name or node.op_type)
 
 
 _PASS_THROUGH = frozenset({"Identity", "Dropout", "Cast"})

@@ -1,0 +1,250 @@
+"""`fusectl bench`: onnxruntime latency of ORIGINAL and OPTIMIZED (and more) side by side.
+
+Every model runs on the same feeds (``fusectl.inputs``, as ``verify`` builds them), once per
+onnxruntime graph optimization level asked for: ``all`` (ORT_ENABLE_ALL, what a deployment
+gets) and ``none`` (ORT_DISABLE_ALL, fusectl's rewrite alone). Per model and level the session
+creation time is measured, then warm-up runs, then the timed runs.
+
+The timed runs are interleaved: each round runs every model once, and the order rotates from
+round to round, so that clock-frequency drift, a noisy neighbour or a cache flush lands on all
+models alike instead of on whichever ran in that window. On a small or shared machine this
+matters more than the number of runs. The median and the 10th/90th percentiles summarise each
+model; the ratio is its median over the first model's (ORIGINAL) at the same level.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from rich.console import Console
+from rich.table import Table
+
+from fusectl.errors import FusectlError
+from fusectl.inputs import FeedPlan, describe_feeds, model_feeds
+from fusectl.model_io import load_model
+from fusectl.shapes import parse_input_shape
+from fusectl.verify import parse_providers
+
+OPT_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+}
+
+
+def parse_opt_levels(text: str) -> list[str]:
+    """``"all,none"`` -> ["all", "none"]: the levels in the order given, each once."""
+    levels: list[str] = []
+    for item in (part.strip().lower() for part in text.split(",")):
+        if not item:
+            continue
+        if item not in OPT_LEVELS:
+            raise FusectlError(
+                f"--opt-levels: '{item}' is not a level (choose from {', '.join(OPT_LEVELS)})"
+            )
+        if item not in levels:
+            levels.append(item)
+    if not levels:
+        raise FusectlError("--opt-levels names no level")
+    return levels
+
+
+@dataclass
+class Timing:
+    """One model at one optimization level: session creation and the timed runs."""
+
+    session_s: float
+    times_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.times_ms))
+
+    @property
+    def p10_ms(self) -> float:
+        return float(np.percentile(self.times_ms, 10))
+
+    @property
+    def p90_ms(self) -> float:
+        return float(np.percentile(self.times_ms, 90))
+
+
+@dataclass
+class BenchResult:
+    """Every timing of one bench run, with the settings needed to reproduce it."""
+
+    models: list[Path]
+    levels: list[str]
+    providers: list[str]
+    threads: int
+    runs: int
+    warmup: int
+    feeds: dict[str, np.ndarray]
+    plans: dict[str, FeedPlan]
+    timings: dict[tuple[int, str], Timing] = field(default_factory=dict)  # (model index, level)
+
+    def ratio(self, index: int, level: str) -> float:
+        """This model's median over the first model's at the same level."""
+        return self.timings[index, level].median_ms / self.timings[0, level].median_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "providers": self.providers,
+            "threads": self.threads,
+            "runs": self.runs,
+            "warmup": self.warmup,
+            "inputs": {
+                name: {"dtype": str(array.dtype), "shape": list(array.shape)}
+                for name, array in self.feeds.items()
+            },
+            "models": [
+                {
+                    "path": str(path),
+                    "levels": {
+                        level: {
+                            "session_s": self.timings[index, level].session_s,
+                            "median_ms": self.timings[index, level].median_ms,
+                            "p10_ms": self.timings[index, level].p10_ms,
+                            "p90_ms": self.timings[index, level].p90_ms,
+                            "runs": len(self.timings[index, level].times_ms),
+                            "ratio": self.ratio(index, level),
+                        }
+                        for level in self.levels
+                    },
+                }
+                for index, path in enumerate(self.models)
+            ],
+        }
+
+
+def _failure(path: Path, error: Exception) -> FusectlError:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return FusectlError(f"onnxruntime cannot run it: {message}", path=path)
+
+
+def _session(
+    path: Path, level: str, providers: Sequence[str], threads: int
+) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPT_LEVELS[level]
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 4  # its errors come back as one line of ours
+    # A pool left spinning after its run would steal cores from the next model in the round.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        return ort.InferenceSession(str(path), options, providers=list(providers))
+    except Exception as error:  # onnxruntime raises its own types for load errors
+        raise _failure(path, error) from None
+
+
+def bench_models(
+    models: Sequence[Path],
+    *,
+    runs: int = 20,
+    warmup: int = 3,
+    threads: int = 1,
+    opt_levels: str = "all,none",
+    providers: str | None = None,
+    input_shape: str = "",
+    inputs: Path | None = None,
+    seed: int = 0,
+) -> BenchResult:
+    """Time every model at every level on the first model's feeds, interleaving the runs.
+
+    Bad arguments, a file that is not an ONNX model and a model that onnxruntime cannot load or
+    run raise FusectlError naming the file (exit 2).
+    """
+    if len(models) < 2:
+        raise FusectlError(f"bench takes ORIGINAL and OPTIMIZED (or more), got {len(models)}")
+    if runs < 1:
+        raise FusectlError(f"--runs must be at least 1, not {runs}")
+    if warmup < 0:
+        raise FusectlError(f"--warmup must be 0 or more, not {warmup}")
+    if threads < 0:
+        raise FusectlError(f"--threads must be 0 (onnxruntime's choice) or more, not {threads}")
+    levels = parse_opt_levels(opt_levels)
+    chosen = parse_providers(providers)
+    shapes = parse_input_shape(input_shape)
+    paths = [Path(m) for m in models]
+    for path in paths[1:]:
+        load_model(path)  # a missing or non-ONNX file fails here, before any timing
+    feeds, plans = model_feeds(load_model(paths[0]).model, shapes, inputs, seed)
+    result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans)
+
+    for level in levels:
+        sessions: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]] = []
+        for index, path in enumerate(paths):
+            start = time.perf_counter()
+            session = _session(path, level, chosen, threads)
+            result.timings[index, level] = Timing(time.perf_counter() - start)
+            wanted = {value.name for value in session.get_inputs()}
+            missing = sorted(wanted - feeds.keys())
+            if missing:
+                raise FusectlError(
+                    f"needs input(s) {', '.join(map(repr, missing))} that {paths[0]} lacks",
+                    path=path,
+                )
+            sessions.append((session, {k: v for k, v in feeds.items() if k in wanted}))
+        for index, (session, feed) in enumerate(sessions):
+            try:
+                for _ in range(warmup):
+                    session.run(None, feed)
+            except Exception as error:  # onnxruntime raises its own types for run errors
+                raise _failure(paths[index], error) from None
+        for round_ in range(runs):
+            shift = round_ % len(paths)
+            for index in [*range(shift, len(paths)), *range(shift)]:
+                session, feed = sessions[index]
+                try:
+                    start = time.perf_counter()
+                    session.run(None, feed)
+                    elapsed = time.perf_counter() - start
+                except Exception as error:
+                    raise _failure(paths[index], error) from None
+                result.timings[index, level].times_ms.append(elapsed * 1e3)
+        del sessions  # free one level's sessions before building the next
+    return result
+
+
+def print_result(console: Console, result: BenchResult) -> None:
+    """The side-by-side table, then the settings the numbers depend on."""
+    table = Table(title="fusectl bench (onnxruntime latency)", title_justify="left")
+    for column, justify in (
+        ("model", "left"),
+        ("ort opt", "left"),
+        ("session s", "right"),
+        ("median ms", "right"),
+        ("p10 ms", "right"),
+        ("p90 ms", "right"),
+        ("vs first", "right"),
+    ):
+        # Paths fold rather than truncate: two models often differ only in their last part.
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for level in result.levels:
+        for index, path in enumerate(result.models):
+            timing = result.timings[index, level]
+            table.add_row(
+                str(path),
+                level,
+                f"{timing.session_s:.3f}",
+                f"{timing.median_ms:.3f}",
+                f"{timing.p10_ms:.3f}",
+                f"{timing.p90_ms:.3f}",
+                f"{result.ratio(index, level):.2f}x",
+            )
+        if level != result.levels[-1]:
+            table.add_section()
+    console.print(table)
+    console.print(describe_feeds(result.feeds, result.plans), markup=False, soft_wrap=True)
+    threads = "onnxruntime's choice" if result.threads == 0 else str(result.threads)
+    console.print(
+        f"{result.runs} timed run(s) per model, interleaved, after {result.warmup} warm-up; "
+        f"intra-op threads {threads}; providers {', '.join(result.providers)}",
+        markup=False,
+        soft_wrap=True,
+    )

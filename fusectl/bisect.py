@@ -94,6 +94,15 @@ class PassError:
     max_rel: float
     passed: bool
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pass": self.pass_name,
+            "rewrites": self.rewrites,
+            "max_abs": _finite(self.max_abs),
+            "max_rel": _finite(self.max_rel),
+            "passed": self.passed,
+        }
+
 
 @dataclass
 class BisectResult:
@@ -127,16 +136,7 @@ class BisectResult:
             "with_switch_file": None
             if check is None
             else {"passed": check.passed, "max_abs": _finite(check.max_abs)},
-            "per_pass": [
-                {
-                    "pass": p.pass_name,
-                    "rewrites": p.rewrites,
-                    "max_abs": _finite(p.max_abs),
-                    "max_rel": _finite(p.max_rel),
-                    "passed": p.passed,
-                }
-                for p in self.attribution
-            ],
+            "per_pass": [row.to_json() for row in self.attribution],
         }
 
 
@@ -334,9 +334,9 @@ def bisect_model(
     return result
 
 
-def error_table_rows(result: BisectResult) -> Iterator[tuple[str, ...]]:
+def error_table_rows(rows: list[PassError]) -> Iterator[tuple[str, ...]]:
     """Rows (pass, rewrites, max abs, max rel, verdict) of the per-pass attribution."""
-    for row in result.attribution:
+    for row in rows:
         yield (
             row.pass_name,
             str(row.rewrites),
@@ -350,17 +350,52 @@ def _number(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def print_attribution(console: Console, rows: list[PassError]) -> None:
+    """The table of the error after each pass that rewrote something."""
+    table = Table(title="error after each pass (vs the original)", title_justify="left")
+    for column in ("pass", "rewrites", "max abs", "max rel", "verdict"):
+        table.add_column(column, justify="left" if column in ("pass", "verdict") else "right")
+    for row in error_table_rows(rows):
+        table.add_row(*row)
+    console.print(table)
+
+
+def per_pass_errors(
+    model_path: Path,
+    plan: Plan,
+    *,
+    target: str = "ort",
+    input_shape: str = "",
+    inputs: Path | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+    providers: str | None = None,
+) -> list[PassError]:
+    """Per-pass attribution on its own (``verify --per_pass``): optimize MODEL again, stopping
+    after each pass that rewrote something, and measure the error there."""
+    with tempfile.TemporaryDirectory(prefix="fusectl-per-pass-") as tmp:
+        bisector = Bisector(
+            model_path,
+            plan,
+            target=target,
+            input_shape=input_shape,
+            inputs=inputs,
+            seed=seed,
+            providers=providers,
+            atol=atol,
+            rtol=rtol,
+            workdir=Path(tmp),
+        )
+        return attribute(bisector, bisector.trial())
+
+
 def print_result(console: Console, result: BisectResult) -> None:
     """What the search found, in the order a user acts on it."""
     tol = result.tolerance
     full = result.full
     if result.attribution:
-        table = Table(title="error after each pass (vs the original)", title_justify="left")
-        for column in ("pass", "rewrites", "max abs", "max rel", "verdict"):
-            table.add_column(column, justify="left" if column in ("pass", "verdict") else "right")
-        for row in error_table_rows(result):
-            table.add_row(*row)
-        console.print(table)
+        print_attribution(console, result.attribution)
     state = "within" if full.passed else "beyond"
     console.print(
         f"full run: {full.rewrites} rewrite(s), max abs {_number(full.max_abs)}, max rel "

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from fusectl import __version__, logs, reports
 from fusectl.bench import bench_models
 from fusectl.bench import print_result as print_bench
-from fusectl.bisect import bisect_model
+from fusectl.bisect import bisect_model, per_pass_errors, print_attribution
 from fusectl.bisect import print_result as print_bisect
 from fusectl.dump import GraphDumper
 from fusectl.engine import PassRun, run_plan
@@ -310,6 +310,12 @@ def _optimize(
     help="Comma list of onnxruntime execution providers [CPUExecutionProvider].",
 )
 @_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
+@_option(
+    "--per_pass",
+    is_flag=True,
+    help="Also optimize ORIGINAL again with the default passes, stopping after each pass that "
+    "rewrote something, and print the error there: where error enters.",
+)
 @_option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
 def verify(**options: Any) -> None:
     """Run ORIGINAL and OPTIMIZED on onnxruntime and compare every output.
@@ -325,6 +331,7 @@ def _verify(
     models: tuple[Path, ...],
     as_json: bool,
     golden: Path | None,
+    per_pass: bool,
     **options: Any,
 ) -> None:
     logs.configure(logs.default_level())
@@ -341,10 +348,19 @@ def _verify(
                 "(or --golden G.npz MODEL)"
             )
         original, optimized = models
+    if per_pass and original is None:
+        raise FusectlError("--per_pass optimizes ORIGINAL again: give ORIGINAL, not --golden")
     result = verify_models(original, optimized, golden=golden, **options)
+    document = result.to_json()
+    if per_pass:
+        plan = resolve(load_builtin_passes(), SwitchRequest())
+        rows = per_pass_errors(original, plan, **options)
+        document["per_pass"] = [row.to_json() for row in rows]
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(document, indent=2))
     print_result(stderr, result)
+    if per_pass:
+        print_attribution(stderr, rows)
     if not result.passed:
         raise VerifyFailed(result.summary())
 

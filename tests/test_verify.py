@@ -205,6 +205,26 @@ def test_inputs_npz_round_trip_and_wrong_names(tmp_path: Path, optimized: dict[s
     assert result.exit_code == 2 and "float32" in result.stderr
 
 
+def test_per_pass_shows_where_error_enters(optimized: dict[str, Path]) -> None:
+    """Every pass that rewrote BERT gets a row, in execution order, with the error of the run
+    stopped after it; the last row is the whole optimization."""
+    document = verify_json(BERT, optimized[BERT.stem], "--per_pass", expect=0)
+    rows = document["per_pass"]
+    names = [row["pass"] for row in rows]
+    assert names[0] == "ConstantFoldingPass"
+    assert {"MultiHeadAttentionFusionPass", "AddLayerNormFusionPass"} <= set(names)
+    assert names.index("MultiHeadAttentionFusionPass") < names.index("AddLayerNormFusionPass")
+    assert all(row["passed"] and row["rewrites"] > 0 for row in rows)
+    assert rows[0]["max_abs"] == 0.0  # constant folding is exact
+    assert rows[-1]["max_abs"] == pytest.approx(
+        max(o["max_abs"] for o in document["outputs"]), rel=0.5, abs=1e-7
+    )
+    result = run_cli("verify", BERT, optimized[BERT.stem], "--per_pass")
+    assert "error after each pass" in result.stderr
+    result = run_cli("verify", "--golden", "g.npz", optimized[BERT.stem], "--per_pass")
+    assert result.exit_code == 2 and "--per_pass" in result.stderr
+
+
 def test_golden_outputs(tmp_path: Path, optimized: dict[str, Path]) -> None:
     ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}

@@ -223,13 +223,17 @@ def print_result(console: Console, result: BenchResult) -> None:
         ("p90 ms", "right"),
         ("vs first", "right"),
     ):
-        # Paths fold rather than truncate: two models often differ only in their last part.
+        # Long names fold rather than truncate: two models often differ only at the end.
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    # File names when they tell the models apart; whole paths only when they do not.
+    labels = [path.name for path in result.models]
+    if len(set(labels)) < len(labels):
+        labels = [str(path) for path in result.models]
     for level in result.levels:
-        for index, path in enumerate(result.models):
+        for index, label in enumerate(labels):
             timing = result.timings[index, level]
             table.add_row(
-                str(path),
+                label,
                 level,
                 f"{timing.session_s:.3f}",
                 f"{timing.median_ms:.3f}",

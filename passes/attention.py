@@ -493,6 +493,7 @@ class _AttentionFusion(FusionPass):
         biases, reason = _bias(ctx, match)
         if reason is not None:
             return reason
+        cached = set(shared)
         new_nodes: list[ir.Node] = []
         if self.clamps_mask:
             if any(_bias_values(b) is None for b in biases):
@@ -537,7 +538,7 @@ class _AttentionFusion(FusionPass):
             reshape = ir.node("Reshape", [result, match.root.inputs[1]])
             new_nodes.append(reshape)
             result = reshape.outputs[0]
-        replace_subgraph(
+        refused = replace_subgraph(
             ctx,
             self.op_type,
             match.root,
@@ -546,6 +547,10 @@ class _AttentionFusion(FusionPass):
             [match.output],
             [result],
         )
+        if refused is not None:  # left out by a bisection (and counted): so are its new values
+            for key in set(shared) - cached:
+                del shared[key]
+            return None
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
         output.shape = _fused_shape(query, replaced)

@@ -263,7 +263,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
             return reason
         new_nodes: list[ir.Node] = []
         key = (match.cos, match.sin)
-        if key not in caches:
+        new_cache = key not in caches
+        if new_cache:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
             half = head_size // 2
             cos_nodes, cos_cache = cls._cache(ctx, match.cos, half, f"{label}/cos")
@@ -292,7 +293,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             new_nodes += [heads, merge]
             typed(heads.outputs[0], ctx.dtype(source), ctx.shape(reshape.outputs[0]))
             result = typed(merge.outputs[0], ctx.dtype(source), ctx.shape(match.x))
-        replace_subgraph(
+        refused = replace_subgraph(
             ctx,
             "RotaryEmbedding",
             match.root,
@@ -301,6 +302,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
             [match.root.outputs[0]],
             [result],
         )
+        if refused is not None and new_cache:  # left out by a bisection: so is the cache
+            del caches[key]
         return None
 
 

@@ -14,8 +14,13 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fusectl import PatternPass, Rule, Site, register_pass, unregister_pass
-from fusectl.registry import REGISTRY, Category, Numerics, PassSpec
-from tests.conftest import FIXTURES, optimize, run_cli
+from fusectl.context import Rewrites
+from fusectl.engine import run_plan
+from fusectl.model_io import load_model, save_model
+from fusectl.registry import REGISTRY, Category, Numerics, PassSpec, load_builtin_passes
+from fusectl.shapes import ShapeOracle
+from fusectl.switches import SwitchRequest, resolve
+from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
 
 BLOCKS = 12
 WRONG_BLOCKS = (2, 6, 9)
@@ -203,3 +208,43 @@ def test_bad_arguments_exit_2(args: list[str]) -> None:
 def test_missing_model_exits_2(tmp_path: Path) -> None:
     result = run_cli("bisect", tmp_path / "none.onnx")
     assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+# Passes that share new values between sites (GroupQueryAttention's sequence lengths, the
+# rotary caches, the standard Attention's clamped mask): a site a bisection leaves out must
+# take the values it would have created with it, or later sites would read values no node
+# computes.
+@pytest.mark.parametrize(
+    ("fixture", "pattern"),
+    [
+        ("llama_tiny_ts17", "GroupQueryAttention"),
+        ("llama_tiny_dynamo", "RotaryEmbedding"),
+        ("bert_tiny_eager_dynamo23", "Attention"),
+    ],
+)
+def test_a_left_out_site_takes_its_shared_values_with_it(
+    fixture: str, pattern: str, tmp_path: Path
+) -> None:
+    path = FIXTURES / f"{fixture}.onnx"
+    plan = resolve(load_builtin_passes(), SwitchRequest())
+
+    def run(skip: frozenset[int]) -> tuple[Any, list[Any]]:
+        loaded = load_model(path)
+        result = run_plan(
+            loaded.model,
+            plan,
+            target="ort",
+            shapes=ShapeOracle(loaded.model, loaded.proto),
+            rewrites=Rewrites(skip=skip),
+        )
+        sites = [s for r in result.runs if r.ctx for s in r.ctx.sites if s.pattern == pattern]
+        return loaded.model, sites
+
+    _, sites = run(frozenset())
+    assert len(sites) >= 2  # the first creates the shared values, a later one reads them
+    model, left = run(frozenset({sites[0].index}))
+    assert len(left) == len(sites) - 1
+    output = tmp_path / "skipped.onnx"
+    save_model(model, output, external=False)
+    onnx.checker.check_model(onnx.load(str(output)), full_check=True)
+    assert_same_outputs(path, output)

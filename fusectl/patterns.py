@@ -9,6 +9,7 @@ records every decline with its reason, names new nodes deterministically and sta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -231,7 +232,7 @@ class _CompiledRule:
             name=rule.name,
             remove_nodes=False,  # removability is checked (and explained) in _condition
         )
-        variants = base.commute() if rule.commute else [base]
+        self._base = base
         if not base._target_pattern.has_single_output_node:
             raise ValueError(f"pattern {rule.name}: only single-output-node patterns are supported")
         graph_pattern = base._target_pattern
@@ -241,8 +242,14 @@ class _CompiledRule:
             for index in range(graph_pattern.num_nodes())
             if (op := graph_pattern.node(index).op_identifier()) is not None
         }
-        self.variants = [(variant, _producer_ops(variant)) for variant in variants]
         self.tree = graph_pattern.output_node
+
+    @functools.cached_property
+    def variants(self) -> list[tuple[oxs_pattern.RewriteRule, tuple[tuple[int, Any], ...]]]:
+        """The rule in every commuted input order, built on first use: cloning the pattern
+        for each order is the costly part of compiling, and most rules never meet their ops."""
+        rules = self._base.commute() if self.rule.commute else [self._base]
+        return [(variant, _producer_ops(variant)) for variant in rules]
 
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
         assert self.ctx is not None

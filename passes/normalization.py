@@ -110,10 +110,18 @@ def _epsilon(site: Site, eps: ir.Value) -> float:
     return float(site.require_constant(eps, "epsilon").reshape(-1)[0])
 
 
-def _param(site: Site, op: Any, value: ir.Value, name: str, size: int | None) -> ir.Value:
-    """gamma/beta as the 1-D (or normalised-shape) initializer the fused ops take."""
+def _param(
+    site: Site, op: Any, value: ir.Value, name: str, size: int | None, as_float32: bool = False
+) -> ir.Value:
+    """gamma/beta as the 1-D (or normalised-shape) initializer the fused ops take; converted
+    to float32 (a new initializer) where the fused op computes in float32 (the Cast form)."""
     array = site.require_constant(value, name)
-    if size is not None and array.size == size and array.ndim != 1:
+    flat = size is not None and array.size == size and array.ndim != 1
+    if as_float32:
+        return site.initializer(
+            op, (array.reshape(-1) if flat else array).astype(np.float32), f"{name}_float32"
+        )
+    if flat:
         return site.initializer(op, array.reshape(-1), name)
     return value
 
@@ -247,29 +255,42 @@ def _skip(
     gamma: ir.Value,
     beta: ir.Value | None,
     epsilon: float,
+    rounded_to: ir.DataType | None = None,
 ) -> ir.Value:
     """onnxruntime's SkipLayerNormalization (SkipSimplifiedLayerNormalization when there is
-    no beta: the RMS form): norm(a + b) over the last axis of a 3-D input."""
+    no beta: the RMS form): norm(a + b) over the last axis of a 3-D input.
+
+    With ``rounded_to`` (the Cast form of an RMS norm, see ``_rounded_to``) the kernel runs
+    in float32 on a and b cast to float32, with gamma as float32, and its output (and the sum
+    where other nodes read it) is cast back to ``rounded_to``.
+    """
     dims_a, dims_b = _proven_dims(site, a), _proven_dims(site, b)
     if dims_a is None or dims_b is None:
         raise Decline("the shapes of the residual Add's inputs are unknown")
     if len(dims_a) != 3 or not _same_shape(dims_a, dims_b):
         raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
     op_type = "SkipLayerNormalization" if beta is not None else "SkipSimplifiedLayerNormalization"
-    site.require_kernel(op_type, site.dtype(a), MS)
+    site.require_kernel(op_type, site.dtype(a) if rounded_to is None else _FLOAT, MS)
     hidden = next((d for d in dims_a[-1] + dims_b[-1] if isinstance(d, int)), None)
-    params = [_param(site, op, gamma, "gamma", hidden)]
+    widen = rounded_to is not None
+    params = [_param(site, op, gamma, "gamma", hidden, widen)]
     if beta is not None:
-        params.append(_param(site, op, beta, "beta", hidden))
+        params.append(_param(site, op, beta, "beta", hidden, widen))
+    if widen:
+        a, b = (op.Cast(v, to=_FLOAT) if site.dtype(v) != _FLOAT else v for v in (a, b))
     # The sum a + b often feeds the next residual too: the kernel's fourth output keeps it.
     keep_sum = total.is_graph_output() or any(user not in site.nodes for user, _ in total.uses())
     outputs = getattr(op, op_type)(
         a, b, *params, _domain=MS, _outputs=4 if keep_sum else 1, epsilon=epsilon
     )
-    if not keep_sum:
-        return outputs
-    site.provide(total, outputs[3])
-    return outputs[0]
+    output, total_out = (outputs[0], outputs[3]) if keep_sum else (outputs, None)
+    if widen:
+        output = op.Cast(output, to=rounded_to)
+        if total_out is not None and site.dtype(total) != _FLOAT:
+            total_out = op.Cast(total_out, to=site.dtype(total))
+    if total_out is not None:
+        site.provide(total, total_out)
+    return output
 
 
 def _skip_written_out(
@@ -279,8 +300,11 @@ def _skip_written_out(
     if normalised_axis(site, total, **bindings) != -1:
         raise Decline("the fused kernel normalises the last axis only")
     _check_one(site, bindings)
+    rounded_to = _rounded_to(site, total, bindings)
     epsilon = _epsilon(site, bindings["eps"])
-    return _skip(op, site, a, b, total, bindings["gamma"], bindings.get("beta"), epsilon)
+    return _skip(
+        op, site, a, b, total, bindings["gamma"], bindings.get("beta"), epsilon, rounded_to
+    )
 
 
 def _add_layer_normalization(op: Any, a: Any, b: Any, gamma: Any, beta: Any) -> Any:
@@ -329,8 +353,13 @@ class AddLayerNormFusionPass(PatternPass):
     )
 
 
-def _rms(inverse: str) -> Callable[..., Any]:
-    """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways."""
+def _rms(inverse: str, cast: bool = False) -> Callable[..., Any]:
+    """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways.
+
+    ``cast``: the fp16/bf16 export's form, computed in float32 and rounded to gamma's type
+    before the weight: Mul(gamma, Cast(x * rsqrt(...))) (the rounded value bound as
+    ``rounded``).
+    """
 
     def normalise(op: Any, x: Any, two: Any, eps: Any, gamma: Any, one: Any = None) -> Any:
         std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(x, two)), eps))
@@ -340,27 +369,72 @@ def _rms(inverse: str) -> Callable[..., Any]:
             scaled = op.Mul(x, op.Div(one, std))
         else:
             scaled = op.Div(x, std)
+        if cast:
+            scaled = op.Cast(scaled, _allow_other_attributes=True, _outputs=["rounded"])
         return op.Mul(scaled, gamma)
 
     return normalise
 
 
-def _rms_pattern(inverse: str, residual: bool) -> Callable[..., Any]:
-    norm = _rms(inverse)
+def _rms_pattern(inverse: str, residual: bool, cast: bool = False) -> Callable[..., Any]:
+    """The RMS norm over x, or over a residual sum ``total`` = Add(a, b)."""
+    norm = _rms(inverse, cast)
+
+    def summed(op: Any, a: Any, b: Any) -> Any:
+        return op.Add(a, b, _outputs=["total"])
+
     if residual and inverse == "DivOne":
         return lambda op, a, b, two, eps, gamma, one: norm(
-            op, op.Add(a, b, _outputs=["total"]), two, eps, gamma, one
+            op, summed(op, a, b), two, eps, gamma, one
         )
     if residual:
-        return lambda op, a, b, two, eps, gamma: norm(
-            op, op.Add(a, b, _outputs=["total"]), two, eps, gamma
-        )
+        return lambda op, a, b, two, eps, gamma: norm(op, summed(op, a, b), two, eps, gamma)
     if inverse == "DivOne":
         return lambda op, x, two, eps, gamma, one: norm(op, x, two, eps, gamma, one)
     return lambda op, x, two, eps, gamma: norm(op, x, two, eps, gamma)
 
 
 _RMS_FORMS = ("Reciprocal", "DivOne", "Div")
+# The Cast round trip is matched in the form TorchScript writes for an fp16/bf16 LLaMA
+# (torch.rsqrt as Div(1, Sqrt)) only: one more rule per pass, not one per form.
+_RMS_CAST_FORM = "DivOne"
+_FLOAT = ir.DataType.FLOAT
+
+
+def _rounded_to(site: Site, x32: ir.Value, bindings: dict[str, Any]) -> ir.DataType | None:
+    """In the Cast form (``rounded`` bound), the type the norm is rounded to before the
+    weight, after checking that the norm runs on float32 and that the Cast rounds to the
+    type of gamma, a constant; None for the other forms."""
+    rounded = bindings.get("rounded")
+    if rounded is None:
+        return None
+    if site.dtype(x32) != _FLOAT:
+        raise Decline("the Cast form's normalised input is not float32")
+    gamma = bindings["gamma"]
+    site.require_constant(gamma, "gamma")
+    node = rounded.producer()
+    to = ir.DataType(node.attributes.get_int("to", 0)) if node is not None else None
+    if to is None or to != site.dtype(gamma):
+        raise Decline(f"the norm is cast to {to}, not to gamma's type {site.dtype(gamma)}")
+    return to
+
+
+def _rounded_norm(
+    op: Any, site: Site, x: ir.Value, op_type: str, axis: int, bindings: dict[str, Any]
+) -> ir.Value:
+    """``op_type``(x, gamma) over ``axis``: in the Cast form in float32 with a float32 copy of
+    gamma, then cast to gamma's type."""
+    _check_one(site, bindings)
+    rounded_to = _rounded_to(site, x, bindings)
+    epsilon = _epsilon(site, bindings["eps"])
+    if rounded_to is None:
+        if op_type == "SimplifiedLayerNormalization":
+            site.require_kernel(op_type, site.dtype(x))
+        return getattr(op, op_type)(x, bindings["gamma"], axis=axis, epsilon=epsilon)
+    if op_type == "SimplifiedLayerNormalization":
+        site.require_kernel(op_type, _FLOAT)
+    gamma = _param(site, op, bindings["gamma"], "gamma", None, as_float32=True)
+    return op.Cast(getattr(op, op_type)(x, gamma, axis=axis, epsilon=epsilon), to=rounded_to)
 
 
 def _check_one(site: Site, bindings: dict[str, Any]) -> None:
@@ -372,10 +446,7 @@ def _check_one(site: Site, bindings: dict[str, Any]) -> None:
 
 def _to_rms_normalization(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
     axis = normalised_axis(site, x, **bindings)
-    _check_one(site, bindings)
-    return op.RMSNormalization(
-        x, bindings["gamma"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
-    )
+    return _rounded_norm(op, site, x, "RMSNormalization", axis, bindings)
 
 
 @register_pass
@@ -389,19 +460,18 @@ class RmsNormFusionPass(PatternPass):
         min_opset=23,
         emits=("RMSNormalization",),
     )
-    rules = tuple(
-        Rule(f"RmsNorm{form}", _rms_pattern(form, False), _to_rms_normalization)
-        for form in _RMS_FORMS
+    rules = (
+        *(
+            Rule(f"RmsNorm{form}", _rms_pattern(form, False), _to_rms_normalization)
+            for form in _RMS_FORMS
+        ),
+        Rule("RmsNormCast", _rms_pattern(_RMS_CAST_FORM, False, True), _to_rms_normalization),
     )
 
 
 def _to_simplified_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
     axis = normalised_axis(site, x, **bindings)
-    _check_one(site, bindings)
-    site.require_kernel("SimplifiedLayerNormalization", site.dtype(x))
-    return op.SimplifiedLayerNormalization(
-        x, bindings["gamma"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
-    )
+    return _rounded_norm(op, site, x, "SimplifiedLayerNormalization", axis, bindings)
 
 
 @register_pass
@@ -423,9 +493,16 @@ class SimplifiedLayerNormFusionPass(PatternPass):
         targets=("ort",),
         emits=("SimplifiedLayerNormalization",),
     )
-    rules = tuple(
-        Rule(f"SimplifiedLayerNorm{form}", _rms_pattern(form, False), _to_simplified_layer_norm)
-        for form in _RMS_FORMS
+    rules = (
+        *(
+            Rule(f"SimplifiedLayerNorm{form}", _rms_pattern(form, False), _to_simplified_layer_norm)
+            for form in _RMS_FORMS
+        ),
+        Rule(
+            "SimplifiedLayerNormCast",
+            _rms_pattern(_RMS_CAST_FORM, False, True),
+            _to_simplified_layer_norm,
+        ),
     )
 
 
@@ -442,9 +519,19 @@ class AddRmsNormFusionPass(PatternPass):
         emits=("SkipSimplifiedLayerNormalization",),
         emits_domain=MS,
     )
-    rules = tuple(
-        Rule(f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_written_out, exposes=("total",))
-        for form in _RMS_FORMS
+    rules = (
+        *(
+            Rule(
+                f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_written_out, exposes=("total",)
+            )
+            for form in _RMS_FORMS
+        ),
+        Rule(
+            "AddRmsNormCast",
+            _rms_pattern(_RMS_CAST_FORM, True, True),
+            _skip_written_out,
+            exposes=("total",),
+        ),
     )
 
 

@@ -14,6 +14,7 @@ from onnx import helper
 from tests.conftest import assert_same_outputs, optimize, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
+    check_output,
     const,
     fixture_path,
     optimize_checked,
@@ -372,6 +373,92 @@ def test_simplified_layer_norm_on_request(name: str, tmp_path: Path) -> None:
     with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
         onnx.checker.check_model(onnx.load(str(run.output)), full_check=True)
     assert_same_outputs(fixture_path(name), run.output, atol=1e-4)
+
+
+# The fp16 LLaMA (TorchScript, opset 17): each RMS norm runs in float32 on the float32
+# residual and is cast to float16 before the fp16 weight, Mul(weight, Cast(norm, to=FLOAT16)).
+# The fused op computes in float32 with a float32 copy of the weight, then casts: the original
+# rounds to fp16 before multiplying by the weight, the fused form after, so outputs may differ
+# by about one fp16 ulp: compared at an fp16 tolerance (atol 1e-2, rtol 1e-2).
+FP16 = "fp16_llama_tiny_ts17"
+
+
+def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
+    (tmp_path / "default").mkdir()
+    (tmp_path / "on").mkdir()
+    run = optimize(fixture_path(FP16), tmp_path / "default")
+    check_output(run)
+    assert_same_outputs(fixture_path(FP16), run.output, atol=1e-2, rtol=1e-2)
+    assert run.counts(SKIP_RMS) == (4, 4)
+    assert run.passed(SKIP_RMS)["patterns"]["AddRmsNormCast"] == {"matched": 4, "effected": 4}
+    assert_declined(
+        run,
+        RMS,
+        "RMSNormalization needs opset >= 23, model has 17",
+        "/inner/layers.0/input_layernorm/Mul_1",
+        count=5,
+    )
+    counts = run.op_counts()
+    assert counts["SkipSimplifiedLayerNormalization"] == 4
+    assert counts["ReduceMean"] == 1  # the first layer's input norm: no residual Add in front
+    graph = onnx.load(str(run.output)).graph
+    floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    for node in graph.node:
+        if node.op_type == "SkipSimplifiedLayerNormalization":
+            assert node.input[2] in floats  # gamma converted to float32
+    # The first layer's input norm, on request (SimplifiedLayerNormalization, float32 + Cast).
+    run = optimize(fixture_path(FP16), tmp_path / "on", "--enable_pass", SIMPLIFIED)
+    assert run.counts(SIMPLIFIED) == (1, 1)
+    assert run.op_counts()["ReduceMean"] == 0
+    assert_same_outputs(fixture_path(FP16), run.output, atol=1e-2, rtol=1e-2)
+
+
+def _rms_cast_model(path: Path, *, cast_to: int, weight_input: bool = False) -> Path:
+    """Add(a, b) (float32) -> RMS norm -> Cast(to=cast_to) -> Mul(fp16 weight)."""
+    fp16 = onnx.TensorProto.FLOAT16
+    nodes = [
+        _n("Add", ["a", "b"], "total"),
+        _n("Pow", ["total", "two"], "sq"),
+        _n("ReduceMean", ["sq", "axes"], "ms"),
+        _n("Add", ["ms", "eps"], "mse"),
+        _n("Sqrt", ["mse"], "rms"),
+        _n("Div", ["one", "rms"], "inv"),
+        _n("Mul", ["total", "inv"], "scaled"),
+        _n("Cast", ["scaled"], "rounded", to=cast_to),
+        _n("Cast", ["weight"], "weight_as", to=cast_to) if cast_to != fp16 else None,
+        _n("Mul", ["weight" if cast_to == fp16 else "weight_as", "rounded"], "y"),
+    ]
+    inputs = [value("a", SHAPE), value("b", SHAPE)]
+    inits = [
+        const("two", np.array(2.0, np.float32)),
+        const("eps", np.array(1e-6, np.float32)),
+        const("one", np.array(1.0, np.float32)),
+        const("axes", np.array([-1], np.int64), np.int64),
+    ]
+    weight = const("weight", np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1]), np.float16)
+    if weight_input:
+        inputs.append(value("weight", [SHAPE[-1]], fp16))
+    else:
+        inits.append(weight)
+    outputs = [value("y", SHAPE, cast_to)]
+    return save_model(path, [n for n in nodes if n is not None], inputs, outputs, inits, opset=18)
+
+
+def test_rms_norm_cast_round_trip_synthetic(tmp_path: Path) -> None:
+    model = _rms_cast_model(tmp_path / "fp16.onnx", cast_to=onnx.TensorProto.FLOAT16)
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert_same_outputs(model, run.output, atol=1e-2, rtol=1e-2)  # fp16 tolerance, see above
+    assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1, "Cast": 1})
+
+
+def test_rms_norm_cast_round_trip_gamma_fed(tmp_path: Path) -> None:
+    model = _rms_cast_model(
+        tmp_path / "fed.onnx", cast_to=onnx.TensorProto.FLOAT16, weight_input=True
+    )
+    run = optimize(model, tmp_path)
+    assert_declined(run, SKIP_RMS, "gamma is a graph input (fed), not a constant", "y")
 
 
 def test_simplified_layer_norm_not_for_other_targets(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ tolerance, so the difference is the site's own contribution; no extra round is s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
@@ -220,6 +221,13 @@ class Bisector:
         )
 
 
+@contextlib.contextmanager
+def _bisector(model_path: Path, plan: Plan, target: str, **options: Any) -> Iterator[Bisector]:
+    """A Bisector whose rounds write their models to a temporary folder, removed after."""
+    with tempfile.TemporaryDirectory(prefix="fusectl-bisect-") as tmp:
+        yield Bisector(model_path, plan, target=target, workdir=Path(tmp), **options)
+
+
 def attribute(bisector: Bisector, full: Trial) -> list[PassError]:
     """The error after each pass that rewrote something: one round per such pass, each run
     stopping after that pass's last rewrite."""
@@ -296,19 +304,9 @@ def bisect_model(
             raise FusectlError(f"{name} must be a finite number >= 0, not {value}")
     if output_switch.is_dir():
         raise FusectlError("--output_switch is a directory", path=output_switch)
-    with tempfile.TemporaryDirectory(prefix="fusectl-bisect-") as tmp:
-        bisector = Bisector(
-            model_path,
-            plan,
-            target=target,
-            input_shape=input_shape,
-            inputs=inputs,
-            seed=seed,
-            providers=providers,
-            atol=atol,
-            rtol=rtol,
-            workdir=Path(tmp),
-        )
+    options = {"input_shape": input_shape, "inputs": inputs, "seed": seed}
+    options |= {"providers": providers, "atol": atol, "rtol": rtol}
+    with _bisector(model_path, plan, target, **options) as bisector:
         full = bisector.trial()
         assert bisector.tolerance is not None
         result = BisectResult(bisector.tolerance, full)
@@ -374,19 +372,9 @@ def per_pass_errors(
 ) -> list[PassError]:
     """Per-pass attribution on its own (``verify --per_pass``): optimize MODEL again, stopping
     after each pass that rewrote something, and measure the error there."""
-    with tempfile.TemporaryDirectory(prefix="fusectl-per-pass-") as tmp:
-        bisector = Bisector(
-            model_path,
-            plan,
-            target=target,
-            input_shape=input_shape,
-            inputs=inputs,
-            seed=seed,
-            providers=providers,
-            atol=atol,
-            rtol=rtol,
-            workdir=Path(tmp),
-        )
+    options = {"input_shape": input_shape, "inputs": inputs, "seed": seed}
+    options |= {"providers": providers, "atol": atol, "rtol": rtol}
+    with _bisector(model_path, plan, target, **options) as bisector:
         return attribute(bisector, bisector.trial())
 
 

@@ -359,21 +359,11 @@ def print_attribution(console: Console, rows: list[PassError]) -> None:
 
 
 def per_pass_errors(
-    model_path: Path,
-    plan: Plan,
-    *,
-    target: str = "ort",
-    input_shape: str = "",
-    inputs: Path | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
-    seed: int = 0,
-    providers: str | None = None,
+    model_path: Path, plan: Plan, *, target: str = "ort", **options: Any
 ) -> list[PassError]:
     """Per-pass attribution on its own (``verify --per_pass``): optimize MODEL again, stopping
-    after each pass that rewrote something, and measure the error there."""
-    options = {"input_shape": input_shape, "inputs": inputs, "seed": seed}
-    options |= {"providers": providers, "atol": atol, "rtol": rtol}
+    after each pass that rewrote something, and measure the error there. ``options`` are the
+    inputs and tolerances ``verify`` takes (input_shape, inputs, seed, providers, atol, rtol)."""
     with _bisector(model_path, plan, target, **options) as bisector:
         return attribute(bisector, bisector.trial())
 

@@ -449,6 +449,19 @@ def _to_rms_normalization(op: Any, site: Site, x: ir.Value, **bindings: Any) -> 
     return _rounded_norm(op, site, x, "RMSNormalization", axis, bindings)
 
 
+def _rms_rules(prefix: str, rewrite: Callable[..., Any], *, residual: bool) -> tuple[Rule, ...]:
+    """The RMS-norm rule family one pass runs: every spelling of the reciprocal square root,
+    and the fp16 export's Cast round trip; with ``residual``, behind a residual Add whose sum
+    the fused op keeps available."""
+    exposes = ("total",) if residual else ()
+    rules = [
+        Rule(f"{prefix}{form}", _rms_pattern(form, residual), rewrite, exposes=exposes)
+        for form in _RMS_FORMS
+    ]
+    cast = _rms_pattern(_RMS_CAST_FORM, residual, True)
+    return (*rules, Rule(f"{prefix}Cast", cast, rewrite, exposes=exposes))
+
+
 @register_pass
 class RmsNormFusionPass(PatternPass):
     spec = PassSpec(
@@ -460,13 +473,7 @@ class RmsNormFusionPass(PatternPass):
         min_opset=23,
         emits=("RMSNormalization",),
     )
-    rules = (
-        *(
-            Rule(f"RmsNorm{form}", _rms_pattern(form, False), _to_rms_normalization)
-            for form in _RMS_FORMS
-        ),
-        Rule("RmsNormCast", _rms_pattern(_RMS_CAST_FORM, False, True), _to_rms_normalization),
-    )
+    rules = _rms_rules("RmsNorm", _to_rms_normalization, residual=False)
 
 
 def _to_simplified_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
@@ -493,17 +500,7 @@ class SimplifiedLayerNormFusionPass(PatternPass):
         targets=("ort",),
         emits=("SimplifiedLayerNormalization",),
     )
-    rules = (
-        *(
-            Rule(f"SimplifiedLayerNorm{form}", _rms_pattern(form, False), _to_simplified_layer_norm)
-            for form in _RMS_FORMS
-        ),
-        Rule(
-            "SimplifiedLayerNormCast",
-            _rms_pattern(_RMS_CAST_FORM, False, True),
-            _to_simplified_layer_norm,
-        ),
-    )
+    rules = _rms_rules("SimplifiedLayerNorm", _to_simplified_layer_norm, residual=False)
 
 
 @register_pass
@@ -519,20 +516,7 @@ class AddRmsNormFusionPass(PatternPass):
         emits=("SkipSimplifiedLayerNormalization",),
         emits_domain=MS,
     )
-    rules = (
-        *(
-            Rule(
-                f"AddRmsNorm{form}", _rms_pattern(form, True), _skip_written_out, exposes=("total",)
-            )
-            for form in _RMS_FORMS
-        ),
-        Rule(
-            "AddRmsNormCast",
-            _rms_pattern(_RMS_CAST_FORM, True, True),
-            _skip_written_out,
-            exposes=("total",),
-        ),
-    )
+    rules = _rms_rules("AddRmsNorm", _skip_written_out, residual=True)
 
 
 def _embedding_sum(

@@ -1,8 +1,9 @@
 """fusectl: an ATC-style command-line fusion optimizer for ONNX models.
 
-The public API is what plugins and built-in passes share: declare a pass with ``PassSpec``,
-implement it as a ``PatternPass`` (onnxscript-style rules) or a ``FusionPass``, and register it
-with ``@register_pass``.
+The public API is what plugins and built-in passes share: ``register_replacement`` declares a
+pass from a search and a replacement function; larger passes declare a ``PassSpec``, implement
+a ``PatternPass`` (onnxscript-style rules) or a ``FusionPass``, and register with
+``@register_pass``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fusectl.registry import (
     register_pass,
     unregister_pass,
 )
+from fusectl.replacement import register_replacement
 
 __all__ = [
     "REGISTRY",
@@ -36,6 +38,7 @@ __all__ = [
     "Site",
     "__version__",
     "register_pass",
+    "register_replacement",
     "unregister_pass",
 ]
 

@@ -326,6 +326,7 @@ def bisect_model(
                 ],
                 plan.warnings,
                 plan.notes,
+                plan.options,
             )
             result.switch_check = bisector.trial()
         result.rounds = bisector.rounds

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from fusectl import __version__, logs, reports
@@ -23,8 +24,10 @@ from fusectl.dump import GraphDumper
 from fusectl.engine import PassRun, run_plan
 from fusectl.errors import FusectlError
 from fusectl.model_io import check_output_path, load_model, save_model
-from fusectl.registry import Category, load_builtin_passes
+from fusectl.plugins import load_passes
+from fusectl.registry import Category
 from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
+from fusectl.sitecheck import SiteChecker
 from fusectl.switches import (
     Decision,
     SwitchRequest,
@@ -48,6 +51,27 @@ def _option(*names: str, **kwargs: Any) -> Callable:
         if name.startswith("--") and "_" in name:
             spellings.append(name.replace("_", "-"))
     return click.option(*spellings, **kwargs)
+
+
+def _plugin_option(help_text: str) -> Callable:
+    return _option(
+        "--plugin",
+        "plugins",
+        multiple=True,
+        type=click.Path(path_type=Path),
+        help=help_text,
+    )
+
+
+_PLUGIN_HELP = "A Python file that registers custom passes (repeatable)."
+_PATTERN_FUSION_PASS = _option(
+    "--pattern_fusion_pass",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="off turns every custom (plugin) pass off at once, as TorchAir's pattern_fusion_pass; "
+    "--enable_pass still turns one on.",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -82,6 +106,12 @@ def cli() -> None:
     show_default=True,
     help="ort allows onnxruntime contrib ops; onnx keeps to standard ONNX ops.",
 )
+@_option(
+    "--graph_kernel_flags",
+    default="",
+    help='Tune TbeEltwiseFusionPass (MindSpore style): "--enable_cluster_ops=Pow '
+    '--disable_cluster_ops=Cast".',
+)
 @_option("--input_shape", default="", help='Fix input dims: "ids:1,128;mask:1,128".')
 @_option(
     "--fusion_result",
@@ -114,6 +144,15 @@ def cli() -> None:
     is_flag=True,
     help="Then run MODEL and the output on onnxruntime and compare (as `fusectl verify`); "
     "exit 1 beyond tolerance. The output stays written either way.",
+)
+@_plugin_option(_PLUGIN_HELP)
+@_PATTERN_FUSION_PASS
+@_option(
+    "--check_custom/--no_check_custom",
+    default=None,
+    help="Check every rewrite of a custom pass: run the matched nodes and the replacement on "
+    "onnxruntime and leave sites that differ unfused (exit 1). [on with --verify when a custom "
+    "pass is enabled]",
 )
 @_option("--strict", is_flag=True, help="Unknown pass names are errors, not warnings.")
 @_option(
@@ -150,6 +189,11 @@ def _guarded(action: Callable[[], None]) -> None:
         sys.exit(INTERNAL_ERROR_EXIT)
 
 
+def _pass_options(graph_kernel_flags: str) -> dict[str, str]:
+    """The settings passes read from ctx.options; only those given are present."""
+    return {"graph_kernel_flags": graph_kernel_flags} if graph_kernel_flags.strip() else {}
+
+
 def _output_path(model: Path, output: Path | None) -> Path:
     if output is None:
         raise FusectlError("no output given: use -o OUT.onnx (or --output)")
@@ -168,6 +212,7 @@ def _optimize(
     optimization_switch: str,
     oo_level: str,
     target: str,
+    graph_kernel_flags: str,
     input_shape: str,
     fusion_result: Path | None,
     export_compile_stat: str,
@@ -176,6 +221,9 @@ def _optimize(
     dump_graph: Path | None,
     as_json: bool,
     verify: bool,
+    plugins: Sequence[Path],
+    pattern_fusion_pass: str,
+    check_custom: bool | None,
     strict: bool,
     log_level: str | None,
 ) -> None:
@@ -187,7 +235,7 @@ def _optimize(
         raise FusectlError("no model given: fusectl optimize MODEL.onnx -o OUT.onnx")
     output = _output_path(model_path, output)
 
-    registry = load_builtin_passes()
+    registry = load_passes(plugins)
     request = SwitchRequest(
         switch_file=parse_switch_file(fusion_switch_file) if fusion_switch_file else None,
         enable=split_pass_list(enable_pass),
@@ -196,8 +244,12 @@ def _optimize(
         oo_level=oo_level,
         target=target,
         strict=strict,
+        custom_passes=pattern_fusion_pass == "on",
+        pass_options=_pass_options(graph_kernel_flags),
     )
     plan = resolve(registry, request)
+    if check_custom is None:  # on when --verify would otherwise find a plugin's error late
+        check_custom = verify and any(d.fusion_pass.spec.custom for d in plan.enabled())
     shapes = parse_input_shape(input_shape)
 
     loaded = load_model(model_path)
@@ -235,6 +287,7 @@ def _optimize(
         if dumper and run.ctx is not None and run.ctx.changed:
             dumper.dump(current, run.decision.name)
 
+    checker = SiteChecker.for_model(model) if check_custom else None
     with progress:
         result = run_plan(
             model,
@@ -243,6 +296,7 @@ def _optimize(
             shapes=ShapeOracle(model, loaded.proto),
             before_pass=before_pass,
             after_pass=after_pass,
+            site_checker=checker,
         )
     fusion_text = reports.render_fusion_result(result, fusion_result_format)
     if result_path and export_compile_stat == "2":
@@ -275,10 +329,16 @@ def _optimize(
             "disable_pass": list(request.disable),
             "optimization_switch": optimization_switch or None,
             "input_shape": input_shape or None,
+            "plugins": [str(path) for path in plugins],
+            "pattern_fusion_pass": pattern_fusion_pass,
+            "check_custom": check_custom,
+            "graph_kernel_flags": graph_kernel_flags or None,
         },
     )
     if checked is not None:
         document["verify"] = checked.to_json()
+    if checker is not None:
+        document["check_custom"] = checker.to_json()
     if report:
         reports.write_text_atomic(report, json.dumps(document, indent=2) + "\n")
     if as_json:
@@ -286,10 +346,14 @@ def _optimize(
     if log_level != "null":
         reports.print_summary(stderr, result, layers)
         stderr.print(f"wrote {output}" + (f" (+ {data_path.name})" if data_path else ""))
+        if checker is not None:
+            checker.print_summary(stderr)
         if checked is not None:
             print_result(stderr, checked)
     if checked is not None and not checked.passed:
         raise VerifyFailed(f"{checked.summary()}; {output} stays written")
+    if checker is not None and checker.mismatches():
+        raise VerifyFailed(f"{checker.summary()}; {output} stays written without them")
 
 
 @cli.command("verify")
@@ -316,6 +380,7 @@ def _optimize(
     help="Also optimize ORIGINAL again with the default passes, stopping after each pass that "
     "rewrote something, and print the error there: where error enters.",
 )
+@_plugin_option("With --per_pass: a Python file that registers custom passes (repeatable).")
 @_option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
 def verify(**options: Any) -> None:
     """Run ORIGINAL and OPTIMIZED on onnxruntime and compare every output.
@@ -332,6 +397,7 @@ def _verify(
     as_json: bool,
     golden: Path | None,
     per_pass: bool,
+    plugins: Sequence[Path],
     **options: Any,
 ) -> None:
     logs.configure(logs.default_level())
@@ -353,7 +419,7 @@ def _verify(
     result = verify_models(original, optimized, golden=golden, **options)
     document = result.to_json()
     if per_pass:
-        plan = resolve(load_builtin_passes(), SwitchRequest())
+        plan = resolve(load_passes(plugins), SwitchRequest())
         rows = per_pass_errors(original, plan, **options)
         document["per_pass"] = [row.to_json() for row in rows]
     if as_json:
@@ -435,6 +501,12 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     help="As optimize.",
 )
 @_option(
+    "--graph_kernel_flags",
+    default="",
+    help='Tune TbeEltwiseFusionPass (MindSpore style): "--enable_cluster_ops=Pow '
+    '--disable_cluster_ops=Cast".',
+)
+@_option(
     "--output_switch",
     type=click.Path(path_type=Path),
     default=Path("fusion_switch.cfg"),
@@ -446,6 +518,8 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     is_flag=True,
     help="First print the error after each pass that rewrote something (one round per pass).",
 )
+@_plugin_option(_PLUGIN_HELP)
+@_PATTERN_FUSION_PASS
 @_option("--json", "as_json", is_flag=True, help="Print the findings as JSON on stdout.")
 def bisect(**options: Any) -> None:
     """Find the pass and the fusion sites that push MODEL's outputs beyond tolerance.
@@ -464,6 +538,9 @@ def _bisect(
     enable_pass: Sequence[str],
     disable_pass: Sequence[str],
     target: str,
+    graph_kernel_flags: str,
+    plugins: Sequence[Path],
+    pattern_fusion_pass: str,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -473,8 +550,10 @@ def _bisect(
         enable=split_pass_list(enable_pass),
         disable=split_pass_list(disable_pass),
         target=target,
+        custom_passes=pattern_fusion_pass == "on",
+        pass_options=_pass_options(graph_kernel_flags),
     )
-    plan = resolve(load_builtin_passes(), request)
+    plan = resolve(load_passes(plugins), request)
     for message in plan.warnings + plan.notes:
         logs.logger.warning("%s", message)
     result = bisect_model(model, plan, target=target, **options)
@@ -488,9 +567,14 @@ def _bisect(
 @cli.command("passes")
 @_option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON.")
 @_option("--category", type=click.Choice([c.value for c in Category]), default=None)
-def list_passes(as_json: bool, category: str | None) -> None:
+@_plugin_option(_PLUGIN_HELP)
+def list_passes(as_json: bool, category: str | None, plugins: Sequence[Path]) -> None:
     """List every registered pass in default execution order."""
-    registry = load_builtin_passes()
+    _guarded(lambda: _list_passes(as_json, category, plugins))
+
+
+def _list_passes(as_json: bool, category: str | None, plugins: Sequence[Path]) -> None:
+    registry = load_passes(plugins)
     specs = [d.fusion_pass.spec for d in resolve(registry, SwitchRequest()).decisions]
     if category:
         specs = [s for s in specs if s.category.value == category]
@@ -506,7 +590,11 @@ def list_passes(as_json: bool, category: str | None) -> None:
         for spec in members:
             state = "required" if spec.required else ("on" if spec.default_on else "off")
             aliases = f"  [dim]aka {', '.join(spec.aliases)}[/]" if spec.aliases else ""
-            console.print(f"  [bold]{spec.name}[/]  {state}, {spec.numerics.value}{aliases}")
+            origin = f"  [cyan]({escape(spec.origin)})[/]" if spec.custom else ""
+            console.print(
+                f"  [bold]{spec.name}[/]  {state}, {spec.numerics.value}{origin}{aliases}",
+                soft_wrap=True,
+            )
             console.print(f"      {spec.description}", markup=False)
         console.print()
 
@@ -519,10 +607,15 @@ def list_passes(as_json: bool, category: str | None) -> None:
     default=None,
     help="Set every pass to this state instead of its default.",
 )
-def switch_template(all_state: str | None) -> None:
+@_plugin_option(_PLUGIN_HELP)
+def switch_template(all_state: str | None, plugins: Sequence[Path]) -> None:
     """Print a fusion switch file (JSON) that names every registered pass."""
+    _guarded(lambda: _switch_template(all_state, plugins))
+
+
+def _switch_template(all_state: str | None, plugins: Sequence[Path]) -> None:
     switch: dict[str, dict[str, str]] = {c.value: {} for c in Category}
-    for fusion_pass in load_builtin_passes():
+    for fusion_pass in load_passes(plugins):
         spec = fusion_pass.spec
         state = all_state or ("on" if spec.default_on else "off")
         switch[spec.category.value][spec.name] = state

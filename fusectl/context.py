@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from fusectl.registry import PassSpec
     from fusectl.shapes import ShapeOracle
+    from fusectl.sitecheck import SiteChecker
 
 LINEAGE_PASSES = "fusectl.pass_name"
 LINEAGE_NAMES = "fusectl.original_op_names"
@@ -137,6 +138,9 @@ class PassContext:
     changed: bool = False
     names: NodeNames = field(default_factory=NodeNames)
     rewrites: Rewrites = field(default_factory=Rewrites)
+    options: dict[str, str] = field(default_factory=dict)
+    # Set for custom passes under --check_custom: every replace_subgraph is checked first.
+    site_checker: SiteChecker | None = None
     _granted: int | None = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from fusectl import logs
 from fusectl.context import NodeNames, PassContext, Rewrites
 from fusectl.shapes import ShapeOracle
+from fusectl.sitecheck import SiteChecker
 from fusectl.switches import Decision, Plan
 
 
@@ -50,11 +51,13 @@ def run_plan(
     before_pass: BeforePass | None = None,
     after_pass: AfterPass | None = None,
     rewrites: Rewrites | None = None,
+    site_checker: SiteChecker | None = None,
 ) -> RunResult:
     """Apply every enabled pass of the plan to ``model`` in place, in plan order.
 
     ``rewrites`` numbers the rewrites across all passes and may leave some out (fusectl
-    bisect); by default every rewrite happens."""
+    bisect); by default every rewrite happens. ``site_checker`` checks every rewrite of the
+    custom passes before it lands (--check_custom)."""
     start = time.perf_counter()
     nodes_before = len(model.graph)
     runs: list[PassRun] = []
@@ -75,6 +78,8 @@ def run_plan(
             shapes,
             names=names,
             rewrites=rewrites,
+            options=plan.options,
+            site_checker=site_checker if decision.fusion_pass.spec.custom else None,
         )
         run.nodes_before = len(model.graph)
         began = time.perf_counter()

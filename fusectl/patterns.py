@@ -19,6 +19,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern as oxs_pattern
 
 from fusectl import runtime
+from fusectl.errors import FusectlError
 from fusectl.registry import FusionPass
 
 if TYPE_CHECKING:
@@ -359,6 +360,9 @@ class PatternPass(FusionPass):
         # A candidate counts once per pass: declined by one pattern and rewritten by a later,
         # smaller one, it is an effect; declined by several, it keeps the first reason.
         declined: dict[ir.Node, tuple[PatternStats, str]] = {}
+        # Each node can be rewritten once per rule; more rewrites than that means a
+        # replacement that its own search matches again (a plugin mistake), not progress.
+        budget = (len(graph) + 1) * (len(self.compiled_rules()) + 1)
         for compiled in self.compiled_rules():
             stats = ctx.pattern(compiled.rule.name)
             if compiled.root_op is None:
@@ -386,6 +390,12 @@ class PatternPass(FusionPass):
                     earlier.withdraw(reason, _node_label(node))
                 for new in outcome:
                     by_op.setdefault(new.op_identifier(), []).append(new)
+                if outcome and ctx.effected > budget:
+                    raise FusectlError(
+                        f"{self.spec.name} stopped after {ctx.effected} rewrites of a "
+                        f"{budget // (len(self.compiled_rules()) + 1) - 1}-node graph: pattern "
+                        f"{compiled.rule.name} matches its own replacement again"
+                    )
             compiled.ctx = None
 
     @staticmethod
@@ -445,10 +455,18 @@ def replace_subgraph(
     (``<Pass>/<root>``), new outputs taking the old outputs' names and uses, new nodes placed
     at the root (which keeps the graph sorted), the effect counted and lineage stamped.
 
-    The graph is left as it is when a bisection leaves this rewrite out (ctx.may_rewrite):
-    the answer is then the reason, recorded as a decline; None means replaced."""
+    The graph is left as it is when a bisection leaves this rewrite out (ctx.may_rewrite) or
+    --check_custom finds the replacement computes something else: the answer is then the
+    reason, recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
+    if ctx.site_checker is not None:
+        mismatch = ctx.site_checker.check(
+            ctx, pattern, _node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
+        )
+        if mismatch is not None:
+            ctx.pattern(pattern).decline(mismatch, _node_label(root))
+            return mismatch
     refused = ctx.refusal(pattern, _node_label(root))
     if refused is not None:
         return refused

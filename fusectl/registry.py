@@ -7,12 +7,15 @@ resolver and the reports never need to know where a pass came from.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
+import dataclasses
 import difflib
 import enum
 import importlib
 import pkgutil
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -46,6 +49,8 @@ CUSTOM_DEFAULT_PRIORITY = 6000
 BUILTIN_DEFAULT_PRIORITY = 8000
 DOWN_BAND_OFFSET = 10000
 
+BUILTIN_ORIGIN = "built-in"
+
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 ALL_TARGETS = ("ort", "onnx")
@@ -67,9 +72,13 @@ class PassSpec:
     min_opset: int = 1
     emits: tuple[str, ...] = ()
     emits_domain: str = ""
-    origin: str = "built-in"
+    # Where the pass comes from: "built-in", "plugin <file>", "entry point <name> (<dist>)",
+    # "python <module>". Stamped by the registry when the pass registers (see loading_origin).
+    origin: str = BUILTIN_ORIGIN
     counted: bool = True
     required: bool = False
+    # The settings (ctx.options keys, from CLI flags) the pass reads.
+    options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for label in (self.name, *self.aliases):
@@ -81,12 +90,15 @@ class PassSpec:
             raise ValueError(f"pass {self.name}: a required pass cannot be closable")
 
     @property
+    def custom(self) -> bool:
+        """A pass a user added (plugin, entry point, API call), not one fusectl ships."""
+        return self.origin != BUILTIN_ORIGIN
+
+    @property
     def effective_priority(self) -> int:
         """Where this pass runs within its category when no switch file reorders it."""
         if self.priority is None:
-            return (
-                BUILTIN_DEFAULT_PRIORITY if self.origin == "built-in" else CUSTOM_DEFAULT_PRIORITY
-            )
+            return CUSTOM_DEFAULT_PRIORITY if self.custom else BUILTIN_DEFAULT_PRIORITY
         if self.priority in BUILTIN_DOWN:
             return self.priority + DOWN_BAND_OFFSET
         return self.priority
@@ -101,6 +113,11 @@ class FusionPass(abc.ABC):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         """Rewrite ``model`` in place, recording matches, effects and declines on ``ctx``."""
 
+    def check_options(self, options: Mapping[str, str]) -> None:
+        """Raise FusectlError for settings this pass cannot use: called when the plan is made,
+        so a bad flag stops the run before any pass has run. Most passes read none."""
+        return None
+
 
 @dataclass
 class PassRegistry:
@@ -111,6 +128,9 @@ class PassRegistry:
 
     def register(self, fusion_pass: FusionPass, *, replace: bool = False) -> None:
         spec = fusion_pass.spec
+        origin = _origin_of(fusion_pass)
+        if origin != spec.origin:
+            spec = fusion_pass.spec = dataclasses.replace(spec, origin=origin)
         labels = (spec.name, *spec.aliases)
         if spec.name in self._passes and not replace:
             raise ValueError(
@@ -131,6 +151,14 @@ class PassRegistry:
         removed = self._passes.pop(name)
         for label in (removed.spec.name, *removed.spec.aliases):
             self._lookup.pop(label, None)
+
+    def snapshot(self) -> PassRegistry:
+        """A copy to restore later: tests and notebooks register passes for a while."""
+        return PassRegistry(dict(self._passes), dict(self._lookup))
+
+    def restore(self, saved: PassRegistry) -> None:
+        self._passes = dict(saved._passes)
+        self._lookup = dict(saved._lookup)
 
     def canonical(self, name: str) -> str | None:
         """The canonical name for a canonical name or alias, or None when unknown."""
@@ -153,6 +181,31 @@ class PassRegistry:
 
 
 REGISTRY = PassRegistry()
+
+# The origin of the passes registering now, set while fusectl imports a plugin or its own passes.
+_LOADING: contextvars.ContextVar[str | None] = contextvars.ContextVar("origin", default=None)
+_BUILTIN_MODULES = ("fusectl.passes.", "passes.")
+
+
+@contextlib.contextmanager
+def loading_origin(origin: str) -> Iterator[None]:
+    """Stamp every pass registered inside the block with ``origin``."""
+    token = _LOADING.set(origin)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def _origin_of(fusion_pass: FusionPass) -> str:
+    loading = _LOADING.get()
+    if loading is not None:
+        return loading
+    if fusion_pass.spec.origin != BUILTIN_ORIGIN:
+        return fusion_pass.spec.origin
+    module = type(fusion_pass).__module__
+    return BUILTIN_ORIGIN if module.startswith(_BUILTIN_MODULES) else f"python {module}"
+
 
 PassT = TypeVar("PassT", bound=type[FusionPass])
 
@@ -188,7 +241,8 @@ def load_builtin_passes() -> PassRegistry:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        package = importlib.import_module("fusectl.passes")
-        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+        with loading_origin(BUILTIN_ORIGIN):
+            package = importlib.import_module("fusectl.passes")
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+                importlib.import_module(f"{package.__name__}.{info.name}")
     return REGISTRY

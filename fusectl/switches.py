@@ -1,9 +1,10 @@
 """Fusion switches: the Ascend switch-file formats, the CLI switches, and which passes run.
 
 Precedence per pass, highest first: --optimization_switch, --enable_pass/--disable_pass,
-required (forced on), --oo_level O1, an exact name in the switch file, ALL of the pass's
-category, the pass's built-in default. A pass whose output cannot run on --target stays off
-whatever asked for it. GraphFusion and UBFusion are separate namespaces in the file.
+required (forced on), --pattern_fusion_pass off (custom passes), --oo_level O1, an exact name
+in the switch file, ALL of the pass's category, the pass's default. A pass whose output cannot
+run on --target stays off whatever asked for it. GraphFusion and UBFusion are separate
+namespaces in the file.
 """
 
 from __future__ import annotations
@@ -219,6 +220,7 @@ class Source(str, enum.Enum):
     CLI = "CLI"
     FORCED = "forced"
     OO_LEVEL = "oo_level"
+    CUSTOM = "pattern_fusion_pass"
     TARGET = "target"
 
 
@@ -242,6 +244,8 @@ class Plan:
     decisions: list[Decision]
     warnings: list[str]
     notes: list[str]
+    # Settings passes read while they run (ctx.options), e.g. graph_kernel_flags.
+    options: dict[str, str] = field(default_factory=dict)
 
     def enabled(self) -> list[Decision]:
         return [d for d in self.decisions if d.enabled]
@@ -258,6 +262,10 @@ class SwitchRequest:
     oo_level: str = "O3"
     target: str = "ort"
     strict: bool = False
+    # False turns every custom pass off at once (TorchAir's pattern_fusion_pass); naming one
+    # with --enable_pass or --optimization_switch still turns it on.
+    custom_passes: bool = True
+    pass_options: dict[str, str] = field(default_factory=dict)
 
 
 class _Names:
@@ -365,6 +373,8 @@ def resolve(registry: PassRegistry, request: SwitchRequest) -> Plan:
             enabled = name in enable
             source = Source.CLI
             detail = "--enable_pass" if enabled else "--disable_pass"
+        elif spec.custom and not request.custom_passes:
+            enabled, source, detail = False, Source.CUSTOM, "--pattern_fusion_pass off"
         elif request.oo_level == "O1" and name not in o1_exceptions:
             enabled, source, detail = False, Source.OO_LEVEL, "--oo_level O1"
         elif request.oo_level == "O1":
@@ -375,7 +385,8 @@ def resolve(registry: PassRegistry, request: SwitchRequest) -> Plan:
             enabled, source = file_all[category], Source.ALL
             detail = f"ALL in {category.value} of {file_label}"
         else:
-            enabled, source, detail = spec.default_on, Source.DEFAULT, "built-in default"
+            enabled, source = spec.default_on, Source.DEFAULT
+            detail = f"default of {spec.origin}" if spec.custom else "built-in default"
         if enabled and request.target not in spec.targets:
             if source is not Source.DEFAULT and source is not Source.ALL:
                 warnings.append(
@@ -387,6 +398,14 @@ def resolve(registry: PassRegistry, request: SwitchRequest) -> Plan:
         priority = file_priority.get(category, {}).get(name, spec.effective_priority)
         decisions.append(Decision(fusion_pass, enabled, source, detail, priority))
 
+    for option in request.pass_options:
+        readers = [d for d in decisions if option in d.fusion_pass.spec.options]
+        for decision in readers:
+            if decision.enabled:
+                decision.fusion_pass.check_options(request.pass_options)
+        if not any(d.enabled for d in readers):
+            off = ", ".join(d.name for d in readers) or "no pass reads it"
+            warnings.append(f"--{option} has no effect: {off} is off")
     for category, kept in kept_on_by_force.items():
         notes.append(
             f"ALL:off in {category.value} left {len(kept)} required pass(es) on: {', '.join(kept)}"
@@ -401,4 +420,4 @@ def resolve(registry: PassRegistry, request: SwitchRequest) -> Plan:
             position[d.name],
         )
     )
-    return Plan(decisions, warnings, notes)
+    return Plan(decisions, warnings, notes, dict(request.pass_options))

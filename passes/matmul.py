@@ -6,8 +6,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.patterns import Decline, Site
+from fusectl.registry import Category, Numerics
+from fusectl.replacement import register_replacement
 
 # The element types ONNX's Gemm accepts; with --target ort the installed kernels decide.
 _GEMM_TYPES = frozenset(
@@ -47,16 +48,16 @@ def _to_gemm(op: Any, site: Site, a: ir.Value, b: ir.Value, bias: ir.Value) -> i
     return op.Gemm(a, b, bias)
 
 
-@register_pass
-class MatMulBiasAddFusionPass(PatternPass):
-    spec = PassSpec(
-        name="MatMulBiasAddFusionPass",
-        category=Category.GRAPH,
-        description="2-D MatMul followed by a constant bias Add -> Gemm",
-        aliases=("matmul_elem_biasadd_fusion", "MatMulAddFusion"),
-        numerics=Numerics.REASSOCIATING,
-        priority=5120,
-        min_opset=7,
-        emits=("Gemm",),
-    )
-    rules = (Rule("MatMulBiasAdd", _matmul_add, _to_gemm),)
+register_replacement(
+    "MatMulBiasAddFusionPass",
+    _matmul_add,
+    _to_gemm,
+    category=Category.GRAPH,
+    description="2-D MatMul followed by a constant bias Add -> Gemm",
+    aliases=("matmul_elem_biasadd_fusion", "MatMulAddFusion"),
+    numerics=Numerics.REASSOCIATING,
+    priority=5120,
+    min_opset=7,
+    emits=("Gemm",),
+    pattern_name="MatMulBiasAdd",
+)

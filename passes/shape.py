@@ -18,6 +18,7 @@ from fusectl.patterns import (
     constant_value,
 )
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.replacement import register_replacement
 
 
 def _reshape_reshape(op, x, inner_shape, shape):
@@ -39,17 +40,18 @@ def _single_reshape(op: Any, site: Site, x: ir.Value, shape: ir.Value, **_: Any)
     return op.Reshape(x, shape, **dict(site.root.attributes))
 
 
-@register_pass
-class ReshapeReshapeFusionPass(PatternPass):
-    spec = PassSpec(
-        name="ReshapeReshapeFusionPass",
-        category=Category.GRAPH,
-        description="Reshape of a Reshape -> one Reshape to the final shape",
-        aliases=("shape_reshape", "ReshapeFusion"),
-        min_opset=5,
-        emits=("Reshape",),
-    )
-    rules = (Rule("ReshapeReshape", _reshape_reshape, _single_reshape, _check_outer_shape),)
+register_replacement(
+    "ReshapeReshapeFusionPass",
+    _reshape_reshape,
+    _single_reshape,
+    extra_check=_check_outer_shape,
+    category=Category.GRAPH,
+    description="Reshape of a Reshape -> one Reshape to the final shape",
+    aliases=("shape_reshape", "ReshapeFusion"),
+    min_opset=5,
+    emits=("Reshape",),
+    pattern_name="ReshapeReshape",
+)
 
 
 def _perm(node: ir.Node, rank: int | None) -> list[int] | None:
@@ -76,16 +78,16 @@ def _compose_transposes(op: Any, site: Site, x: ir.Value) -> ir.Value:
     return op.Transpose(x, perm=combined)
 
 
-@register_pass
-class TransposeTransposeFusionPass(PatternPass):
-    spec = PassSpec(
-        name="TransposeTransposeFusionPass",
-        category=Category.GRAPH,
-        description="Transpose of a Transpose -> one Transpose, or nothing when they cancel",
-        aliases=("transpose_transpose_fusion", "TransposeOptimizer"),
-        emits=("Transpose",),
-    )
-    rules = (Rule("TransposeTranspose", _transpose_transpose, _compose_transposes),)
+register_replacement(
+    "TransposeTransposeFusionPass",
+    _transpose_transpose,
+    _compose_transposes,
+    category=Category.GRAPH,
+    description="Transpose of a Transpose -> one Transpose, or nothing when they cancel",
+    aliases=("transpose_transpose_fusion", "TransposeOptimizer"),
+    emits=("Transpose",),
+    pattern_name="TransposeTranspose",
+)
 
 
 def _axes(site: Site, node: ir.Node) -> list[int] | None:
@@ -211,16 +213,16 @@ def _merge_casts(op: Any, site: Site, x: ir.Value) -> ir.Value:
     return op.Cast(x, **dict(site.root.attributes))
 
 
-@register_pass
-class CastCastFusionPass(PatternPass):
-    spec = PassSpec(
-        name="CastCastFusionPass",
-        category=Category.GRAPH,
-        description="Cast of a Cast -> one Cast (or none) when the middle type loses nothing",
-        aliases=("cast_cast_fusion", "CastChainElimination"),
-        emits=("Cast",),
-    )
-    rules = (Rule("CastCast", _cast_cast, _merge_casts),)
+register_replacement(
+    "CastCastFusionPass",
+    _cast_cast,
+    _merge_casts,
+    category=Category.GRAPH,
+    description="Cast of a Cast -> one Cast (or none) when the middle type loses nothing",
+    aliases=("cast_cast_fusion", "CastChainElimination"),
+    emits=("Cast",),
+    pattern_name="CastCast",
+)
 
 
 @register_pass

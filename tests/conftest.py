@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,16 @@ def assert_same_outputs(
 @pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture
+def restore_registry() -> Iterator[None]:
+    """Take back every pass a test registers (plugins, API calls): the registry is global."""
+    from fusectl.registry import REGISTRY, load_builtin_passes
+
+    load_builtin_passes()
+    saved = REGISTRY.snapshot()
+    try:
+        yield
+    finally:
+        REGISTRY.restore(saved)

@@ -205,6 +205,7 @@ def test_info_logs_use_the_ascend_formats_in_execution_order(sample: Path, tmp_p
         "GraphId[0], GraphFusionPass[MatMulBiasAddFusionPass]: pattern=MatMulBiasAdd, "
         "matched_times=1, effected_times=1.",
         "[FusionPass][SKIP] Pass [SimplifiedLayerNormFusionPass] is disabled by built-in default.",
+        "[FusionPass][SKIP] Pass [TbeEltwiseFusionPass] is disabled by built-in default.",
     ]
     assert any(line.startswith("Pass [ConvBatchnormFusionPass] took ") for line in lines)
 

@@ -1,0 +1,291 @@
+"""``--check_custom``: a custom pass is checked at every site it rewrites, not trusted.
+
+Before a custom pass's rewrite lands, the matched nodes and their replacement are each cut out
+into a small model whose inputs are the values the match reads, fed with generated data of the
+matched shapes and types, and run on onnxruntime. A replacement that computes something else
+is caught at the site, named by its nodes, and the site is left as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from rich.console import Console
+
+from fusectl.errors import FusectlError
+from fusectl.inputs import generate_feeds
+from fusectl.patterns import constant_value
+from fusectl.verify import TOLERANCES, Tolerance, compare
+
+if TYPE_CHECKING:
+    from fusectl.context import PassContext
+
+OK, MISMATCH, UNCHECKED = "ok", "mismatch", "unchecked"
+
+
+@dataclass
+class SiteCheck:
+    """The verdict on one rewrite of a custom pass."""
+
+    pass_name: str
+    pattern: str
+    site: str
+    nodes: list[str]
+    verdict: str
+    detail: str = ""
+    max_abs: float = 0.0
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pass": self.pass_name,
+            "pattern": self.pattern,
+            "site": self.site,
+            "nodes": self.nodes,
+            "verdict": self.verdict,
+            "detail": self.detail or None,
+            "max_abs": self.max_abs if math.isfinite(self.max_abs) else str(self.max_abs),
+        }
+
+
+@dataclass
+class SiteChecker:
+    """Checks the rewrites of custom passes during one run and keeps every verdict."""
+
+    ir_version: int
+    opsets: dict[str, int]
+    seed: int = 0
+    results: list[SiteCheck] = field(default_factory=list)
+
+    @classmethod
+    def for_model(cls, model: ir.Model, seed: int = 0) -> SiteChecker:
+        return cls(model.ir_version, dict(model.opset_imports), seed)
+
+    def mismatches(self) -> list[SiteCheck]:
+        return [r for r in self.results if r.verdict == MISMATCH]
+
+    def summary(self) -> str:
+        bad = self.mismatches()
+        passes = ", ".join(dict.fromkeys(r.pass_name for r in bad))
+        return f"check_custom: {len(bad)} site(s) of {passes} compute something else"
+
+    def to_json(self) -> dict[str, Any]:
+        counts = Counter(r.verdict for r in self.results)
+        return {
+            "checked": counts[OK] + counts[MISMATCH],
+            "mismatched": counts[MISMATCH],
+            "unchecked": counts[UNCHECKED],
+            # Sites that passed are many and say nothing; the others are the findings.
+            "sites": [r.to_json() for r in self.results if r.verdict != OK],
+        }
+
+    def print_summary(self, console: Console) -> None:
+        """One line per site that differs or could not be checked, then the totals."""
+        for record in self.results:
+            if record.verdict == OK:
+                continue
+            action = "left unfused" if record.verdict == MISMATCH else "fused unchecked"
+            console.print(
+                f"check_custom: {record.pass_name} at {record.site} "
+                f"(nodes {', '.join(record.nodes)}): {record.detail}; {action}",
+                markup=False,
+                soft_wrap=True,
+            )
+        totals = self.to_json()
+        console.print(
+            f"check_custom: {totals['checked']} site(s) of custom passes checked, "
+            f"{totals['mismatched']} differ, {totals['unchecked']} could not be checked",
+            markup=False,
+            soft_wrap=True,
+        )
+
+    def check(
+        self,
+        ctx: PassContext,
+        pattern: str,
+        site: str,
+        old_nodes: Sequence[ir.Node],
+        new_nodes: Sequence[ir.Node],
+        old_outputs: Sequence[ir.Value],
+        new_outputs: Sequence[ir.Value],
+    ) -> str | None:
+        """Run both sides; the reason to leave the site alone when they differ, else None."""
+        # The matcher lists the root first; reversed, a chain reads in execution order.
+        nodes = [n.name or n.op_type for n in reversed(old_nodes)]
+        record = SiteCheck(ctx.spec.name, pattern, site, nodes, OK)
+        self.results.append(record)
+        try:
+            record.verdict, record.reason, record.detail, record.max_abs = self._compare(
+                ctx, old_nodes, new_nodes, old_outputs, new_outputs
+            )
+        except _Unchecked as why:
+            record.verdict, record.detail = UNCHECKED, str(why)
+        if record.verdict != MISMATCH:
+            return None
+        # The reason is what --report groups near misses by: the same for every such site.
+        return f"check_custom: {record.reason}"
+
+    def _compare(
+        self,
+        ctx: PassContext,
+        old_nodes: Sequence[ir.Node],
+        new_nodes: Sequence[ir.Node],
+        old_outputs: Sequence[ir.Value],
+        new_outputs: Sequence[ir.Value],
+    ) -> tuple[str, str, str, float]:
+        """(verdict, reason shared by like sites, detail naming the output, max abs error)."""
+        cut = _Cut(ctx, self.opsets, self.ir_version)
+        inputs = cut.inputs([*old_nodes, *new_nodes])
+        original = cut.model("original", old_nodes, inputs, old_outputs, old_outputs)
+        replacement = cut.model("replacement", new_nodes, inputs, new_outputs, old_outputs)
+        try:
+            feeds, _ = generate_feeds(ir.from_proto(original), seed=self.seed)
+        except FusectlError as error:
+            raise _Unchecked(f"no inputs for the match: {error}") from None
+        try:
+            expected = _run(original, feeds)
+        except _RunFailed as error:
+            raise _Unchecked(f"the matched nodes do not run on their own: {error}") from None
+        try:
+            actual = _run(replacement, feeds)
+        except _RunFailed as error:
+            reason = "the replacement does not run on onnxruntime"
+            return MISMATCH, reason, f"{reason}: {error}", math.inf
+        atol, rtol = TOLERANCES[ctx.spec.numerics]
+        tolerance = Tolerance(atol, rtol, ctx.spec.numerics.value)
+        worst = 0.0
+        for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
+            name = old_outputs[index].name or f"output {index}"
+            result = compare(name, want, got, tolerance)
+            if not result.passed:
+                what = result.note or f"max abs error {result.max_abs:.3g}"
+                reason = (
+                    f"the replacement differs from the matched nodes beyond "
+                    f"{ctx.spec.numerics.value} tolerance (atol {atol:g}, rtol {rtol:g})"
+                )
+                detail = f"the replacement differs from the matched nodes on {name}: {what} "
+                detail += f"(atol {atol:g}, rtol {rtol:g}, {ctx.spec.numerics.value})"
+                return MISMATCH, reason, detail, result.max_abs
+            worst = max(worst, result.max_abs)
+        return OK, "", "", worst
+
+
+class _Unchecked(Exception):
+    """The site cannot be checked (unknown shapes, nodes that need the rest of the graph)."""
+
+
+class _RunFailed(Exception):
+    pass
+
+
+class _Cut:
+    """Cuts a set of nodes out of the graph into a model of its own. Both sides of a site get
+    the same input names, so one set of feeds serves both."""
+
+    def __init__(self, ctx: PassContext, opsets: dict[str, int], ir_version: int) -> None:
+        self.ctx = ctx
+        self.opsets = opsets
+        self.ir_version = ir_version
+        self.names: dict[ir.Value, str] = {}
+
+    def name(self, value: ir.Value) -> str:
+        found = self.names.get(value)
+        if found is None:
+            found = self.names[value] = f"v{len(self.names)}"
+        return found
+
+    def inputs(self, nodes: Sequence[ir.Node]) -> list[ir.Value]:
+        produced = {value for node in nodes for value in node.outputs}
+        seen: dict[ir.Value, None] = {}
+        for node in nodes:
+            for value in node.inputs:
+                if value is not None and value not in produced:
+                    seen[value] = None
+        return list(seen)
+
+    def model(
+        self,
+        graph_name: str,
+        nodes: Sequence[ir.Node],
+        inputs: Sequence[ir.Value],
+        outputs: Sequence[ir.Value],
+        typed_like: Sequence[ir.Value],
+    ) -> onnx.ModelProto:
+        fed: list[onnx.ValueInfoProto] = []
+        constants: list[onnx.TensorProto] = []
+        for value in inputs:
+            array = _constant(value)
+            if array is not None:
+                constants.append(onnx.numpy_helper.from_array(array, self.name(value)))
+                continue
+            fed.append(self._input_info(value))
+        node_protos = []
+        domains = dict(self.opsets)
+        for node in nodes:
+            # Built by hand: a replacement's new values have no names yet, which serde refuses.
+            proto = onnx.NodeProto(op_type=node.op_type, domain=node.domain, name=node.name or "")
+            proto.input.extend(self.name(v) if v is not None else "" for v in node.inputs)
+            proto.output.extend(self.name(v) for v in node.outputs)
+            proto.attribute.extend(
+                ir.serde.serialize_attribute(a) for a in node.attributes.values()
+            )
+            domains.setdefault(node.domain, 1)
+            node_protos.append(proto)
+        graph = onnx.helper.make_graph(
+            node_protos,
+            graph_name,
+            fed,
+            [self._output_info(v, like) for v, like in zip(outputs, typed_like, strict=True)],
+            constants,
+        )
+        opset_imports = [onnx.helper.make_opsetid(d, v) for d, v in domains.items()]
+        return onnx.helper.make_model(
+            graph, opset_imports=opset_imports, ir_version=self.ir_version
+        )
+
+    def _input_info(self, value: ir.Value) -> onnx.ValueInfoProto:
+        dtype, shape = self.ctx.dtype(value), self.ctx.shape(value)
+        what = value.name or "a value the match reads"
+        if dtype is None or shape is None:
+            raise _Unchecked(
+                f"the {'element type' if dtype is None else 'shape'} of {what} is unknown"
+            )
+        dims = [d if isinstance(d, int) else d.value for d in shape]
+        return onnx.helper.make_tensor_value_info(self.name(value), int(dtype), dims)
+
+    def _output_info(self, value: ir.Value, like: ir.Value) -> onnx.ValueInfoProto:
+        dtype = self.ctx.dtype(like)
+        if dtype is None:
+            raise _Unchecked(f"the element type of {like.name or 'a matched output'} is unknown")
+        return onnx.helper.make_tensor_value_info(self.name(value), int(dtype), None)
+
+
+def _constant(value: ir.Value) -> np.ndarray | None:
+    """A constant the match reads (an initializer, a Constant, one the rewrite adds)."""
+    array = constant_value(value)
+    if array is None and value.const_value is not None and not value.is_graph_input():
+        array = value.const_value.numpy()
+    return array
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        wanted = {i.name for i in session.get_inputs()}
+        return session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    except Exception as error:  # onnxruntime raises its own types for load and run errors
+        text = str(error).strip()
+        raise _RunFailed(text.splitlines()[0] if text else repr(error)) from None

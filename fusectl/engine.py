@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from fusectl import logs
-from fusectl.context import NodeNames, PassContext, Rewrites
+from fusectl.context import NodeNames, OpIndex, PassContext, Rewrites
+from fusectl.patterns import PatternPass
 from fusectl.shapes import ShapeOracle
 from fusectl.sitecheck import SiteChecker
 from fusectl.switches import Decision, Plan
@@ -62,6 +63,7 @@ def run_plan(
     nodes_before = len(model.graph)
     runs: list[PassRun] = []
     names = NodeNames()
+    op_index = OpIndex()
     rewrites = rewrites if rewrites is not None else Rewrites()
     for decision in plan.decisions:
         run = PassRun(decision)
@@ -80,6 +82,7 @@ def run_plan(
             rewrites=rewrites,
             options=plan.options,
             site_checker=site_checker if decision.fusion_pass.spec.custom else None,
+            op_index=op_index,
         )
         run.nodes_before = len(model.graph)
         began = time.perf_counter()
@@ -87,6 +90,11 @@ def run_plan(
         run.seconds = time.perf_counter() - began
         run.nodes_after = len(model.graph)
         run.ctx = ctx
+        # Only a pattern pass that changed nothing leaves the index as it found it; other
+        # passes may reorder or retype nodes without counting a rewrite.
+        changed = ctx.changed or run.nodes_after != run.nodes_before
+        if changed or not isinstance(decision.fusion_pass, PatternPass):
+            op_index.invalidate()
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
         if after_pass is not None:
             after_pass(run, model)

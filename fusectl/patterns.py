@@ -352,11 +352,9 @@ class PatternPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
-        # One scan buckets the nodes by op; a rule then visits only nodes of its root op, and
-        # is skipped outright when an op it needs is absent from the graph.
-        by_op: dict[Any, list[ir.Node]] = {}
-        for node in graph:
-            by_op.setdefault(node.op_identifier(), []).append(node)
+        # The nodes bucketed by op: a rule then visits only nodes of its root op, and is
+        # skipped outright when an op it needs is absent from the graph.
+        by_op = ctx.op_index.nodes(graph)
         # A candidate counts once per pass: declined by one pattern and rewritten by a later,
         # smaller one, it is an effect; declined by several, it keeps the first reason.
         declined: dict[ir.Node, tuple[PatternStats, str]] = {}

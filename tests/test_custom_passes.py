@@ -474,3 +474,14 @@ def test_a_replacement_its_own_search_matches_stops_with_an_error(tmp_path: Path
         "pattern SelfMatching matches its own replacement again"
     )
     assert not output.exists() and not (tmp_path / "f.json").exists()
+
+
+def test_verify_per_pass_attributes_error_to_the_plugin_pass(tmp_path: Path) -> None:
+    model = _hardswish_model(tmp_path)
+    wrong = _plugin(tmp_path, "HardSigmoidForHardSwish", op="HardSigmoid")
+    run = optimize(model, tmp_path, "--plugin", wrong, "--no_check_custom")
+    result = run_cli("verify", model, run.output, "--per_pass", "--plugin", wrong, "--json")
+    assert result.exit_code == 1, result.stderr
+    rows = {row["pass"]: row for row in json.loads(result.stdout)["per_pass"]}
+    assert rows["HardSigmoidForHardSwish"]["rewrites"] == 3
+    assert rows["HardSigmoidForHardSwish"]["passed"] is False

@@ -276,6 +276,15 @@ def _skip(
     params = [_param(site, op, gamma, "gamma", hidden, widen)]
     if beta is not None:
         params.append(_param(site, op, beta, "beta", hidden, widen))
+    # The bias variant: a projection's bias Add in front of the residual goes into the kernel.
+    projected = None if widen else _projection_bias(site, a, hidden)
+    if projected is None and not widen:
+        projected = _projection_bias(site, b, hidden)
+        if projected is not None:
+            a, b = b, a
+    if projected is not None:
+        a, bias = projected
+        params.append(bias)
     if widen:
         a, b = (op.Cast(v, to=_FLOAT) if site.dtype(v) != _FLOAT else v for v in (a, b))
     # The sum a + b often feeds the next residual too: the kernel's fourth output keeps it.
@@ -291,6 +300,38 @@ def _skip(
     if total_out is not None:
         site.provide(total, total_out)
     return output
+
+
+def _projection_bias(
+    site: Site, value: ir.Value, hidden: int | None
+) -> tuple[ir.Value, ir.Value] | None:
+    """(MatMul output, bias) when ``value`` is MatMul(x, w) + bias, a constant [hidden] vector,
+    read only by the residual Add: SkipLayerNormalization's bias input adds it in the kernel."""
+    add = value.producer()
+    if (
+        hidden is None
+        or add is None
+        or add.op_type != "Add"
+        or add.domain not in ("", "ai.onnx")
+        or value.is_graph_output()
+        or any(user not in site.nodes for user, _ in value.uses())
+    ):
+        return None
+    for product, bias in (add.inputs, reversed(add.inputs)):
+        producer = product.producer() if product is not None else None
+        if (
+            producer is None
+            or producer.op_type != "MatMul"
+            or producer.domain not in ("", "ai.onnx")
+        ):
+            continue
+        shape = site.shape(product)
+        array = site.constant(bias)
+        if shape is None or len(shape) != 3 or shape[-1] != hidden:
+            continue
+        if array is not None and array.shape == (hidden,) and site.dtype(bias) == site.dtype(value):
+            return product, bias
+    return None
 
 
 def _skip_written_out(
@@ -339,7 +380,8 @@ class AddLayerNormFusionPass(PatternPass):
         name="AddLayerNormFusionPass",
         category=Category.UB,
         description="residual Add + layer norm (LayerNormalization or written out) -> "
-        "com.microsoft SkipLayerNormalization (the sum stays available to its other readers)",
+        "com.microsoft SkipLayerNormalization (the sum stays available to its other readers; "
+        "a projection's bias Add in front goes into the kernel's bias input)",
         aliases=("add_layer_norm_fusion", "SkipLayerNormFusion"),
         numerics=Numerics.REASSOCIATING,
         targets=("ort",),

@@ -25,6 +25,7 @@ from tests.pass_helpers import (
 
 LN, SKIP = "LayerNormFusionPass", "AddLayerNormFusionPass"
 SHAPE = [2, 5, 8]
+SKIP_OP = "SkipLayerNormalization"
 
 
 def _n(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
@@ -131,6 +132,61 @@ def test_sum_read_elsewhere_comes_from_the_fourth_output(tmp_path: Path) -> None
     add = next(n for n in graph.node if n.op_type == "Add")
     assert len(skip.output) == 4 and skip.output[3] == "total"
     assert sorted(add.input) == sorted([skip.output[0], "total"])
+
+
+def _projected(
+    path: Path,
+    *,
+    bias_shape: tuple[int, ...] | None = None,
+    bias_read: bool = False,
+    fed_bias: bool = False,
+) -> Path:
+    """MatMul(x, w) + bias, then the residual Add and LayerNormalization: BERT's output block.
+    ``bias_read`` makes the biased projection a second graph output; ``fed_bias`` feeds the
+    bias as a graph input."""
+    rng = np.random.default_rng(1)
+    hidden = SHAPE[-1]
+    shape = bias_shape or (hidden,)
+    nodes = [
+        _n("MatMul", ["x", "w"], "proj"),
+        _n("Add", ["proj", "bias"], "dense"),
+        _n("Add", ["dense", "residual"], "total"),
+        helper.make_node("LayerNormalization", ["total", "gamma", "beta"], ["y"], axis=-1),
+    ]
+    inputs = [value("x", SHAPE), value("residual", SHAPE)]
+    outputs = [value("y", SHAPE)] + ([value("dense", SHAPE)] if bias_read else [])
+    inits = [
+        const("w", rng.normal(0, 0.3, (hidden, hidden))),
+        const("gamma", rng.uniform(0.5, 1.5, hidden)),
+        const("beta", rng.normal(0, 0.1, hidden)),
+    ]
+    if fed_bias:
+        inputs.append(value("bias", [hidden]))
+    else:
+        inits.append(const("bias", rng.normal(0, 0.5, shape)))
+    return save_model(path, nodes, inputs, outputs, inits, opset=17)
+
+
+def test_projection_bias_goes_into_the_skip_kernel(tmp_path: Path) -> None:
+    run = optimize_checked(_projected(tmp_path / "bias.onnx"), tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert run.op_counts() == Counter({"MatMul": 1, "SkipLayerNormalization": 1})
+    skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
+    assert list(skip.input) == ["proj", "residual", "gamma", "beta", "bias"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"bias_read": True}, {"fed_bias": True}, {"bias_shape": (1, 1, SHAPE[-1])}],
+    ids=["biased_projection_read_elsewhere", "bias_is_an_input", "bias_is_3d"],
+)
+def test_projection_bias_stays_outside_when_it_must(kwargs: dict, tmp_path: Path) -> None:
+    """The skip norm still fuses; only the bias Add stays where it is."""
+    run = optimize_checked(_projected(tmp_path / "bias.onnx", **kwargs), tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert run.op_counts() == Counter({"MatMul": 1, "Add": 1, "SkipLayerNormalization": 1})
+    skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
+    assert list(skip.input) == ["dense", "residual", "gamma", "beta"]
 
 
 def test_skip_layer_norm_needs_3d_inputs(tmp_path: Path) -> None:

@@ -144,12 +144,43 @@ def constant_value(value: ir.Value | None) -> np.ndarray | None:
     return _fold_constant(value, depth=0)
 
 
+# A Constant node's attribute, as the numpy type its value_* spelling stands for.
+_CONSTANT_DTYPES = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
+
+
+def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """An initializer's or a Constant node output's tensor. Not onnx-ir's get_const_tensor,
+    which renames a Constant's tensor after its output: reading must not change the model."""
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if (
+        producer is None
+        or producer.op_type != "Constant"
+        or producer.domain not in ("", "ai.onnx")
+        or len(producer.attributes) != 1
+    ):
+        return None
+    attr = next(iter(producer.attributes.values()))
+    if attr.is_ref():
+        return None
+    if attr.name == "value":
+        return attr.as_tensor()
+    dtype = _CONSTANT_DTYPES.get(attr.name)
+    return None if dtype is None else ir.tensor(np.array(attr.value, dtype=dtype))
+
+
 def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None or value.is_graph_input():
         return None
     producer = value.producer()
     if producer is None or producer.op_type == "Constant":
-        tensor = ir.convenience.get_const_tensor(value)
+        tensor = constant_tensor(value)
         return None if tensor is None else tensor.numpy()
     if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
         return None

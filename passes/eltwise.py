@@ -15,13 +15,12 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
 from fusectl.context import PassContext, PatternStats
 from fusectl.errors import FusectlError
-from fusectl.patterns import replace_subgraph
+from fusectl.patterns import constant_tensor, replace_subgraph
 from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"
@@ -193,7 +192,7 @@ class _Composites:
             if any(attr.is_ref() for attr in node.attributes.values()):
                 return False
             if _is_constant_node(node):
-                if _tensor(node.outputs[0]) is None:
+                if constant_tensor(node.outputs[0]) is None:
                     return False
                 continue
             if _is_onnx(node):
@@ -348,25 +347,6 @@ class _Clusters:
         return [group for index, group in enumerate(self.members) if self.parent[index] == index]
 
 
-def _tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    """An initializer's or Constant output's tensor. Not ir.convenience.get_const_tensor,
-    which renames a Constant's tensor after its output: reading must not change the model."""
-    if value.const_value is not None:
-        return value.const_value
-    producer = value.producer()
-    if producer is None or not _is_constant_node(producer) or len(producer.attributes) != 1:
-        return None
-    attr = next(iter(producer.attributes.values()))
-    if attr.is_ref():
-        return None
-    if attr.name == "value":
-        return attr.as_tensor()
-    dtypes = {"value_float": np.float32, "value_floats": np.float32}
-    dtypes |= {"value_int": np.int64, "value_ints": np.int64}
-    dtype = dtypes.get(attr.name)
-    return None if dtype is None else ir.tensor(np.array(attr.value, dtype=dtype))
-
-
 def _small_constant(value: ir.Value) -> ir.TensorProtocol | None:
     """The tensor of an initializer or Constant output small enough to copy into a body."""
     if value.is_graph_input():
@@ -374,7 +354,7 @@ def _small_constant(value: ir.Value) -> ir.TensorProtocol | None:
     producer = value.producer()
     if producer is not None and not _is_constant_node(producer):
         return None
-    tensor = _tensor(value)
+    tensor = constant_tensor(value)
     if tensor is None or tensor.size > SMALL_CONSTANT:
         return None
     return tensor
@@ -462,7 +442,7 @@ class _Body:
         for node in function:
             args = [None if v is None else local[v] for v in node.inputs]
             if _is_constant_node(node):
-                tensor = _tensor(node.outputs[0])
+                tensor = constant_tensor(node.outputs[0])
                 assert tensor is not None  # a composite's Constants are all readable
                 outputs: Sequence[ir.Value] = self._emit_constant(tensor)
             elif _is_onnx(node):

@@ -73,6 +73,13 @@ _PATTERN_FUSION_PASS = _option(
     "--enable_pass still turns one on.",
 )
 
+_GRAPH_KERNEL_FLAGS = _option(
+    "--graph_kernel_flags",
+    default="",
+    help='Tune TbeEltwiseFusionPass (MindSpore style): "--enable_cluster_ops=Pow '
+    '--disable_cluster_ops=Cast".',
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fusectl")
@@ -106,12 +113,7 @@ def cli() -> None:
     show_default=True,
     help="ort allows onnxruntime contrib ops; onnx keeps to standard ONNX ops.",
 )
-@_option(
-    "--graph_kernel_flags",
-    default="",
-    help='Tune TbeEltwiseFusionPass (MindSpore style): "--enable_cluster_ops=Pow '
-    '--disable_cluster_ops=Cast".',
-)
+@_GRAPH_KERNEL_FLAGS
 @_option("--input_shape", default="", help='Fix input dims: "ids:1,128;mask:1,128".')
 @_option(
     "--fusion_result",
@@ -500,12 +502,7 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     show_default=True,
     help="As optimize.",
 )
-@_option(
-    "--graph_kernel_flags",
-    default="",
-    help='Tune TbeEltwiseFusionPass (MindSpore style): "--enable_cluster_ops=Pow '
-    '--disable_cluster_ops=Cast".',
-)
+@_GRAPH_KERNEL_FLAGS
 @_option(
     "--output_switch",
     type=click.Path(path_type=Path),

@@ -43,6 +43,19 @@ def model_opset(model: ir.Model) -> int:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
 
 
+# Rounds of the canonicalization group at most: each round that changes something exposes
+# less; real models settle in two or three.
+_CANONICAL_ROUNDS = 8
+
+
+def _canonical_group(decisions: list[Decision], start: int) -> range:
+    """The decisions from ``start`` run together: a maximal run of canonical passes, or one."""
+    end = start
+    while end < len(decisions) and decisions[end].fusion_pass.spec.canonical:
+        end += 1
+    return range(start, max(end, start + 1))
+
+
 def run_plan(
     model: ir.Model,
     plan: Plan,
@@ -65,37 +78,57 @@ def run_plan(
     names = NodeNames()
     op_index = OpIndex()
     rewrites = rewrites if rewrites is not None else Rewrites()
-    for decision in plan.decisions:
-        run = PassRun(decision)
-        runs.append(run)
-        if not decision.enabled:
-            logs.skipped(decision)
-            continue
+    contexts: dict[int, PassContext] = {}
+
+    def run_one(index: int, decision: Decision) -> bool:
+        """Run one pass; a canonical pass run again keeps counting on its first context."""
+        run = runs[index]
         if before_pass is not None:
             before_pass(decision)
-        ctx = PassContext(
-            decision.fusion_pass.spec,
-            target,
-            model_opset(model),
-            shapes,
-            names=names,
-            rewrites=rewrites,
-            options=plan.options,
-            site_checker=site_checker if decision.fusion_pass.spec.custom else None,
-            op_index=op_index,
-        )
-        run.nodes_before = len(model.graph)
+        ctx = contexts.get(index)
+        if ctx is None:
+            ctx = contexts[index] = PassContext(
+                decision.fusion_pass.spec,
+                target,
+                model_opset(model),
+                shapes,
+                names=names,
+                rewrites=rewrites,
+                options=plan.options,
+                site_checker=site_checker if decision.fusion_pass.spec.custom else None,
+                op_index=op_index,
+            )
+            run.nodes_before = len(model.graph)
+        was_changed, ctx.changed = ctx.changed, False
+        nodes = len(model.graph)
         began = time.perf_counter()
         decision.fusion_pass.run(model, ctx)
-        run.seconds = time.perf_counter() - began
+        run.seconds += time.perf_counter() - began
         run.nodes_after = len(model.graph)
         run.ctx = ctx
         # Only a pattern pass that changed nothing leaves the index as it found it; other
         # passes may reorder or retype nodes without counting a rewrite.
-        changed = ctx.changed or run.nodes_after != run.nodes_before
+        changed = ctx.changed or run.nodes_after != nodes
         if changed or not isinstance(decision.fusion_pass, PatternPass):
             op_index.invalidate()
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
-        if after_pass is not None:
+        if after_pass is not None:  # sees whether this round changed the graph
             after_pass(run, model)
+        ctx.changed = ctx.changed or was_changed
+        return changed
+
+    decisions = plan.decisions
+    runs.extend(PassRun(decision) for decision in decisions)
+    position = 0
+    while position < len(decisions):
+        group = _canonical_group(decisions, position)
+        for index in group:
+            if not decisions[index].enabled:
+                logs.skipped(decisions[index])
+        enabled = [index for index in group if decisions[index].enabled]
+        for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
+            changed = [run_one(index, decisions[index]) for index in enabled]
+            if not any(changed):
+                break
+        position += len(group)
     return RunResult(runs, nodes_before, len(model.graph), time.perf_counter() - start)

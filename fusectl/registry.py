@@ -79,6 +79,10 @@ class PassSpec:
     required: bool = False
     # The settings (ctx.options keys, from CLI flags) the pass reads.
     options: tuple[str, ...] = ()
+    # A canonicalization: consecutive canonical passes run again, as a group, until none of
+    # them changes the graph, since each can expose work for another (a folded dimension
+    # makes a Slice whole; a removed Slice makes the next Shape static).
+    canonical: bool = False
 
     def __post_init__(self) -> None:
         for label in (self.name, *self.aliases):

@@ -86,15 +86,20 @@ class ShapeOracle:
         self._model = model
         self._proto = proto
         self.ran = False
+        self.stale = False
 
     def invalidate(self) -> None:
         """The graph changed in a way that may make more shapes inferable (a constant was
-        folded): the next unknown shape infers again, on the graph as it is now."""
+        folded, a Slice went away): the next unknown or partly symbolic shape asked for
+        infers again, on the graph as it is now, so that shapes are re-derived, not stale."""
         self.ran = False
+        self.stale = True
         self._proto = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
-        if value.shape is None and not self.ran:
+        if not self.ran and (
+            value.shape is None or (self.stale and not _is_static(value.shape))
+        ):
             self._infer()
         return value.shape
 
@@ -124,13 +129,29 @@ class ShapeOracle:
                 found = types.get(value.name or "")
                 if found is None or not found.HasField("tensor_type"):
                     continue
-                if value.shape is None:
-                    value.shape = ir.serde.deserialize_type_proto_for_shape(found)
+                inferred = ir.serde.deserialize_type_proto_for_shape(found)
+                if value.shape is None or _more_static(inferred, value.shape):
+                    value.shape = inferred
                 if value.type is None and found.tensor_type.elem_type:
                     value.type = ir.serde.deserialize_type_proto_for_type(found)
 
 
 _SMALL_CONSTANT = 64
+
+
+def _is_static(shape: ir.Shape) -> bool:
+    return all(isinstance(dim, int) for dim in shape)
+
+
+def _more_static(new: ir.Shape | None, old: ir.Shape) -> bool:
+    """Whether inference on the changed graph knows more of a value's shape than before: the
+    same rank, every known size kept, at least one more known (shapes re-derived, not stale)."""
+    if new is None or len(new) != len(old):
+        return False
+    pairs = list(zip(new, old, strict=True))
+    if any(isinstance(o, int) and n != o for n, o in pairs):
+        return False
+    return any(isinstance(n, int) and not isinstance(o, int) for n, o in pairs)
 
 
 def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto:

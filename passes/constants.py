@@ -161,6 +161,7 @@ class ConstantFoldingPass(FusionPass):
         "shapes) -> initializers",
         aliases=("ConstantFolding", "constant_folding"),
         priority=3000,
+        canonical=True,
     )
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:

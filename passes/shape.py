@@ -236,6 +236,7 @@ class IdentityEliminationPass(FusionPass):
         "removed",
         aliases=("EliminateIdentity", "EliminateDropout", "dropout_identity_removal"),
         priority=3010,
+        canonical=True,
         emits=(),
     )
 

@@ -28,6 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl import runtime
+from fusectl.axes import axis_size, shape_element
 from fusectl.context import PassContext
 from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
 from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
@@ -149,7 +150,7 @@ def _unscale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
 class _Attention:
     heads: ir.Value  # the query split into heads, [B, N, S, H]
     guarded: bool  # the Softmax output went through Where(IsNaN(p), 0, p)
-    query: ir.Value
+    query: ir.Value | None  # the [B, S, N*H] projection the heads were split from, if they were
     key: _Heads
     value: _Heads
     scale: float
@@ -213,9 +214,9 @@ def _match(softmax: ir.Node) -> _Attention | str | None:
     k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
     scale = q_scale * k_scale * product_scale
     heads = q_scaled
-    query = _split_heads(q_scaled, nodes)
+    query = _split_heads(q_scaled, nodes)  # None: the heads are merged back (_merged_query)
     key = _key_source(k_scaled, nodes)
-    if query is None or key is None:
+    if key is None:
         return None
     probabilities = softmax.outputs[0]
     uses = [user for user, _ in probabilities.uses()]
@@ -349,6 +350,35 @@ def _clamped(
     return select.outputs[0], [select]
 
 
+def _merged_query(ctx: PassContext, heads: ir.Value) -> tuple[ir.Value, list[ir.Node]] | str:
+    """The [B, S, N*H] query the fused op reads, computed from query heads [B, N, S, H] that
+    are not a plain head split of a projection (heads transformed after the split, or split
+    from a fused QKV projection): Reshape(Transpose(heads, [0, 2, 1, 3]), [0, 0, N*H])."""
+    shape = ctx.shape(heads)
+    if shape is None or len(shape) != 4:
+        return "the query heads are not 4-D [batch, heads, sequence, head size]"
+    count, size = (axis_size(ctx, heads, axis) for axis in (1, 3))
+    if count is None or size is None:
+        return "the query's number of heads or head size is unknown"
+    swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
+    target = ir.node(
+        "Constant", [], attributes={"value": ir.tensor(np.array([0, 0, count * size]))}
+    )
+    merge = ir.node("Reshape", [swap.outputs[0], target.outputs[0]])
+    typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
+    typed(target.outputs[0], ir.DataType.INT64, ir.Shape([3]))
+    typed(merge.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count * size]))
+    return merge.outputs[0], [swap, target, merge]
+
+
+def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int) -> bool:
+    """Whether ``value`` is provably [batch, heads, length, head size]."""
+    shape = ctx.shape(value)
+    if shape is None or len(shape) != 4:
+        return False
+    return axis_size(ctx, value, 1) == heads and axis_size(ctx, value, 3) == head_size
+
+
 def _num_heads(heads: ir.Shape | None, query: ir.Shape) -> int | None:
     """N from the split query [B, N, S, H], or hidden / H when only the head size is known."""
     if heads is None or len(heads) != 4:
@@ -460,6 +490,28 @@ class _AttentionFusion(FusionPass):
     def _fuse(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> str | None:
+        merged: list[ir.Node] = []
+        if match.query is None:
+            found = _merged_query(ctx, match.heads)
+            if isinstance(found, str):
+                return found
+            match.query, merged = found
+        try:
+            return self._fuse_with(ctx, match, merged, shared)
+        finally:  # a declined site's merge nodes must not stay readers of the query heads
+            for node in merged:
+                if node.graph is None:
+                    for index in range(len(node.inputs)):
+                        node.replace_input_with(index, None)
+
+    def _fuse_with(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        merged: list[ir.Node],
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> str | None:
+        assert match.query is not None
         query, replaced = ctx.shape(match.query), ctx.shape(match.output)
         if query is None or replaced is None:
             return "the query projection or the output has an unknown rank"
@@ -494,7 +546,7 @@ class _AttentionFusion(FusionPass):
         if reason is not None:
             return reason
         cached = set(shared)
-        new_nodes: list[ir.Node] = []
+        new_nodes: list[ir.Node] = list(merged)
         if self.clamps_mask:
             if any(_bias_values(b) is None for b in biases):
                 return (
@@ -600,8 +652,8 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             return projections, {"num_heads": heads}, key.nodes + value.nodes
         # A KV cache (Concat(past, new)) or repeated KV heads: read [B, N, L, H] as it is.
         for operand in (key, value):
-            shape = ctx.shape(operand.tensor) if operand.tensor is not None else None
-            if shape is None or len(shape) != 4 or shape[1] != heads or shape[3] != head_size:
+            tensor = operand.tensor
+            if tensor is None or not _is_heads(ctx, tensor, heads, head_size):
                 return "the key or value is not provably [batch, heads, length, head size]"
         return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
 
@@ -650,39 +702,7 @@ def _repeats_each_head(
     target = ctx.shape(expand.inputs[1])
     if target is None or len(target) != 1 or not isinstance(target[0], int) or target[0] < 3:
         return False
-    return _shape_element(ctx, expand.inputs[1], target[0] - 3) == times
-
-
-def _shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8) -> int | None:
-    """Element ``index`` of a 1-D integer tensor that spells a shape, where it is a constant:
-    through Concat, Reshape, Unsqueeze and TorchScript's Where(Equal(s, -1), 1, s)."""
-    array = constant_value(value)
-    if array is not None:
-        flat = array.reshape(-1)
-        known = array.dtype.kind in "iu" and 0 <= index < flat.size
-        return int(flat[index]) if known else None
-    node = value.producer()
-    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
-        return None
-    if node.op_type in ("Reshape", "Unsqueeze", "Identity"):  # the elements in the same order
-        return _shape_element(ctx, node.inputs[0], index, depth - 1)
-    if node.op_type == "Concat":
-        for part in node.inputs:
-            size = ctx.shape(part)
-            if size is None or len(size) != 1 or not isinstance(size[0], int):
-                return None
-            if index < size[0]:
-                return _shape_element(ctx, part, index, depth - 1)
-            index -= size[0]
-        return None
-    if node.op_type == "Where":  # -1 (keep the dim) becomes 1: only the other elements count
-        test = _producer(node.inputs[0], "Equal")
-        minus = constant_value(test.inputs[1]) if test is not None else None
-        if test is None or test.inputs[0] is not node.inputs[2] or minus is None:
-            return None
-        element = _shape_element(ctx, node.inputs[2], index, depth - 1)
-        return element if bool(np.all(minus == -1)) and element != -1 else None
-    return None
+    return shape_element(ctx, expand.inputs[1], target[0] - 3) == times
 
 
 @register_pass
@@ -711,12 +731,15 @@ class AttentionFusionPass(_AttentionFusion):
         shared: dict[object, tuple[ir.Value, ...]],
     ) -> _Plan | str | None:
         key, value = match.key, match.value
-        if key.projection is None or value.projection is None:
-            return "the key/value are not plain projections (a KV cache): MultiHeadAttention's"
-        if key.repeated != value.repeated:
-            return "only one of key and value has repeated heads"
         if ctx.opset < self.spec.min_opset:
             return f"Attention needs opset >= {self.spec.min_opset}, model has {ctx.opset}"
+        if key.projection is None or value.projection is None:
+            return (
+                "the key/value are not plain head splits of projections (a KV cache, heads "
+                "transformed after the split): MultiHeadAttention's"
+            )
+        if key.repeated != value.repeated:
+            return "only one of key and value has repeated heads"
         kv_heads = _kv_heads(ctx, match, heads, head_size)
         if isinstance(kv_heads, str):
             return kv_heads

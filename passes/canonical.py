@@ -11,44 +11,12 @@ rotary, one tensor) instead of one more spelling to enumerate.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
+from fusectl.axes import kept_length, slice_operands
 from fusectl.context import PassContext
-from fusectl.patterns import bypass, bypass_refusal, constant_value, replace_subgraph, typed
+from fusectl.patterns import bypass, bypass_refusal, replace_subgraph, typed
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _slice_operands(node: ir.Node, rank: int) -> list[tuple[int, int, int, int]] | None:
-    """(axis, start, end, step) for every sliced axis, if all are constants."""
-    if len(node.inputs) >= 3:  # opset 10+: starts, ends, axes, steps as inputs
-        operands = [*node.inputs[1:], None, None][:4]
-        starts, ends = constant_value(operands[0]), constant_value(operands[1])
-        axes = constant_value(operands[2]) if operands[2] is not None else None
-        steps = constant_value(operands[3]) if operands[3] is not None else None
-        if starts is None or ends is None:
-            return None
-        given = zip(operands[2:], (axes, steps), strict=True)
-        if any(value is not None and array is None for value, array in given):
-            return None
-    else:
-        starts = node.attributes.get_ints("starts", None)
-        ends = node.attributes.get_ints("ends", None)
-        axes = node.attributes.get_ints("axes", None)
-        steps = None
-        if starts is None or ends is None:
-            return None
-    starts, ends = np.ravel(starts).tolist(), np.ravel(ends).tolist()
-    axes = np.ravel(axes).tolist() if axes is not None else list(range(len(starts)))
-    steps = np.ravel(steps).tolist() if steps is not None else [1] * len(starts)
-    if not len(starts) == len(ends) == len(axes) == len(steps) or 0 in steps:
-        return None
-    return [
-        (int(axis) % rank, int(start), int(end), int(step))
-        for axis, start, end, step in zip(axes, starts, ends, steps, strict=True)
-    ]
 
 
 def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, bool]] | None:
@@ -58,7 +26,7 @@ def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, boo
     shape = ctx.shape(data) if data is not None else None
     if shape is None:
         return None
-    operands = _slice_operands(node, len(shape))
+    operands = slice_operands(node, len(shape))
     if operands is None:
         return None
     lengths = []
@@ -66,9 +34,8 @@ def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, boo
         size = shape[axis]
         if not isinstance(size, int):
             return None
-        # Python's slice clamps exactly as ONNX Slice does (INT64_MAX ends included).
-        kept = range(*slice(start, min(end, _INT64_MAX), step).indices(size))
-        lengths.append((axis, len(kept), step == 1 and len(kept) == size))
+        kept = kept_length(start, end, step, size)
+        lengths.append((axis, kept, step == 1 and kept == size))
     return lengths
 
 

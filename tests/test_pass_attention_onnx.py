@@ -81,7 +81,8 @@ def test_kv_cache_left_to_multi_head_attention(tmp_path: Path) -> None:
     run = optimize_checked(upgraded, tmp_path, compare=False)
     assert run.counts(ATTENTION) == (2, 0)
     assert reasons(run, ATTENTION) == {
-        "the key/value are not plain projections (a KV cache): MultiHeadAttention's": 2
+        "the key/value are not plain head splits of projections (a KV cache, heads "
+        "transformed after the split): MultiHeadAttention's": 2
     }
     assert run.counts(MHA) == (2, 2)
     dims = {"batch": 2, "sequence": 3, "past_sequence": 4, "total_sequence": 7}

@@ -1,0 +1,228 @@
+"""What shape and layout ops do to axes: static sizes derived through the ops that produced a
+value, where onnx shape inference does not know them (contrib ops on the way, shapes computed
+at run time). Passes use it to prove a layout ([batch, heads, length, head size]) from what the
+graph computes rather than from one exporter's spelling."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusectl.context import PassContext
+from fusectl.patterns import constant_value
+
+MS = "com.microsoft"
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def slice_operands(node: ir.Node, rank: int) -> list[tuple[int, int, int, int]] | None:
+    """(axis, start, end, step) for every sliced axis, if all are constants."""
+    if len(node.inputs) >= 3:  # opset 10+: starts, ends, axes, steps as inputs
+        operands = [*node.inputs[1:], None, None][:4]
+        starts, ends = constant_value(operands[0]), constant_value(operands[1])
+        axes = constant_value(operands[2]) if operands[2] is not None else None
+        steps = constant_value(operands[3]) if operands[3] is not None else None
+        if starts is None or ends is None:
+            return None
+        given = zip(operands[2:], (axes, steps), strict=True)
+        if any(value is not None and array is None for value, array in given):
+            return None
+    else:
+        starts = node.attributes.get_ints("starts", None)
+        ends = node.attributes.get_ints("ends", None)
+        axes = node.attributes.get_ints("axes", None)
+        steps = None
+        if starts is None or ends is None:
+            return None
+    starts, ends = np.ravel(starts).tolist(), np.ravel(ends).tolist()
+    axes = np.ravel(axes).tolist() if axes is not None else list(range(len(starts)))
+    steps = np.ravel(steps).tolist() if steps is not None else [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps) or 0 in steps:
+        return None
+    return [
+        (int(axis) % rank, int(start), int(end), int(step))
+        for axis, start, end, step in zip(axes, starts, ends, steps, strict=True)
+    ]
+
+
+def kept_length(start: int, end: int, step: int, size: int) -> int:
+    """How many elements ONNX Slice keeps of an axis of ``size`` (Python's slice clamps the
+    same way, INT64_MAX ends included)."""
+    return len(range(*slice(start, min(end, _INT64_MAX), step).indices(size)))
+
+
+def shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8) -> int | None:
+    """Element ``index`` of a 1-D integer tensor that spells a shape, where it is a constant:
+    through Concat, Reshape, Unsqueeze and TorchScript's Where(Equal(s, -1), 1, s)."""
+    array = constant_value(value)
+    if array is not None:
+        flat = array.reshape(-1)
+        known = array.dtype.kind in "iu" and 0 <= index < flat.size
+        return int(flat[index]) if known else None
+    node = value.producer()
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in ("Reshape", "Unsqueeze", "Identity"):  # the elements in the same order
+        return shape_element(ctx, node.inputs[0], index, depth - 1)
+    if node.op_type == "Concat":
+        for part in node.inputs:
+            size = ctx.shape(part)
+            if size is None or len(size) != 1 or not isinstance(size[0], int):
+                return None
+            if index < size[0]:
+                return shape_element(ctx, part, index, depth - 1)
+            index -= size[0]
+        return None
+    if node.op_type == "Where":  # -1 (keep the dim) becomes 1: only the other elements count
+        test = _producer_of(node.inputs[0], "Equal")
+        minus = constant_value(test.inputs[1]) if test is not None else None
+        if test is None or test.inputs[0] is not node.inputs[2] or minus is None:
+            return None
+        element = shape_element(ctx, node.inputs[2], index, depth - 1)
+        return element if bool(np.all(minus == -1)) and element != -1 else None
+    return None
+
+
+# Ops whose output has their first input's shape.
+_SAME_SHAPE = frozenset({"Neg", "Cast", "Relu", "Identity", "Sqrt", "Exp", "Softmax", "Tanh"})
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
+
+
+def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> int | None:
+    """The static size of one axis of ``value``, derived from what produced it where shape
+    inference does not know it (contrib ops on the way, shapes computed at run time): through
+    element-wise ops, broadcasting, Concat, Slice, Transpose, Reshape targets and onnxruntime's
+    shape-preserving contrib ops (RotaryEmbedding)."""
+    shape = ctx.shape(value)
+    rank = len(shape) if shape is not None else None
+    if shape is not None and isinstance(shape[axis], int):
+        return int(shape[axis])
+    node = value.producer()
+    if node is None or depth == 0 or rank is None:
+        return None
+    op, contrib = node.op_type, node.domain == MS
+    if node.domain not in ("", "ai.onnx") and not (contrib and op == "RotaryEmbedding"):
+        return None
+    inputs = [v for v in node.inputs if v is not None]
+    if op in _SAME_SHAPE or op == "RotaryEmbedding":
+        return axis_size(ctx, inputs[0], axis, depth - 1)
+    if op in _BROADCASTING:
+        sizes = []
+        for operand in inputs:
+            operand_shape = ctx.shape(operand)
+            if operand_shape is None:
+                return None
+            position = axis - (rank - len(operand_shape))
+            if position >= 0:
+                sizes.append(axis_size(ctx, operand, position, depth - 1))
+        known = {size for size in sizes if size is not None and size != 1}
+        return known.pop() if len(known) == 1 else None
+    if op == "Concat":
+        if node.attributes.get_int("axis", 0) % rank != axis:
+            return axis_size(ctx, inputs[0], axis, depth - 1)
+        parts = [axis_size(ctx, part, axis, depth - 1) for part in inputs]
+        return None if None in parts else sum(parts)  # type: ignore[arg-type]
+    if op == "Transpose":
+        perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
+        return axis_size(ctx, inputs[0], perm[axis], depth - 1)
+    if op == "Slice":
+        operands = slice_operands(node, rank)
+        if operands is None:
+            return None
+        bounds = {a: (start, end, step) for a, start, end, step in operands}
+        size = axis_size(ctx, inputs[0], axis, depth - 1)
+        if axis not in bounds or size is None:
+            return size
+        return kept_length(*bounds[axis], size)
+    if op == "Reshape":
+        element = shape_element(ctx, inputs[1], axis)
+        if element == 0 and not node.attributes.get_int("allowzero", 0):
+            return axis_size(ctx, inputs[0], axis, depth - 1)
+        if element == -1:
+            return _inferred_dimension(ctx, node)
+        return element if element is not None and element > 0 else None
+    return None
+
+
+def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
+    """The size a Reshape infers for its -1: the data's element count over the target's other
+    sizes, where the symbolic sizes cancel (the target copies them from the data with
+    Shape -> Gather, or with 0)."""
+    data, target = reshape.inputs[0], reshape.inputs[1]
+    source, parts = ctx.shape(data), _target_parts(ctx, target)
+    if source is None or parts is None or parts.count(-1) != 1:
+        return None
+    copying_zero = not reshape.attributes.get_int("allowzero", 0)
+    remaining: list = list(source)
+    known = 1
+    for index, part in enumerate(parts):
+        if part == -1:
+            continue
+        if part == 0 and copying_zero and index < len(source):
+            size = source[index]
+        elif isinstance(part, tuple):  # a size copied from some value's shape
+            shape = ctx.shape(part[0])
+            size = (
+                shape[part[1]]
+                if shape is not None and -len(shape) <= part[1] < len(shape)
+                else None
+            )
+        elif part > 0:
+            size = part
+        else:
+            return None
+        if isinstance(size, int):
+            known *= size
+            continue
+        # A symbolic size cancels the data dimension of the same name.
+        named = size is not None and size.value is not None
+        match = next((i for i, d in enumerate(remaining) if named and d == size), None)
+        if match is None:
+            return None
+        remaining[match] = 1
+    if not all(isinstance(dim, int) for dim in remaining):
+        return None
+    total = int(np.prod(remaining, dtype=np.int64))
+    return total // known if known and total % known == 0 else None
+
+
+def _target_parts(ctx: PassContext, target: ir.Value) -> list | None:
+    """A Reshape target element by element: an int, or (value, axis) for a size read from a
+    value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)))."""
+    array = constant_value(target)
+    if array is not None:
+        return [int(v) for v in array.reshape(-1)]
+    concat = _producer_of(target, "Concat")
+    if concat is None:
+        return None
+    parts: list = []
+    for part in concat.inputs:
+        array = constant_value(part)
+        if array is not None:
+            parts += [int(v) for v in array.reshape(-1)]
+            continue
+        copied = _copied_dimension(part)
+        if copied is None:
+            return None
+        parts.append(copied)
+    return parts
+
+
+def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
+    """(x, i) when ``value`` is x's size along axis i as a 1-element tensor."""
+    unsqueeze = _producer_of(value, "Unsqueeze")
+    gather = _producer_of(unsqueeze.inputs[0] if unsqueeze else value, "Gather")
+    shape = _producer_of(gather.inputs[0], "Shape") if gather is not None else None
+    index = constant_value(gather.inputs[1]) if gather is not None else None
+    if shape is None or index is None or index.size != 1 or shape.inputs[0] is None:
+        return None
+    if shape.attributes.get_int("start", 0) != 0:
+        return None
+    return shape.inputs[0], int(index.reshape(-1)[0])
+
+
+def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+        return None
+    return node

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from fusectl import logs
+from fusectl import coverage, logs
 from fusectl.context import NodeNames, OpIndex, PassContext, Rewrites
 from fusectl.patterns import PatternPass
 from fusectl.shapes import ShapeOracle
@@ -33,6 +33,8 @@ class RunResult:
     nodes_before: int
     nodes_after: int
     seconds: float
+    # Fused and written-out computations per op class in the optimized graph.
+    coverage: dict[str, coverage.ClassCoverage] = field(default_factory=dict)
 
 
 AfterPass = Callable[[PassRun, ir.Model], None]
@@ -131,4 +133,10 @@ def run_plan(
             if not any(changed):
                 break
         position += len(group)
-    return RunResult(runs, nodes_before, len(model.graph), time.perf_counter() - start)
+    return RunResult(
+        runs,
+        nodes_before,
+        len(model.graph),
+        time.perf_counter() - start,
+        coverage.measure(model.graph, runs),
+    )

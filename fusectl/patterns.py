@@ -216,6 +216,27 @@ def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     return None
 
 
+def within(
+    value: ir.Value | None, op_types: frozenset[str], *, upward: bool, depth: int = 5
+) -> bool:
+    """Whether a node of one of ``op_types`` is within ``depth`` ops of ``value``, following
+    producers (the first two inputs of each) or readers."""
+    if value is None or depth == 0:
+        return False
+    if upward:
+        producer = value.producer()
+        nodes = [producer] if producer is not None else []
+    else:
+        nodes = [user for user, _ in value.uses()]
+    for node in nodes:
+        if node.op_type in op_types:
+            return True
+        following = node.inputs[:2] if upward else node.outputs
+        if any(within(v, op_types, upward=upward, depth=depth - 1) for v in following):
+            return True
+    return False
+
+
 def _node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 

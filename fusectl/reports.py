@@ -12,7 +12,7 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.table import Table
 
-from fusectl import __version__, runtime
+from fusectl import __version__, coverage, runtime
 from fusectl.context import layer_of
 from fusectl.engine import PassRun, RunResult
 from fusectl.errors import FusectlError
@@ -224,6 +224,7 @@ def report_document(
         "warnings": plan.warnings,
         "notes": plan.notes,
         "passes": [_run_document(run, order, layers) for order, run in enumerate(result.runs)],
+        "coverage": coverage.to_json(result.coverage),
         "fusion_result": fusion_result_document(result),
     }
 
@@ -256,15 +257,18 @@ def print_summary(console: Console, result: RunResult, layers: set[str] = frozen
             f"{delta:+d}" if ctx else "-",
         )
     console.print(table)
+    line = coverage.summary_line(result.coverage)
+    if line:
+        console.print(line)
     console.print(
         f"nodes {result.nodes_before} -> {result.nodes_after} in {result.seconds:.3f} s; "
         f"{quiet} other pass(es) matched nothing or are off by default"
     )
     for run in result.runs:
-        coverage = layer_coverage(run, layers)
-        if coverage is not None:
+        missed = layer_coverage(run, layers)
+        if missed is not None:
             console.print(  # one line however many layers are missing: it is grepped for
-                f"{run.decision.name} fused in {coverage['fused']} of {coverage['total']} "
-                f"layers; none in {', '.join(coverage['missing'])}",
+                f"{run.decision.name} fused in {missed['fused']} of {missed['total']} "
+                f"layers; none in {', '.join(missed['missing'])}",
                 soft_wrap=True,
             )

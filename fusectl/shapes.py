@@ -87,6 +87,7 @@ class ShapeOracle:
         self._proto = proto
         self.ran = False
         self.stale = False
+        self._filled: dict[ir.Value, None] = {}  # insertion-ordered: deterministic
 
     def invalidate(self) -> None:
         """The graph changed in a way that may make more shapes inferable (a constant was
@@ -114,6 +115,11 @@ class ShapeOracle:
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
 
+        # Shapes this oracle filled in earlier are left out of what inference reads: onnx
+        # keeps a recorded symbol over the one it would infer, so they would stay stale.
+        earlier = [(value, value.shape) for value in self._filled if value.shape is not None]
+        for value, _ in earlier:
+            value.shape = None
         try:
             if self._proto is not None:
                 inferred = infer(_without_weights(self._proto, self._model))
@@ -121,6 +127,11 @@ class ShapeOracle:
                 inferred = _c_api_utils.call_onnx_api(infer, self._model)
         except Exception as error:  # inference is a best effort; passes decline without it
             logger.debug("shape inference failed: %s", error)
+            inferred = None
+        finally:
+            for value, shape in earlier:
+                value.shape = shape
+        if inferred is None:
             return
         types = {info.name: info.type for info in inferred.graph.value_info}
         types.update((info.name, info.type) for info in inferred.graph.output)
@@ -129,9 +140,10 @@ class ShapeOracle:
                 found = types.get(value.name or "")
                 if found is None or not found.HasField("tensor_type"):
                     continue
-                inferred = ir.serde.deserialize_type_proto_for_shape(found)
-                if value.shape is None or _more_static(inferred, value.shape):
-                    value.shape = inferred
+                shape = ir.serde.deserialize_type_proto_for_shape(found)
+                if value.shape is None or _more_static(shape, value.shape):
+                    value.shape = shape
+                    self._filled[value] = None
                 if value.type is None and found.tensor_type.elem_type:
                     value.type = ir.serde.deserialize_type_proto_for_type(found)
 
@@ -145,13 +157,24 @@ def _is_static(shape: ir.Shape) -> bool:
 
 def _more_static(new: ir.Shape | None, old: ir.Shape) -> bool:
     """Whether inference on the changed graph knows more of a value's shape than before: the
-    same rank, every known size kept, at least one more known (shapes re-derived, not stale)."""
+    same rank, every known size kept, and one more size known, or one more dimension tied to
+    a named one (an input's 'batch' where inference had made up 'unk__3'): shapes are
+    re-derived, not stale."""
     if new is None or len(new) != len(old):
         return False
     pairs = list(zip(new, old, strict=True))
     if any(isinstance(o, int) and n != o for n, o in pairs):
         return False
-    return any(isinstance(n, int) and not isinstance(o, int) for n, o in pairs)
+    return any(_rank_of(n) > _rank_of(o) for n, o in pairs)
+
+
+def _rank_of(dim: int | ir.SymbolicDim) -> int:
+    """How much a dimension says: a size, a name shared with other values, or nothing (no name,
+    or one onnx shape inference made up for this value alone)."""
+    if isinstance(dim, int):
+        return 2
+    name = dim.value
+    return 0 if name is None or name.startswith("unk__") else 1
 
 
 def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto:

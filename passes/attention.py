@@ -30,6 +30,7 @@ import onnx_ir as ir
 from fusectl import runtime
 from fusectl.axes import axis_size, shape_element
 from fusectl.context import PassContext
+from fusectl.coverage import attention_shaped
 from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
 from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
@@ -162,9 +163,10 @@ class _Attention:
 
 def _scores(
     value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]
-) -> tuple[ir.Node | None, float]:
+) -> tuple[ir.Node | None, float, ir.Value]:
     """Walk Add(bias) and a scaling of the product (Div or Mul by a constant, as eager
-    attention writes it) back to the MatMul of the scores: the MatMul and that scale."""
+    attention writes it) back to the MatMul of the scores: the MatMul and that scale, and the
+    value the walk stopped at."""
     for _ in range(3):
         add = _producer(value, "Add")
         if add is None:
@@ -176,7 +178,7 @@ def _scores(
                 value = scores
                 break
         else:
-            return None, 1.0
+            return None, 1.0, value
     scale = 1.0
     divide = _producer(value, "Div")
     if divide is not None and _scalar(divide.inputs[1]):
@@ -187,7 +189,7 @@ def _scores(
         product, factor = _unscale(value, nodes)
         if product is not value:
             scale, value = factor, product
-    return _producer(value, "MatMul"), scale
+    return _producer(value, "MatMul"), scale, value
 
 
 def _leads_to_matmul(value: ir.Value | None, depth: int = 4) -> bool:
@@ -202,13 +204,18 @@ def _leads_to_matmul(value: ir.Value | None, depth: int = 4) -> bool:
     return any(_leads_to_matmul(v, depth - 1) for v in node.inputs)
 
 
-def _match(softmax: ir.Node) -> _Attention | str | None:
-    """The attention around this Softmax, a reason it cannot fuse, or None if it is none."""
+def _match(softmax: ir.Node) -> _Attention | str:
+    """The attention around this Softmax, or why what is around it is not one (the caller
+    reports the reason only where the Softmax sits between two MatMuls: attention_shaped)."""
     nodes: list[ir.Node] = [softmax]
     biases: list[ir.Value] = []
-    matmul, product_scale = _scores(softmax.inputs[0], nodes, biases)
+    matmul, product_scale, reached = _scores(softmax.inputs[0], nodes, biases)
     if matmul is None:
-        return None
+        found = reached.producer()
+        return (
+            "the scores are not MatMul(query, key^T) with additive biases and a constant "
+            f"scale (they come from {found.op_type if found else 'a graph input'})"
+        )
     nodes.append(matmul)
     q_scaled, q_scale = _unscale(matmul.inputs[0], nodes)
     k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
@@ -217,7 +224,7 @@ def _match(softmax: ir.Node) -> _Attention | str | None:
     query = _split_heads(q_scaled, nodes)  # None: the heads are merged back (_merged_query)
     key = _key_source(k_scaled, nodes)
     if key is None:
-        return None
+        return "the key is not transposed heads [batch, heads, head size, length] of a tensor"
     probabilities = softmax.outputs[0]
     uses = [user for user, _ in probabilities.uses()]
     guard = next((u for u in uses if u.op_type == "IsNaN"), None)
@@ -229,7 +236,7 @@ def _match(softmax: ir.Node) -> _Attention | str | None:
         probabilities = where.outputs[0]
         uses = [user for user, _ in probabilities.uses()]
     if len(uses) != 1 or uses[0].op_type != "MatMul" or uses[0].inputs[0] is not probabilities:
-        return None
+        return "the probabilities are not read by exactly one MatMul with the value"
     context = uses[0]
     nodes.append(context)
     value = _heads(context.inputs[1])
@@ -240,10 +247,10 @@ def _match(softmax: ir.Node) -> _Attention | str | None:
         result = extra.outputs[0]
     merge = _producer_user(result, "Transpose")
     if merge is None or _perm(merge) != _HEADS:
-        return None
+        return "the context [batch, heads, sequence, head size] is not merged back by Transpose"
     final = _producer_user(merge.outputs[0], "Reshape")
     if final is None:
-        return None
+        return "the merged context is not reshaped back to [batch, sequence, hidden]"
     nodes += [merge, final]
     return _Attention(
         heads, guard is not None, query, key, value, scale, biases, final.outputs[0], final, nodes
@@ -464,8 +471,8 @@ class _AttentionFusion(FusionPass):
             if softmax.graph is not model.graph:
                 continue
             found = _match(softmax)
-            if found is None:
-                continue
+            if isinstance(found, str) and not attention_shaped(softmax):
+                continue  # a Softmax of something else (a classifier head, a gate)
             label = softmax.name or softmax.op_type
             reason = found if isinstance(found, str) else self._fuse(ctx, found, shared)
             if reason is not None:

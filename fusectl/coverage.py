@@ -1,0 +1,189 @@
+"""Fusion coverage by op class: of the attention, normalization, GELU-class and rotary
+computations in the optimized model, how many are fused ops and which are still written out.
+
+A written-out computation is recognized by what makes it that computation, whatever the
+spelling: attention is a Softmax between two MatMuls; a normalization divides by the square root
+of a mean (one variance ReduceMean per norm, or the ReduceMean of a Pow(x, 2) for RMS); an exact
+GELU has an Erf, a tanh GELU a Tanh fed by x**3 terms; rotary has the rotate-half Concat of a
+negated half. The report lists every written-out site with the near-miss reason a pass gave for
+it, or says that no pass recognized it: nothing stays unfused silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+if TYPE_CHECKING:
+    from fusectl.engine import PassRun
+
+from fusectl.patterns import constant_value, within
+
+FUSED_OPS: dict[str, frozenset[str]] = {
+    "attention": frozenset(
+        {
+            "MultiHeadAttention",
+            "GroupQueryAttention",
+            "Attention",
+            "PackedAttention",
+            "PackedMultiHeadAttention",
+            "SparseAttention",
+        }
+    ),
+    "norms": frozenset(
+        {
+            "LayerNormalization",
+            "SkipLayerNormalization",
+            "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+            "RMSNormalization",
+            "EmbedLayerNormalization",
+        }
+    ),
+    "GELU": frozenset({"Gelu", "FastGelu", "BiasGelu", "BiasFastGelu", "QuickGelu"}),
+    "rotary": frozenset({"RotaryEmbedding"}),
+}
+
+
+# Products as they stand after the passes (a scaled product is a FusedMatMul by then).
+_MATMULS = frozenset({"MatMul", "FusedMatMul", "Gemm"})
+_SQRT = frozenset({"Sqrt"})
+
+
+@dataclass
+class ClassCoverage:
+    fused: int = 0
+    unfused: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.fused + len(self.unfused)
+
+
+def measure(graph: ir.Graph, runs: Sequence[PassRun]) -> dict[str, ClassCoverage]:
+    """Coverage per op class in ``graph`` (as optimized). Each written-out site gets the
+    near-miss reason a pass gave for one of its nodes, else the pass that would fuse it and is
+    switched off, else "no pass recognized this spelling"."""
+    reasons: dict[str, str] = {}
+    for run in runs:
+        if run.ctx is None:
+            continue
+        for stats in run.ctx.patterns.values():
+            for reason, sites in stats.decline_examples.items():
+                for site in sites:
+                    reasons.setdefault(site, f"{run.decision.name}: {reason}")
+    switched_off = {
+        name: next(
+            (
+                f"{run.decision.name} is off ({run.decision.source.value})"
+                for run in runs
+                if not run.decision.enabled and set(run.decision.fusion_pass.spec.emits) & ops
+            ),
+            None,
+        )
+        for name, ops in FUSED_OPS.items()
+    }
+    classes = {name: ClassCoverage() for name in FUSED_OPS}
+    for node in graph:
+        for name, ops in FUSED_OPS.items():
+            if node.op_type in ops and node.domain in ("", "ai.onnx", "com.microsoft"):
+                classes[name].fused += 1
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        kind = _written_out(node)
+        if kind is None:
+            continue
+        reason = next((reasons[n] for n in _site_names(node) if n in reasons), None)
+        reason = reason or switched_off[kind] or "no pass recognized this spelling"
+        classes[kind].unfused.append({"node": node.name or node.op_type, "reason": reason})
+    return classes
+
+
+def _site_names(anchor: ir.Node, depth: int = 6) -> list[str]:
+    """The anchor and the nodes a few ops below it, nearest first: a pass labels a decline
+    with the root of its match, which is the anchor or follows it."""
+    names: list[str] = []
+    frontier = [anchor]
+    for _ in range(depth):
+        following = []
+        for node in frontier:
+            if node.name and node.name not in names:
+                names.append(node.name)
+            following += [user for value in node.outputs for user, _ in value.uses()]
+        frontier = following
+    return names
+
+
+def _written_out(node: ir.Node) -> str | None:
+    """The op class whose written-out form this node anchors (one anchor per computation)."""
+    if node.op_type == "Softmax":
+        return "attention" if attention_shaped(node) else None
+    if node.op_type == "ReduceMean":
+        # The variance (or mean square) a norm takes the square root of.
+        variance = within(node.outputs[0], _SQRT, upward=False, depth=3) and _squares(node)
+        return "norms" if variance else None
+    if node.op_type == "Erf":
+        return "GELU"
+    if node.op_type == "Tanh":
+        return "GELU" if _has_cube(node.inputs[0]) else None
+    if node.op_type == "Concat":
+        halves = len(node.inputs) == 2 and any(_producer_type(v) == "Neg" for v in node.inputs)
+        return "rotary" if halves else None
+    return None
+
+
+def _producer_type(value: ir.Value | None) -> str | None:
+    node = value.producer() if value is not None else None
+    return node.op_type if node is not None else None
+
+
+def _squares(reduce: ir.Node) -> bool:
+    """Whether the ReduceMean averages a square (Pow(x, 2) or x * x)."""
+    source = reduce.inputs[0].producer() if reduce.inputs[0] is not None else None
+    if source is None:
+        return False
+    if source.op_type == "Pow":
+        exponent = constant_value(source.inputs[1])
+        return exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2
+    return source.op_type == "Mul" and source.inputs[0] is source.inputs[1]
+
+
+def _has_cube(value: ir.Value | None, depth: int = 4) -> bool:
+    """Whether the 0.044715 * x**3 term of the tanh GELU is a few ops up."""
+    node = value.producer() if value is not None else None
+    if node is None or depth == 0:
+        return False
+    for operand in node.inputs:
+        array = constant_value(operand)
+        scalar = float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+        if scalar is not None and (
+            np.isclose(scalar, 0.044715, rtol=1e-3) or (node.op_type == "Pow" and scalar == 3)
+        ):
+            return True
+    return any(_has_cube(v, depth - 1) for v in node.inputs)
+
+
+def attention_shaped(softmax: ir.Node) -> bool:
+    """A Softmax between two MatMuls: scores computed from a MatMul a few ops up, weights read
+    by a MatMul a few ops down. Every such Softmax left unfused is reported."""
+    return within(softmax.inputs[0], _MATMULS, upward=True) and within(
+        softmax.outputs[0], _MATMULS, upward=False, depth=4
+    )
+
+
+def to_json(classes: dict[str, ClassCoverage]) -> dict[str, dict]:
+    return {
+        name: {"fused": found.fused, "total": found.total, "unfused": found.unfused}
+        for name, found in classes.items()
+        if found.total
+    }
+
+
+def summary_line(classes: dict[str, ClassCoverage]) -> str | None:
+    """'attention 2/2, norms 5/5, GELU 2/2' for the classes the model has."""
+    parts = [f"{name} {c.fused}/{c.total}" for name, c in classes.items() if c.total]
+    return "coverage: " + ", ".join(parts) if parts else None

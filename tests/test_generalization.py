@@ -1,0 +1,225 @@
+"""Fusion that generalizes: the canonicalization group, attention on query heads that are not a
+plain head split (fused QKV projections, partial rotary), and the coverage report that names
+every written-out attention, norm, GELU and rotary that stayed unfused."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tests.conftest import Run
+from tests.pass_helpers import const, fixture_path, optimize_checked, reasons, save_model, value
+
+CANONICAL = "NoOpSliceConcatEliminationPass"
+MHA = "MultiHeadAttentionFusionPass"
+ROTARY = "RotaryEmbeddingFusionPass"
+
+
+def _ops(path: Path) -> Counter[str]:
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def _patterns(run: Run, name: str) -> dict[str, tuple[int, int]]:
+    return {k: (v["matched"], v["effected"]) for k, v in run.passed(name)["patterns"].items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Real exports: Phi-3 (fused QKV sliced into q/k/v; TorchScript keeps a run-time rotary_dim
+# split of each head) and GPT-NeoX (fused QKV split per head after the head split, rotary over
+# a quarter of each head), two layers each.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: Path) -> None:
+    """The run-time rotary_dim folds to the head size: q[..., :16] is q (4 whole Slices),
+    q[..., 16:] is empty (4 Concat operands dropped), and the Concats left with one operand
+    go (with the single-operand Concats of the empty KV cache: 5 in all). Then the rotary and
+    attention fuse in both layers, and the shapes re-derived after the rewrites prove the
+    residual of layer 1 for its skip norm."""
+    original = fixture_path("phi3_tiny_ts17")
+    run = optimize_checked(original, tmp_path)
+    assert run.counts(CANONICAL) == (13, 13)
+    assert _patterns(run, CANONICAL) == {
+        "WholeSlice": (4, 4),
+        "EmptyConcatOperand": (4, 4),
+        "SingleOperandConcat": (5, 5),
+    }
+    assert run.counts(ROTARY) == (4, 4)
+    assert run.counts(MHA) == (2, 2)
+    assert run.counts("AddRmsNormFusionPass") == (4, 4)
+    ops = _ops(run.output)
+    assert (ops["Softmax"], ops["Neg"], ops["MultiHeadAttention"]) == (0, 0, 2)
+    coverage = run.report["coverage"]
+    assert {k: (v["fused"], v["total"]) for k, v in coverage.items()} == {
+        "attention": (2, 2),
+        "norms": (4, 5),
+        "GELU": (2, 2),
+        "rotary": (4, 4),
+    }
+    # The first layer's input norm reads the embedding (no residual Add): below opset 23 only
+    # the ONNX-domain SimplifiedLayerNormalization expresses it, and that pass is off.
+    (unfused,) = coverage["norms"]["unfused"]
+    assert unfused == {
+        "node": "/inner/layers.0/input_layernorm/ReduceMean",
+        "reason": "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
+    }
+
+
+@pytest.mark.parametrize("name", ["neox_tiny_ts17", "neox_tiny_dynamo"])
+def test_gpt_neox_fused_qkv_and_partial_rotary(name: str, tmp_path: Path) -> None:
+    """GPT-NeoX's query heads are a per-head slice of the fused QKV projection with the
+    partial rotary applied to a quarter of each head: not a head split of a [B, S, N*H]
+    projection. The fused op reads them merged back (Transpose + Reshape to [B, S, N*H]); the
+    head count comes from the projection's Reshape target, whose -1 is 96 / 48."""
+    original = fixture_path(name)
+    run = optimize_checked(original, tmp_path)
+    assert run.counts(MHA) == (2, 2)
+    assert run.counts(ROTARY) == (4, 4)
+    assert reasons(run, MHA) == {}
+    ops = _ops(run.output)
+    assert (ops["Softmax"], ops["MultiHeadAttention"], ops["RotaryEmbedding"]) == (0, 2, 4)
+    assert {k: (v["fused"], v["total"]) for k, v in run.report["coverage"].items()} == {
+        "attention": (2, 2),
+        "norms": (5, 5),
+        "GELU": (2, 2),
+        "rotary": (4, 4),
+    }
+
+
+def test_target_onnx_reports_attention_unfused_with_reasons(tmp_path: Path) -> None:
+    """--target onnx keeps standard ops: attention stays written out below opset 23, and the
+    coverage says why for each layer instead of staying silent."""
+    run = optimize_checked(fixture_path("neox_tiny_ts17"), tmp_path, "--target", "onnx")
+    attention = run.report["coverage"]["attention"]
+    assert (attention["fused"], attention["total"]) == (0, 2)
+    assert {site["reason"] for site in attention["unfused"]} == {
+        "AttentionFusionPass: Attention needs opset >= 23, model has 17"
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The canonical Slice / Concat forms on small graphs: what goes and what must stay.
+# ---------------------------------------------------------------------------------------------
+
+
+def _slices_model(tmp_path: Path, x_shape: list, start: int, end: int, name: str) -> Path:
+    """y = Concat(Slice(x, start:end on the last axis), x) * 2."""
+    nodes = [
+        helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["part"], name="cut"),
+        helper.make_node("Concat", ["part", "x"], ["joined"], axis=-1, name="join"),
+        helper.make_node("Mul", ["joined", "two"], ["y"], name="double"),
+    ]
+    inits = [
+        const("starts", [start], np.int64),
+        const("ends", [end], np.int64),
+        const("axes", [-1], np.int64),
+        const("two", 2.0),
+    ]
+    return save_model(
+        tmp_path / f"{name}.onnx", nodes, [value("x", x_shape)], [value("y", ["b", "w"])], inits
+    )
+
+
+def test_empty_slice_operand_and_single_concat_go(tmp_path: Path) -> None:
+    """x[..., 8:] of an axis of 8 is empty: the Concat drops it and, left with x alone, goes
+    in the same rewrite."""
+    model = _slices_model(tmp_path, ["batch", 8], 8, 2**63 - 1, "empty_part")
+    run = optimize_checked(model, tmp_path)
+    assert _patterns(run, CANONICAL) == {"EmptyConcatOperand": (1, 1)}
+    assert _ops(run.output) == Counter({"Mul": 1})
+
+
+def test_whole_slice_goes(tmp_path: Path) -> None:
+    model = _slices_model(tmp_path, ["batch", 8], 0, 8, "whole_part")
+    run = optimize_checked(model, tmp_path)
+    assert _patterns(run, CANONICAL) == {"WholeSlice": (1, 1)}
+    assert _ops(run.output) == Counter({"Concat": 1, "Mul": 1})
+
+
+@pytest.mark.parametrize(
+    ("shape", "start", "end", "why"),
+    [
+        (["batch", 8], 0, 4, "keeps half of the axis"),
+        (["batch", "width"], 0, 8, "the axis has no static size"),
+        (["batch", "width"], 8, 2**63 - 1, "may be empty, may not"),
+    ],
+)
+def test_slices_that_change_something_stay(
+    shape: list, start: int, end: int, why: str, tmp_path: Path
+) -> None:
+    model = _slices_model(tmp_path, shape, start, end, "kept")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(CANONICAL) == (0, 0), why
+    assert _ops(run.output) == Counter({"Slice": 1, "Concat": 1, "Mul": 1})
+
+
+def test_whole_slice_between_graph_input_and_output_stays(tmp_path: Path) -> None:
+    """Removing it would make the graph output the graph input itself: the decline says so."""
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends"], ["y"], name="copy")]
+    inits = [const("starts", [0], np.int64), const("ends", [4], np.int64)]
+    model = save_model(tmp_path / "copy.onnx", nodes, [value("x", [4])], [value("y", [4])], inits)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(CANONICAL) == (1, 0)
+    assert reasons(run, CANONICAL) == {
+        "it links a graph input or initializer straight to a graph output": 1
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Never silent: a Softmax between two MatMuls that no attention pass fuses is a near-miss.
+# ---------------------------------------------------------------------------------------------
+
+
+def _scores_model(tmp_path: Path, *, softcap: bool, reread: bool) -> Path:
+    """softmax(q @ k^T) @ v on [B, 2, S, 4] heads; the scores optionally soft-capped as Gemma-2
+    does (cap * tanh(s / cap): no fused attention op computes that), the probabilities
+    optionally not read by a MatMul."""
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2], name="kt"),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="scores"),
+    ]
+    scores = "scores"
+    if softcap:
+        nodes.append(helper.make_node("Div", ["scores", "cap"], ["ratio"]))
+        nodes.append(helper.make_node("Tanh", ["ratio"], ["capped"]))
+        nodes.append(helper.make_node("Mul", ["capped", "cap"], ["softcapped"]))
+        scores = "softcapped"
+    nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=-1, name="softmax"))
+    if reread:
+        nodes.append(helper.make_node("MatMul", ["p", "v"], ["y"], name="context"))
+    else:
+        nodes.append(helper.make_node("ReduceMax", ["p"], ["y"], name="peak"))
+    heads = ["batch", 2, "sequence", 4]
+    inputs = [value("q", heads), value("k", heads), value("v", heads)]
+    output = value("y", ["b", "n", "s", "h"], f32)
+    cap = [const("cap", 30.0)] if softcap else []
+    return save_model(tmp_path / "scores.onnx", nodes, inputs, [output], cap)
+
+
+def test_unfused_attention_shaped_softmax_is_a_near_miss(tmp_path: Path) -> None:
+    run = optimize_checked(_scores_model(tmp_path, softcap=True, reread=True), tmp_path)
+    reason = (
+        "the scores are not MatMul(query, key^T) with additive biases and a constant scale "
+        "(they come from Tanh)"
+    )
+    assert reasons(run, MHA) == {reason: 1}
+    attention = run.report["coverage"]["attention"]
+    assert attention == {
+        "fused": 0,
+        "total": 1,
+        "unfused": [{"node": "softmax", "reason": f"AttentionFusionPass: {reason}"}],
+    }
+    assert "coverage: attention 0/1" in run.stderr
+
+
+def test_softmax_not_between_matmuls_is_not_attention(tmp_path: Path) -> None:
+    """A Softmax whose weights no MatMul reads (a classifier head, a router) is not reported."""
+    run = optimize_checked(_scores_model(tmp_path, softcap=False, reread=False), tmp_path)
+    assert reasons(run, MHA) == {}
+    assert "attention" not in run.report["coverage"]

@@ -149,7 +149,7 @@ def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     sizes, where the symbolic sizes cancel (the target copies them from the data with
     Shape -> Gather, or with 0)."""
     data, target = reshape.inputs[0], reshape.inputs[1]
-    source, parts = ctx.shape(data), _target_parts(ctx, target)
+    source, parts = ctx.shape(data), target_parts(ctx, target)
     if source is None or parts is None or parts.count(-1) != 1:
         return None
     copying_zero = not reshape.attributes.get_int("allowzero", 0)
@@ -186,7 +186,7 @@ def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     return total // known if known and total % known == 0 else None
 
 
-def _target_parts(ctx: PassContext, target: ir.Value) -> list | None:
+def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
     """A Reshape target element by element: an int, or (value, axis) for a size read from a
     value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)))."""
     array = constant_value(target)

@@ -544,6 +544,19 @@ def replace_subgraph(
     return None
 
 
+def remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
+    """Remove the nodes left without readers by a rewrite (the Shape a folded Gather read), and
+    what only they read: later passes then see the graph as it will be saved."""
+    while nodes:
+        node = nodes.pop()
+        if node is None or node.graph is not graph:
+            continue
+        if any(value.uses() or value.is_graph_output() for value in node.outputs):
+            continue
+        nodes += [value.producer() for value in node.inputs if value is not None]
+        graph.remove(node, safe=True)
+
+
 def new_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """A new initializer holding ``array``, named ``name`` or ``name_<n>`` if that is taken
     (nodes without a name give their sites one label)."""

@@ -141,7 +141,9 @@ class ShapeOracle:
                 if found is None or not found.HasField("tensor_type"):
                     continue
                 shape = ir.serde.deserialize_type_proto_for_shape(found)
-                if value.shape is None or _more_static(shape, value.shape):
+                # Recorded shapes are upgraded only once the graph changed: a graph no pass
+                # touched keeps the shapes it came with (a second run changes nothing).
+                if value.shape is None or (self.stale and _more_static(shape, value.shape)):
                     value.shape = shape
                     self._filled[value] = None
                 if value.type is None and found.tensor_type.elem_type:

@@ -357,25 +357,30 @@ def _clamped(
     return select.outputs[0], [select]
 
 
-def _merged_query(ctx: PassContext, heads: ir.Value) -> tuple[ir.Value, list[ir.Node]] | str:
+def _merged_query(
+    ctx: PassContext, heads: ir.Value, shared: dict[object, tuple[ir.Value, ...]]
+) -> tuple[ir.Value, list[ir.Node]] | str:
     """The [B, S, N*H] query the fused op reads, computed from query heads [B, N, S, H] that
     are not a plain head split of a projection (heads transformed after the split, or split
-    from a fused QKV projection): Reshape(Transpose(heads, [0, 2, 1, 3]), [0, 0, N*H])."""
+    from a fused QKV projection): Reshape(Transpose(heads, [0, 2, 1, 3]), [0, 0, N*H]), the
+    target shared by the layers."""
     shape = ctx.shape(heads)
     if shape is None or len(shape) != 4:
         return "the query heads are not 4-D [batch, heads, sequence, head size]"
     count, size = (axis_size(ctx, heads, axis) for axis in (1, 3))
     if count is None or size is None:
         return "the query's number of heads or head size is unknown"
+    key = ("merged query", count * size)
+    if key not in shared:
+        graph = heads.graph
+        assert graph is not None
+        name = f"{ctx.spec.name}/merged_heads_{count * size}"
+        shared[key] = (new_constant(graph, name, np.array([0, 0, count * size], np.int64)),)
     swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
-    target = ir.node(
-        "Constant", [], attributes={"value": ir.tensor(np.array([0, 0, count * size]))}
-    )
-    merge = ir.node("Reshape", [swap.outputs[0], target.outputs[0]])
+    merge = ir.node("Reshape", [swap.outputs[0], shared[key][0]])
     typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
-    typed(target.outputs[0], ir.DataType.INT64, ir.Shape([3]))
     typed(merge.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count * size]))
-    return merge.outputs[0], [swap, target, merge]
+    return merge.outputs[0], [swap, merge]
 
 
 def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int) -> bool:
@@ -499,7 +504,7 @@ class _AttentionFusion(FusionPass):
     ) -> str | None:
         merged: list[ir.Node] = []
         if match.query is None:
-            found = _merged_query(ctx, match.heads)
+            found = _merged_query(ctx, match.heads, shared)
             if isinstance(found, str):
                 return found
             match.query, merged = found
@@ -566,10 +571,13 @@ class _AttentionFusion(FusionPass):
         computed, prelude = self._prelude(ctx, match, shared)
         new_nodes += prelude
         inputs = inputs + computed
-        if len(biases) > 1:
-            total = ir.node("Add", biases[:2])
-            new_nodes.append(total)
-            biases = [total.outputs[0]]
+        if len(biases) > 1:  # mask + position bias: summed once for the layers sharing both
+            key = ("bias sum", *biases[:2])
+            if key not in shared:
+                total = ir.node("Add", biases[:2])
+                new_nodes.append(total)
+                shared[key] = (total.outputs[0],)
+            biases = [shared[key][0]]
         inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
         while inputs[-1] is None:
             inputs.pop()

@@ -1,4 +1,6 @@
-"""Canonical layout: Slices and Concats that change nothing once shapes are known.
+"""The canonical form every pattern pass sees: exporter-generic shape code made static.
+
+Slices and Concats that change nothing once shapes are known:
 
 Exporters write shape-generic code: ``q[..., :rotary_dim]`` and ``q[..., rotary_dim:]`` with
 ``rotary_dim`` read from a tensor at run time (Phi-3, partial-rotary models under the
@@ -7,15 +9,28 @@ rotary covers the whole head. Once constant folding has turned the read dimensio
 number, these are a Slice over a whole axis (the tensor itself), a Slice of nothing, and a
 Concat with an empty operand. Removing them gives every later pass the canonical form (full
 rotary, one tensor) instead of one more spelling to enumerate.
+
+Reshape targets computed at run time (TorchScript: Shape -> Gather -> Unsqueeze -> Concat per
+use) become constants with 0 / -1, and repeated computations are merged: the shape arithmetic
+disappears instead of hiding the layouts from the fusion passes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from fusectl.axes import kept_length, slice_operands
+from fusectl.axes import kept_length, slice_operands, target_parts
 from fusectl.context import PassContext
-from fusectl.patterns import bypass, bypass_refusal, replace_subgraph, typed
+from fusectl.patterns import (
+    bypass,
+    bypass_refusal,
+    constant_value,
+    new_constant,
+    remove_dead,
+    replace_subgraph,
+    typed,
+)
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
 
 
@@ -113,3 +128,214 @@ class NoOpSliceConcatEliminationPass(FusionPass):
         output = replacement.outputs[0]
         typed(output, node.outputs[0].dtype, node.outputs[0].shape)
         replace_subgraph(ctx, pattern, node, [node], [replacement], node.outputs, [output])
+
+
+@register_pass
+class ReshapeTargetCanonicalizationPass(FusionPass):
+    """Not a pattern: each Reshape whose target is computed at run time is judged alone."""
+
+    spec = PassSpec(
+        name="ReshapeTargetCanonicalizationPass",
+        category=Category.GRAPH,
+        description="Reshape targets computed from Shape -> Gather -> Concat at run time -> "
+        "constant targets, with 0 for a size copied from the same position of the data and "
+        "-1 for the one size left (the shape arithmetic goes with them)",
+        aliases=("ReshapeShapeFolding",),
+        priority=3030,
+        emits=("Reshape",),
+        canonical=True,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for node in model.graph:
+            if node.op_type != "Reshape" or node.domain != "" or len(node.inputs) < 2:
+                continue
+            if constant_value(node.inputs[1]) is not None:
+                continue
+            found = _constant_target(ctx, node)
+            if found is None:
+                continue
+            target, dims = found
+            site = node.name or "Reshape"
+            if not ctx.may_rewrite("ReshapeTarget", site):
+                continue
+            graph = model.graph
+            constant = new_constant(graph, f"{ctx.spec.name}/{site}/shape", target)
+            computed = node.inputs[1]
+            node.replace_input_with(1, constant)
+            _keep_proven_dims(node.outputs[0], dims)
+            ctx.record_fusion("ReshapeTarget", [node], [node])
+            remove_dead(graph, [computed.producer() if computed is not None else None])
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+
+def _constant_target(
+    ctx: PassContext, reshape: ir.Node
+) -> tuple[np.ndarray, list[int | ir.SymbolicDim | None]] | None:
+    """The run-time target of this Reshape as a constant: each size copied from a dimension
+    the data has at the same position becomes 0 (allowzero=0 only), a static one its value,
+    and one size left unknown -1 (the reshape keeps the element count, so that size is what
+    -1 computes). None when more than one size stays unknown. With it, the output's
+    dimensions as the computed target proved them (a size copied from another tensor keeps
+    that tensor's symbol, which the constant target no longer shows)."""
+    data = reshape.inputs[0]
+    source = ctx.shape(data) if data is not None else None
+    parts = target_parts(ctx, reshape.inputs[1])
+    if source is None or parts is None:
+        return None
+    copying_zero = not reshape.attributes.get_int("allowzero", 0)
+    resolved: list[int | None] = []
+    dims: list[int | ir.SymbolicDim | None] = []
+    for position, part in enumerate(parts):
+        if isinstance(part, int):
+            resolved.append(part)
+            dims.append(part if part > 0 else None)
+            continue
+        value, axis = part
+        shape = ctx.shape(value)
+        size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        dims.append(size)
+        if isinstance(size, int):
+            resolved.append(size)
+        elif (
+            copying_zero
+            and position < len(source)
+            and _same_dimension((value, axis), size, data, position, source)
+        ):
+            resolved.append(0)
+        else:
+            resolved.append(None)
+    unknown = resolved.count(None)
+    if unknown > 1 or (unknown == 1 and -1 in resolved):
+        return None
+    target = np.array([-1 if size is None else size for size in resolved], dtype=np.int64)
+    return target, dims
+
+
+def _keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) -> None:
+    """Record on the Reshape's output the sizes its computed target proved: a later pass can
+    then still prove that it matches the tensor those sizes were read from."""
+    shape = output.shape
+    if shape is None or len(shape) != len(dims):
+        return
+    output.shape = ir.Shape(
+        [
+            new
+            if new is not None and not (isinstance(new, ir.SymbolicDim) and new.value is None)
+            else old
+            for new, old in zip(dims, shape, strict=True)
+        ]
+    )
+
+
+def _same_dimension(
+    copied: tuple[ir.Value, int],
+    size: int | ir.SymbolicDim | None,
+    data: ir.Value,
+    position: int,
+    source: ir.Shape,
+) -> bool:
+    """Whether a size read from ``copied`` is, at run time, the data's size at ``position``:
+    read from that very axis, or named alike (a name onnx shape inference did not make up)."""
+    value, axis = copied
+    if value is data and axis % len(source) == position:
+        return True
+    mine = source[position]
+    named = isinstance(size, ir.SymbolicDim) and size.value and not size.value.startswith("unk__")
+    return bool(named) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value
+
+
+@register_pass
+class CommonSubexpressionEliminationPass(FusionPass):
+    """Exporters repeat shape arithmetic and small constants per use (TorchScript: each
+    layer's own Shape -> Gather -> Unsqueeze chains and Constant nodes). Merged here, in the
+    canonicalization group, before any fusion: computations on activations are left alone, so
+    no fusion finds a value it would absorb suddenly shared with another site."""
+
+    spec = PassSpec(
+        name="CommonSubexpressionEliminationPass",
+        category=Category.GRAPH,
+        description="repeated shape arithmetic and small constants (same op, attributes and "
+        "inputs) merged into one",
+        aliases=("CSE", "CommonSubexpressionElimination"),
+        priority=3040,
+        emits=(),
+        canonical=True,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        repeats = _repeats(model.graph)
+        # One rewrite for the whole graph (a bisection leaves the merging out as a whole),
+        # numbered only where there is something to merge.
+        if not repeats or not ctx.may_rewrite("CommonSubexpression", "graph"):
+            return
+        graph = model.graph
+        for node, first in repeats:
+            for old, new in zip(node.outputs, first.outputs, strict=True):
+                ir.convenience.replace_all_uses_with(old, new)
+            graph.remove(node, safe=True)
+        ctx.record_fusion("CommonSubexpression", [], [])
+        stats = ctx.pattern("CommonSubexpression")
+        stats.matched += len(repeats) - 1
+        stats.effected += len(repeats) - 1
+
+
+# Constants up to this many elements are compared by value.
+_CSE_CONSTANT_LIMIT = 16
+_SHAPE_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
+
+
+def _repeats(graph: ir.Graph) -> list[tuple[ir.Node, ir.Node]]:
+    """(repeat, first) for each node computing what an earlier node computes from the same
+    inputs: small Constants, and integer shape arithmetic (every output an index type), never
+    a graph output or a random op. Graph order is topological, so each first comes earlier
+    and its inputs are already merged."""
+    seen: dict[tuple, ir.Node] = {}
+    found: list[tuple[ir.Node, ir.Node]] = []
+    merged: dict[ir.Value, ir.Value] = {}
+    for node in graph:
+        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
+            continue
+        constant = node.op_type == "Constant" and node.domain == ""
+        # Types as known (declared, or inferred for an earlier pass): asking here would run
+        # shape inference on graphs no pass needed it for.
+        if not constant and not all(v.dtype in _SHAPE_TYPES for v in node.outputs):
+            continue
+        key = _key(node, merged)
+        if key is None:
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            found.append((node, first))
+            merged.update(zip(node.outputs, first.outputs, strict=True))
+    return found
+
+
+def _key(node: ir.Node, merged: dict[ir.Value, ir.Value]) -> tuple | None:
+    """What the node computes: op, attributes and inputs (as merged so far); None for what is
+    not compared (large constants, subgraphs)."""
+    attributes = []
+    for name, attribute in sorted(node.attributes.items()):
+        content = attribute.value
+        if attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            return None
+        if isinstance(content, ir.TensorProtocol):
+            if content.size > _CSE_CONSTANT_LIMIT:
+                return None
+            content = (content.dtype, tuple(content.shape), content.tobytes())
+        attributes.append((name, repr(content)))
+    inputs = tuple(id(merged.get(v, v)) if v is not None else None for v in node.inputs)
+    return (node.domain, node.op_type, node.overload, inputs, tuple(attributes))
+
+
+_RANDOM = frozenset(
+    {
+        "RandomUniform",
+        "RandomNormal",
+        "RandomUniformLike",
+        "RandomNormalLike",
+        "Multinomial",
+        "Bernoulli",
+    }
+)

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from onnx.reference.ops import load_op
 
 from fusectl.context import PassContext
-from fusectl.patterns import constant_value
+from fusectl.patterns import constant_value, remove_dead
 from fusectl.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")
@@ -139,19 +139,6 @@ def _frees_inputs(node: ir.Node) -> bool:
     )
 
 
-def _remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
-    """Remove the nodes left without readers by a fold (the Shape a folded Gather read), and
-    what only they read: later passes then see the graph as it will be saved."""
-    while nodes:
-        node = nodes.pop()
-        if node is None or node.graph is not graph:
-            continue
-        if any(value.uses() or value.is_graph_output() for value in node.outputs):
-            continue
-        nodes += [value.producer() for value in node.inputs if value is not None]
-        graph.remove(node, safe=True)
-
-
 @register_pass
 class ConstantFoldingPass(FusionPass):
     spec = PassSpec(
@@ -203,7 +190,7 @@ class ConstantFoldingPass(FusionPass):
                 ir.convenience.replace_all_uses_with(old, new)
             sources = [value.producer() for value in node.inputs if value is not None]
             graph.remove(node, safe=True)
-            _remove_dead(graph, sources)
+            remove_dead(graph, sources)
             for new in constants:
                 graph.initializers[new.name] = new
             ctx.record_fusion(node.op_type, [node], [])

@@ -384,8 +384,8 @@ CONCAT_DECLINES = {
 @pytest.mark.parametrize("case", sorted(CONCAT_DECLINES))
 def test_nested_concat_declines(case: str, tmp_path: Path) -> None:
     nodes, y_shape, kwargs, reason = CONCAT_DECLINES[case]
-    if case == "inner_other_axis":
-        nodes = [_concat(["x", "r"], "inner2", "inner2", axis=0), *nodes]
+    if case == "inner_other_axis":  # a second inner Concat, not a copy (CSE would merge it)
+        nodes = [_concat(["r", "x"], "inner2", "inner2", axis=0), *nodes]
     run = optimize_checked(_nested(tmp_path / f"{case}.onnx", nodes, y_shape, **kwargs), tmp_path)
     assert_declined(run, CONCAT, reason, "outer")
     assert run.op_counts()["Concat"] == len([n for n in nodes if n.op_type == "Concat"])

@@ -191,15 +191,17 @@ def _fires_empty_bias_input(path: Path) -> Path:
 
 
 def _fires_shared_weight(path: Path) -> Path:
-    """Two Convs share one weight initializer, each with its own BN."""
+    """Two Convs share one weight initializer, each with its own BN (and its own input: two
+    Convs of the same input would be one computation, merged before any fusion)."""
     return _conv_bn_model(
         path,
         nodes=[
             _conv(["x", "w"]),
             _bn(),
-            _conv(["x", "w"], output="conv2", name="conv2"),
+            _conv(["x2", "w"], output="conv2", name="conv2"),
             _bn("conv2", "y2", prefix="bn2", name="bn2"),
         ],
+        inputs=[X, value("x2", [1, 3, 6, 6])],
         outputs=[value("y", [1, C, 6, 6]), value("y2", [1, C, 6, 6])],
         initializers=[
             _weight(),

@@ -34,8 +34,14 @@ class PatternStats:
     effected: int = 0
     declines: Counter[str] = field(default_factory=Counter)
     decline_examples: dict[str, list[str]] = field(default_factory=dict)
+    _declined: set[tuple[str, str]] = field(default_factory=set, repr=False)
 
     def decline(self, reason: str, site: str) -> None:
+        """Count a candidate declined, once however often it is met again for the same reason
+        (a canonicalization pass runs again until the graph settles)."""
+        if (reason, site) in self._declined:
+            return
+        self._declined.add((reason, site))
         self.matched += 1
         self.declines[reason] += 1
         examples = self.decline_examples.setdefault(reason, [])
@@ -44,6 +50,7 @@ class PatternStats:
 
     def withdraw(self, reason: str, site: str) -> None:
         """Take a decline back: another pattern of the pass rewrote that candidate after all."""
+        self._declined.discard((reason, site))
         self.matched -= 1
         self.declines[reason] -= 1
         if not self.declines[reason]:

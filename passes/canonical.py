@@ -155,8 +155,11 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
             found = _constant_target(ctx, node)
             if found is None:
                 continue
-            target, dims = found
             site = node.name or "Reshape"
+            if isinstance(found, str):
+                ctx.pattern("ReshapeTarget").decline(found, site)
+                continue
+            target, dims = found
             if not ctx.may_rewrite("ReshapeTarget", site):
                 continue
             graph = model.graph
@@ -172,11 +175,12 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
 
 def _constant_target(
     ctx: PassContext, reshape: ir.Node
-) -> tuple[np.ndarray, list[int | ir.SymbolicDim | None]] | None:
+) -> tuple[np.ndarray, list[int | ir.SymbolicDim | None]] | str | None:
     """The run-time target of this Reshape as a constant: each size copied from a dimension
     the data has at the same position becomes 0 (allowzero=0 only), a static one its value,
     and one size left unknown -1 (the reshape keeps the element count, so that size is what
-    -1 computes). None when more than one size stays unknown. With it, the output's
+    -1 computes); why not when more than one size stays unknown; None when the target is not
+    built from constants and sizes read with Shape. With the target, the output's
     dimensions as the computed target proved them (a size copied from another tensor keeps
     that tensor's symbol, which the constant target no longer shows)."""
     data = reshape.inputs[0]
@@ -208,7 +212,10 @@ def _constant_target(
             resolved.append(None)
     unknown = resolved.count(None)
     if unknown > 1 or (unknown == 1 and -1 in resolved):
-        return None
+        return (
+            "more than one size of the target is read at run time from another tensor than "
+            "the data, at another position"
+        )
     target = np.array([-1 if size is None else size for size in resolved], dtype=np.int64)
     return target, dims
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -99,74 +98,6 @@ def test_target_onnx_reports_attention_unfused_with_reasons(tmp_path: Path) -> N
     assert (attention["fused"], attention["total"]) == (0, 2)
     assert {site["reason"] for site in attention["unfused"]} == {
         "AttentionFusionPass: Attention needs opset >= 23, model has 17"
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The canonical Slice / Concat forms on small graphs: what goes and what must stay.
-# ---------------------------------------------------------------------------------------------
-
-
-def _slices_model(tmp_path: Path, x_shape: list, start: int, end: int, name: str) -> Path:
-    """y = Concat(Slice(x, start:end on the last axis), x) * 2."""
-    nodes = [
-        helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["part"], name="cut"),
-        helper.make_node("Concat", ["part", "x"], ["joined"], axis=-1, name="join"),
-        helper.make_node("Mul", ["joined", "two"], ["y"], name="double"),
-    ]
-    inits = [
-        const("starts", [start], np.int64),
-        const("ends", [end], np.int64),
-        const("axes", [-1], np.int64),
-        const("two", 2.0),
-    ]
-    return save_model(
-        tmp_path / f"{name}.onnx", nodes, [value("x", x_shape)], [value("y", ["b", "w"])], inits
-    )
-
-
-def test_empty_slice_operand_and_single_concat_go(tmp_path: Path) -> None:
-    """x[..., 8:] of an axis of 8 is empty: the Concat drops it and, left with x alone, goes
-    in the same rewrite."""
-    model = _slices_model(tmp_path, ["batch", 8], 8, 2**63 - 1, "empty_part")
-    run = optimize_checked(model, tmp_path)
-    assert _patterns(run, CANONICAL) == {"EmptyConcatOperand": (1, 1)}
-    assert _ops(run.output) == Counter({"Mul": 1})
-
-
-def test_whole_slice_goes(tmp_path: Path) -> None:
-    model = _slices_model(tmp_path, ["batch", 8], 0, 8, "whole_part")
-    run = optimize_checked(model, tmp_path)
-    assert _patterns(run, CANONICAL) == {"WholeSlice": (1, 1)}
-    assert _ops(run.output) == Counter({"Concat": 1, "Mul": 1})
-
-
-@pytest.mark.parametrize(
-    ("shape", "start", "end", "why"),
-    [
-        (["batch", 8], 0, 4, "keeps half of the axis"),
-        (["batch", "width"], 0, 8, "the axis has no static size"),
-        (["batch", "width"], 8, 2**63 - 1, "may be empty, may not"),
-    ],
-)
-def test_slices_that_change_something_stay(
-    shape: list, start: int, end: int, why: str, tmp_path: Path
-) -> None:
-    model = _slices_model(tmp_path, shape, start, end, "kept")
-    run = optimize_checked(model, tmp_path)
-    assert run.counts(CANONICAL) == (0, 0), why
-    assert _ops(run.output) == Counter({"Slice": 1, "Concat": 1, "Mul": 1})
-
-
-def test_whole_slice_between_graph_input_and_output_stays(tmp_path: Path) -> None:
-    """Removing it would make the graph output the graph input itself: the decline says so."""
-    nodes = [helper.make_node("Slice", ["x", "starts", "ends"], ["y"], name="copy")]
-    inits = [const("starts", [0], np.int64), const("ends", [4], np.int64)]
-    model = save_model(tmp_path / "copy.onnx", nodes, [value("x", [4])], [value("y", [4])], inits)
-    run = optimize_checked(model, tmp_path)
-    assert run.counts(CANONICAL) == (1, 0)
-    assert reasons(run, CANONICAL) == {
-        "it links a graph input or initializer straight to a graph output": 1
     }
 
 

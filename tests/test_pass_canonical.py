@@ -1,0 +1,217 @@
+"""The canonicalization group (passes/canonical.py): no-op Slices and Concats, run-time
+Reshape targets made constant, repeated shape arithmetic merged. Each fires on real exports,
+leaves alone what it must, and keeps outputs equal on onnxruntime (optimize_checked)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests.conftest import Run
+from tests.pass_helpers import const, fixture_path, optimize_checked, reasons, save_model, value
+
+CANONICAL = "NoOpSliceConcatEliminationPass"
+RESHAPE = "ReshapeTargetCanonicalizationPass"
+CSE = "CommonSubexpressionEliminationPass"
+
+
+def _ops(path: Path) -> Counter[str]:
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def _patterns(run: Run, name: str) -> dict[str, tuple[int, int]]:
+    return {k: (v["matched"], v["effected"]) for k, v in run.passed(name)["patterns"].items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The canonical Slice / Concat forms on small graphs: what goes and what must stay.
+# ---------------------------------------------------------------------------------------------
+
+
+def _slices_model(tmp_path: Path, x_shape: list, start: int, end: int, name: str) -> Path:
+    """y = Concat(Slice(x, start:end on the last axis), x) * 2."""
+    nodes = [
+        helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["part"], name="cut"),
+        helper.make_node("Concat", ["part", "x"], ["joined"], axis=-1, name="join"),
+        helper.make_node("Mul", ["joined", "two"], ["y"], name="double"),
+    ]
+    inits = [
+        const("starts", [start], np.int64),
+        const("ends", [end], np.int64),
+        const("axes", [-1], np.int64),
+        const("two", 2.0),
+    ]
+    return save_model(
+        tmp_path / f"{name}.onnx", nodes, [value("x", x_shape)], [value("y", ["b", "w"])], inits
+    )
+
+
+def test_empty_slice_operand_and_single_concat_go(tmp_path: Path) -> None:
+    """x[..., 8:] of an axis of 8 is empty: the Concat drops it and, left with x alone, goes
+    in the same rewrite."""
+    model = _slices_model(tmp_path, ["batch", 8], 8, 2**63 - 1, "empty_part")
+    run = optimize_checked(model, tmp_path)
+    assert _patterns(run, CANONICAL) == {"EmptyConcatOperand": (1, 1)}
+    assert _ops(run.output) == Counter({"Mul": 1})
+
+
+def test_whole_slice_goes(tmp_path: Path) -> None:
+    model = _slices_model(tmp_path, ["batch", 8], 0, 8, "whole_part")
+    run = optimize_checked(model, tmp_path)
+    assert _patterns(run, CANONICAL) == {"WholeSlice": (1, 1)}
+    assert _ops(run.output) == Counter({"Concat": 1, "Mul": 1})
+
+
+@pytest.mark.parametrize(
+    ("shape", "start", "end", "why"),
+    [
+        (["batch", 8], 0, 4, "keeps half of the axis"),
+        (["batch", "width"], 0, 8, "the axis has no static size"),
+        (["batch", "width"], 8, 2**63 - 1, "may be empty, may not"),
+    ],
+)
+def test_slices_that_change_something_stay(
+    shape: list, start: int, end: int, why: str, tmp_path: Path
+) -> None:
+    model = _slices_model(tmp_path, shape, start, end, "kept")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(CANONICAL) == (0, 0), why
+    assert _ops(run.output) == Counter({"Slice": 1, "Concat": 1, "Mul": 1})
+
+
+def test_whole_slice_between_graph_input_and_output_stays(tmp_path: Path) -> None:
+    """Removing it would make the graph output the graph input itself: the decline says so."""
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends"], ["y"], name="copy")]
+    inits = [const("starts", [0], np.int64), const("ends", [4], np.int64)]
+    model = save_model(tmp_path / "copy.onnx", nodes, [value("x", [4])], [value("y", [4])], inits)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(CANONICAL) == (1, 0)
+    assert reasons(run, CANONICAL) == {
+        "it links a graph input or initializer straight to a graph output": 1
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Reshape targets computed at run time, and repeated shape arithmetic.
+# ---------------------------------------------------------------------------------------------
+
+TWO_UNKNOWN = (
+    "more than one size of the target is read at run time from another tensor than the data, "
+    "at another position"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "reshape", "cse", "nodes"),
+    [
+        # GPT-2: the head split / merge targets become [0, 0, 2, 16] / [0, 0, 32]; the
+        # flattened projections' targets read two sizes of the 3-D input from a 2-D Gemm
+        # output and stay (14 declines); 122 repeated Constants and shape computations merge.
+        ("gpt2_tiny_ts17", (21, 7), (122, 122), 153),
+        ("llama_tiny_ts17", (14, 6), (158, 158), 107),
+    ],
+)
+def test_torchscript_shape_arithmetic_folds(
+    name: str, reshape: tuple[int, int], cse: tuple[int, int], nodes: int, tmp_path: Path
+) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(RESHAPE) == reshape
+    assert reasons(run, RESHAPE) == {TWO_UNKNOWN: reshape[0] - reshape[1]}
+    assert run.counts(CSE) == cse
+    assert run.report["model"]["after"]["nodes"] == nodes
+
+
+def _reshape_model(tmp_path: Path, name: str, parts: list, x_shape: list, out: list) -> Path:
+    """y = Reshape(x, Concat(parts)): an int part is a constant, "sK" is Shape(src)[K]
+    unsqueezed (TorchScript's spelling of a size read at run time). src is [batch, sequence,
+    width]; the tests feed every symbolic size 2."""
+    nodes = [helper.make_node("Shape", ["src"], ["shape"], name="shape")]
+    pieces = []
+    for index, part in enumerate(parts):
+        if isinstance(part, int):
+            pieces.append(f"c{index}")
+            continue
+        nodes += [
+            helper.make_node("Gather", ["shape", f"i{part[1]}"], [f"g{index}"], axis=0),
+            helper.make_node("Unsqueeze", [f"g{index}", "axis0"], [f"u{index}"]),
+        ]
+        pieces.append(f"u{index}")
+    nodes += [
+        helper.make_node("Concat", pieces, ["target"], axis=0, name="target"),
+        helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+    ]
+    inits = [const("axis0", [0], np.int64)]
+    inits += [const(f"i{i}", np.array(i), np.int64) for i in range(3)]
+    inits += [const(f"c{i}", [p], np.int64) for i, p in enumerate(parts) if isinstance(p, int)]
+    inputs = [value("x", x_shape), value("src", ["batch", "sequence", "width"])]
+    return save_model(tmp_path / f"{name}.onnx", nodes, inputs, [value("y", out)], inits)
+
+
+def _target(run: Run) -> list[int]:
+    (target,) = onnx.load(str(run.output)).graph.initializer
+    return onnx.numpy_helper.to_array(target).tolist()
+
+
+def test_copied_sizes_become_zero(tmp_path: Path) -> None:
+    """x [batch, sequence, 6] -> [batch, sequence, 2, 3], batch and sequence read from another
+    tensor of the same named sizes: the target is [0, 0, 2, 3] and the Shape -> Gather ->
+    Unsqueeze -> Concat arithmetic is gone."""
+    x, out = ["batch", "sequence", 6], ["batch", "sequence", 2, 3]
+    model = _reshape_model(tmp_path, "copied", ["s0", "s1", 2, 3], x, out)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    assert _ops(run.output) == Counter({"Reshape": 1})
+    assert _target(run) == [0, 0, 2, 3]
+
+
+def test_one_size_of_another_tensor_becomes_minus_one(tmp_path: Path) -> None:
+    """x [n, 6] -> [width, 6]: width is not x's size at that position; the one such size
+    becomes -1, which the element count determines."""
+    model = _reshape_model(tmp_path, "minus_one", ["s2", 6], ["n", 6], ["width", 6])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    assert _target(run) == [-1, 6]
+
+
+def test_two_sizes_of_another_tensor_stay(tmp_path: Path) -> None:
+    """x [n, 6] -> [batch, sequence, 3]: two sizes no constant target can spell."""
+    model = _reshape_model(tmp_path, "two", ["s0", "s1", 3], ["n", 6], ["batch", "sequence", 3])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 0)
+    assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
+    assert _ops(run.output)["Shape"] == 1
+
+
+def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
+    """Two Shape(x) reads and two equal small Constants merge; two Relu(x) (an activation)
+    and two equal 32-element constants do not."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s1"], name="s1"),
+        helper.make_node("Shape", ["x"], ["s2"], name="s2"),
+        helper.make_node("Concat", ["s1", "s2"], ["shapes"], axis=0, name="shapes"),
+        helper.make_node("Relu", ["x"], ["r1"], name="r1"),
+        helper.make_node("Relu", ["x"], ["r2"], name="r2"),
+        helper.make_node("Add", ["r1", "r2"], ["y"], name="add"),
+    ]
+    small = onnx.numpy_helper.from_array(np.arange(4, dtype=np.float32))
+    large = onnx.numpy_helper.from_array(np.arange(32, dtype=np.float32))
+    for index, tensor in enumerate([small, small, large, large]):
+        nodes.append(helper.make_node("Constant", [], [f"k{index}"], value=tensor))
+    nodes.append(helper.make_node("Sum", ["k0", "k1", "y"], ["z"], name="sum_small"))
+    nodes.append(helper.make_node("Concat", ["k2", "k3"], ["w"], axis=0, name="cat_large"))
+    model = save_model(
+        tmp_path / "repeats.onnx",
+        nodes,
+        [value("x", [4])],
+        [value("z", [4]), value("w", [64]), value("shapes", [2], onnx.TensorProto.INT64)],
+    )
+    run = optimize_checked(model, tmp_path, "--disable_pass", "ConstantFoldingPass")
+    assert run.counts(CSE) == (2, 2)
+    assert _ops(run.output) == Counter(
+        {"Shape": 1, "Concat": 2, "Relu": 2, "Add": 1, "Constant": 3, "Sum": 1}
+    )

@@ -68,14 +68,21 @@ def measure(graph: ir.Graph, runs: Sequence[PassRun]) -> dict[str, ClassCoverage
     """Coverage per op class in ``graph`` (as optimized). Each written-out site gets the
     near-miss reason a pass gave for one of its nodes, else the pass that would fuse it and is
     switched off, else "no pass recognized this spelling"."""
-    reasons: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for run in runs:
         if run.ctx is None:
             continue
         for stats in run.ctx.patterns.values():
             for reason, sites in stats.decline_examples.items():
                 for site in sites:
-                    reasons.setdefault(site, f"{run.decision.name}: {reason}")
+                    said = found.setdefault(site, [])
+                    if not any(s.endswith(f": {reason}") for s in said):
+                        said.append(f"{run.decision.name}: {reason}")
+    # Every pass's distinct reason, the opset requirements of passes for other opsets last.
+    reasons = {
+        site: "; ".join(sorted(said, key=lambda s: "needs opset" in s))
+        for site, said in found.items()
+    }
     switched_off = {
         name: next(
             (

@@ -96,6 +96,9 @@ class _Heads:
     projection: ir.Value | None
     repeated: bool  # the heads went through repeat_kv
     nodes: list[ir.Node]  # the split and repeat: gone when the fused op reads the projection
+    # K^T read straight from [B, L, N, H] heads that are no plain split (rotary applied after
+    # the split, GPT-J): the fused op reads them merged to [B, L, N*H] (_merged_heads).
+    unsplit: ir.Value | None = None
 
 
 def _heads(value: ir.Value) -> _Heads:
@@ -113,10 +116,10 @@ def _key_source(value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
     nodes go to ``nodes``."""
     transpose = _producer(value, "Transpose")
     if transpose is not None and _perm(transpose) == [0, 2, 3, 1]:
+        nodes.append(transpose)
         reshape = _producer(transpose.inputs[0], "Reshape")
         if reshape is None:
-            return None
-        nodes.append(transpose)
+            return _Heads(None, None, False, [], unsplit=transpose.inputs[0])
         return _Heads(None, reshape.inputs[0], False, [reshape])
     if transpose is not None and _perm(transpose) == [0, 1, 3, 2]:
         nodes.append(transpose)
@@ -301,10 +304,36 @@ def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | No
         if array is not None and not np.any(array):
             continue  # an all-true mask folded to zeros adds nothing
         shape = ctx.shape(bias)
-        if shape is None or len(shape) != 4:
-            return [], "the additive mask or bias is not 4-D [batch, heads, query, key]"
+        if shape is None or len(shape) > 4:
+            return [], "the additive mask or bias is not [batch, heads, query, key] or less"
         kept.append(bias)
     return kept, None
+
+
+def _widened(
+    ctx: PassContext, bias: ir.Value, shared: dict[object, tuple[ir.Value, ...]]
+) -> tuple[ir.Value, list[ir.Node]]:
+    """A bias of rank < 4 ([query, key], a causal mask) broadcasts as [1, ..., query, key]:
+    the fused op takes it 4-D, Unsqueezed once for every layer that adds it."""
+    shape = ctx.shape(bias)
+    assert shape is not None
+    missing = 4 - len(shape)
+    if missing == 0:
+        return bias, []
+    key = ("4-D bias", bias)
+    if key in shared:
+        return shared[key][0], []
+    leading = list(range(missing))
+    if ctx.opset >= 13:
+        graph = bias.graph
+        assert graph is not None
+        axes = new_constant(graph, f"{ctx.spec.name}/leading_axes_{missing}", np.array(leading))
+        unsqueeze = ir.node("Unsqueeze", [bias, axes])
+    else:
+        unsqueeze = ir.node("Unsqueeze", [bias], attributes={"axes": leading})
+    typed(unsqueeze.outputs[0], bias.dtype, ir.Shape([1] * missing + list(shape)))
+    shared[key] = (unsqueeze.outputs[0],)
+    return unsqueeze.outputs[0], [unsqueeze]
 
 
 def _bias_values(bias: ir.Value) -> list[np.ndarray] | None:
@@ -357,30 +386,40 @@ def _clamped(
     return select.outputs[0], [select]
 
 
-def _merged_query(
-    ctx: PassContext, heads: ir.Value, shared: dict[object, tuple[ir.Value, ...]]
+def _merged_heads(
+    ctx: PassContext,
+    heads: ir.Value,
+    shared: dict[object, tuple[ir.Value, ...]],
+    *,
+    transposed: bool,
 ) -> tuple[ir.Value, list[ir.Node]] | str:
-    """The [B, S, N*H] query the fused op reads, computed from query heads [B, N, S, H] that
-    are not a plain head split of a projection (heads transformed after the split, or split
-    from a fused QKV projection): Reshape(Transpose(heads, [0, 2, 1, 3]), [0, 0, N*H]), the
-    target shared by the layers."""
+    """The [B, S, N*H] operand the fused op reads, computed from heads that are not a plain
+    head split of a projection (heads transformed after the split, or split from a fused QKV
+    projection): [B, N, S, H] heads (``transposed``) go through Transpose([0, 2, 1, 3]) first,
+    [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers."""
     shape = ctx.shape(heads)
     if shape is None or len(shape) != 4:
-        return "the query heads are not 4-D [batch, heads, sequence, head size]"
-    count, size = (axis_size(ctx, heads, axis) for axis in (1, 3))
+        return "the query or key heads are not 4-D"
+    heads_axis, sequence_axis = (1, 2) if transposed else (2, 1)
+    count, size = axis_size(ctx, heads, heads_axis), axis_size(ctx, heads, 3)
     if count is None or size is None:
-        return "the query's number of heads or head size is unknown"
-    key = ("merged query", count * size)
+        return "the number of heads or the head size of the query or key is unknown"
+    key = ("merged heads", count * size)
     if key not in shared:
         graph = heads.graph
         assert graph is not None
         name = f"{ctx.spec.name}/merged_heads_{count * size}"
         shared[key] = (new_constant(graph, name, np.array([0, 0, count * size], np.int64)),)
-    swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
-    merge = ir.node("Reshape", [swap.outputs[0], shared[key][0]])
-    typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
-    typed(merge.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count * size]))
-    return merge.outputs[0], [swap, merge]
+    nodes: list[ir.Node] = []
+    source = heads
+    if transposed:
+        swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
+        typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
+        nodes.append(swap)
+        source = swap.outputs[0]
+    merge = ir.node("Reshape", [source, shared[key][0]])
+    typed(merge.outputs[0], heads.dtype, ir.Shape([shape[0], shape[sequence_axis], count * size]))
+    return merge.outputs[0], [*nodes, merge]
 
 
 def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int) -> bool:
@@ -504,10 +543,16 @@ class _AttentionFusion(FusionPass):
     ) -> str | None:
         merged: list[ir.Node] = []
         if match.query is None:
-            found = _merged_query(ctx, match.heads, shared)
+            found = _merged_heads(ctx, match.heads, shared, transposed=True)
             if isinstance(found, str):
                 return found
             match.query, merged = found
+        if match.key.unsplit is not None and match.key.projection is None:
+            found = _merged_heads(ctx, match.key.unsplit, shared, transposed=False)
+            if isinstance(found, str):
+                return found
+            match.key.projection, nodes = found
+            merged += nodes
         try:
             return self._fuse_with(ctx, match, merged, shared)
         finally:  # a declined site's merge nodes must not stay readers of the query heads
@@ -568,6 +613,9 @@ class _AttentionFusion(FusionPass):
             clamped = [_clamped(b, match.root, shared) for b in biases]
             biases = [value for value, _ in clamped]
             new_nodes += [node for _, nodes in clamped for node in nodes]
+        widened = [_widened(ctx, bias, shared) for bias in biases]
+        biases = [value for value, _ in widened]
+        new_nodes += [node for _, nodes in widened for node in nodes]
         computed, prelude = self._prelude(ctx, match, shared)
         new_nodes += prelude
         inputs = inputs + computed

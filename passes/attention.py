@@ -422,6 +422,26 @@ def _merged_heads(
     return merge.outputs[0], [*nodes, merge]
 
 
+def _disconnect(nodes: list[ir.Node]) -> None:
+    """Drop the inputs of nodes built for a site that did not fuse (never inserted), so that
+    they do not stay readers of the graph's values."""
+    for node in nodes:
+        if node.graph is None:
+            for index in range(len(node.inputs)):
+                node.replace_input_with(index, None)
+
+
+def _shared_head(ctx: PassContext, match: _Attention) -> bool:
+    """Multi-query attention: key and value hold one head, which the MatMuls broadcast over
+    the query heads (no repeat_kv)."""
+    return all(
+        not operand.repeated
+        and operand.tensor is not None
+        and axis_size(ctx, operand.tensor, 1) == 1
+        for operand in (match.key, match.value)
+    )
+
+
 def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int) -> bool:
     """Whether ``value`` is provably [batch, heads, length, head size]."""
     shape = ctx.shape(value)
@@ -538,6 +558,13 @@ class _AttentionFusion(FusionPass):
         """Inputs to compute once the site is sure to fuse, placed after the planned ones."""
         return [], []
 
+    def _merge_operands(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> list[ir.Node] | str:
+        """Key/value heads this op reads merged back to [B, L, N*H] (their projections set on
+        the match), with the nodes computing them; or why they cannot be."""
+        return []
+
     def _fuse(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> str | None:
@@ -553,13 +580,15 @@ class _AttentionFusion(FusionPass):
                 return found
             match.key.projection, nodes = found
             merged += nodes
+        operands = self._merge_operands(ctx, match, shared)
+        if isinstance(operands, str):
+            _disconnect(merged)
+            return operands
+        merged += operands
         try:
             return self._fuse_with(ctx, match, merged, shared)
-        finally:  # a declined site's merge nodes must not stay readers of the query heads
-            for node in merged:
-                if node.graph is None:
-                    for index in range(len(node.inputs)):
-                        node.replace_input_with(index, None)
+        finally:  # a declined site's merge nodes must not stay readers of the heads
+            _disconnect(merged)
 
     def _fuse_with(
         self,
@@ -841,7 +870,7 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         shared: dict[object, tuple[ir.Value, ...]],
     ) -> _Plan | str | None:
         key, value = match.key, match.value
-        if not (key.repeated and value.repeated):
+        if not (key.repeated and value.repeated) and not _shared_head(ctx, match):
             return None  # one KV head per query head: MultiHeadAttention's
         if key.projection is None or value.projection is None:
             return "the grouped key/value are not plain projections (a KV cache)"
@@ -857,6 +886,23 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "causal": 0}
         inputs = [match.query, key.projection, value.projection, None, None]
         return inputs, attributes, key.nodes + value.nodes
+
+    def _merge_operands(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> list[ir.Node] | str:
+        """One key/value head shared by every query head (multi-query attention, broadcast
+        by the MatMuls) and transformed after the split (rotary): read merged, [B, L, H]."""
+        if not _shared_head(ctx, match):
+            return []
+        nodes: list[ir.Node] = []
+        for operand in (match.key, match.value):
+            if operand.projection is None and operand.tensor is not None:
+                found = _merged_heads(ctx, operand.tensor, shared, transposed=True)
+                if isinstance(found, str):
+                    return found
+                operand.projection, merged = found
+                nodes += merged
+        return nodes
 
     def _prelude(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]

@@ -22,7 +22,13 @@ from fusectl.bisect import BisectResult, bisect_model
 from fusectl.dump import GraphDumper
 from fusectl.engine import PassRun, RunResult, run_plan
 from fusectl.errors import FusectlError
-from fusectl.model_io import LoadedModel, load_source, save_model, stage_model
+from fusectl.model_io import (
+    LoadedModel,
+    add_sparse_initializers,
+    load_source,
+    save_model,
+    stage_model,
+)
 from fusectl.paths import StagedOutputs, check_outputs, write_text_atomic
 from fusectl.plugins import load_passes
 from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
@@ -57,9 +63,12 @@ class OptimizeResult:
     paths: dict[str, Path] = field(default_factory=dict)
     verify: VerifyResult | None = None
     site_check: SiteChecker | None = None
+    sparse_initializers: list[onnx.SparseTensorProto] = field(default_factory=list)
 
     def to_proto(self) -> onnx.ModelProto:
-        return ir.serde.serialize_model(self.model)
+        proto = ir.serde.serialize_model(self.model)
+        add_sparse_initializers(proto, self.sparse_initializers)
+        return proto
 
     @property
     def passed(self) -> bool:
@@ -197,7 +206,11 @@ def optimize(
         data_path = None
         if output_path is not None:
             data_path = stage_model(
-                working, output_path, staged, external=loaded.uses_external_data
+                working,
+                output_path,
+                staged,
+                external=loaded.uses_external_data,
+                sparse=loaded.sparse_initializers,
             )
         elif dumper is not None:  # the returned model must not depend on staged dump files
             ir.external_data.load_to_model(working)
@@ -254,6 +267,7 @@ def optimize(
         paths=written,
         verify=checked,
         site_check=run.checker,
+        sparse_initializers=loaded.sparse_initializers,
     )
 
 
@@ -345,7 +359,7 @@ def _verify_output(
         optimized = output
         if optimized is None:
             optimized = Path(tmp, "optimized.onnx")
-            save_model(model, optimized, external=False)
+            save_model(model, optimized, external=False, sparse=loaded.sparse_initializers)
         return verify_models(original, optimized, input_shape=input_shape)
 
 
@@ -381,13 +395,6 @@ def bisect(
     *,
     output_switch: PathLike | None = None,
     force: bool = False,
-    fusion_switch_file: PathLike | None = None,
-    enable_pass: PassNames = (),
-    disable_pass: PassNames = (),
-    target: str = "ort",
-    graph_kernel_flags: str = "",
-    plugins: Sequence[PathLike] = (),
-    pattern_fusion_pass: str | bool = "on",
     input_shape: str = "",
     inputs: PathLike | None = None,
     atol: float | None = None,
@@ -395,23 +402,19 @@ def bisect(
     providers: str | None = None,
     seed: int = 0,
     per_pass: bool = False,
+    **switches: Any,
 ) -> BisectResult:
     """Find the pass(es) and sites that push MODEL's outputs beyond tolerance, as
-    ``fusectl bisect``; writes a switch file turning them off only at ``output_switch``."""
-    plan, _ = switch_plan(
-        fusion_switch_file=fusion_switch_file,
-        enable_pass=enable_pass,
-        disable_pass=disable_pass,
-        target=target,
-        plugins=plugins,
-        pattern_fusion_pass=pattern_fusion_pass,
-        graph_kernel_flags=graph_kernel_flags,
-    )
+    ``fusectl bisect``; writes a switch file turning them off only at ``output_switch``.
+
+    ``switches`` choose the optimization to bisect, as :func:`switch_plan` takes them
+    (fusion_switch_file, enable_pass, disable_pass, target, plugins, ...)."""
+    plan, _ = switch_plan(**switches)
     _log_plan(plan)
     return bisect_model(
         Path(model),
         plan,
-        target=target,
+        target=switches.get("target", "ort"),
         input_shape=input_shape,
         inputs=_optional_path(inputs),
         atol=atol,
@@ -420,7 +423,7 @@ def bisect(
         providers=providers,
         output_switch=_optional_path(output_switch),
         force=force,
-        protected=_optional_path(fusion_switch_file),
+        protected=_optional_path(switches.get("fusion_switch_file")),
         per_pass=per_pass,
     )
 

@@ -205,7 +205,9 @@ class Bisector:
         if self.tolerance is None:
             self.tolerance = default_tolerance(model, self.atol, self.rtol)
         path = self.workdir / f"round{self.rounds}.onnx"
-        save_model(model, path, external=loaded.uses_external_data)
+        save_model(
+            model, path, external=loaded.uses_external_data, sparse=loaded.sparse_initializers
+        )
         try:
             actual = run_model(path, self.feeds, self.providers, failure=VerifyFailed)
         except VerifyFailed as error:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,12 @@ class LoadedModel:
     # The parsed file, kept for on-demand shape inference; the IR's in-memory weights are
     # views of its tensors, so keeping it costs no extra memory.
     proto: onnx.ModelProto
+
+    @property
+    def sparse_initializers(self) -> list[onnx.SparseTensorProto]:
+        """onnx-ir keeps no sparse initializers: the graph sees them as values with no producer,
+        and ``add_sparse_initializers`` puts them back into what is saved."""
+        return list(self.proto.graph.sparse_initializer)
 
     @property
     def uses_external_data(self) -> bool:
@@ -87,6 +96,19 @@ def load_source(source: str | os.PathLike[str] | onnx.ModelProto | ir.Model) -> 
     )
 
 
+@contextlib.contextmanager
+def _sparse_names_expected(proto: onnx.ModelProto) -> Iterator[None]:
+    """onnx-ir warns that a sparse initializer's name is undeclared; fusectl knows and keeps it."""
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    if proto.graph.sparse_initializer:
+        serde_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        serde_log.setLevel(level)
+
+
 def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
     where = model_path or "<in-memory model>"
     if not proto.HasField("graph") or proto.ir_version == 0 or not proto.opset_import:
@@ -96,7 +118,8 @@ def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
     if not proto.graph.output:
         raise FusectlError("model graph declares no outputs (truncated file?)", path=where)
     try:
-        model = ir.serde.deserialize_model(proto)
+        with _sparse_names_expected(proto):
+            model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
         raise FusectlError(f"malformed ONNX model: {error}", path=where) from None
     external_files: set[Path] = set()
@@ -132,8 +155,33 @@ def weight_bytes(model: ir.Model) -> int:
     )
 
 
+def _names_used(graph: onnx.GraphProto) -> set[str]:
+    used = {value.name for value in graph.output}
+    for node in graph.node:
+        used.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g, *attribute.graphs]:
+                used |= _names_used(subgraph)
+    return used
+
+
+def add_sparse_initializers(
+    proto: onnx.ModelProto, sparse: Sequence[onnx.SparseTensorProto]
+) -> bool:
+    """Put back the input's sparse initializers that the graph still uses; True if any."""
+    used = _names_used(proto.graph)
+    kept = [tensor for tensor in sparse if tensor.values.name in used]
+    proto.graph.sparse_initializer.extend(kept)
+    return bool(kept)
+
+
 def stage_model(
-    model: ir.Model, output: Path, staged: StagedOutputs, *, external: bool
+    model: ir.Model,
+    output: Path,
+    staged: StagedOutputs,
+    *,
+    external: bool,
+    sparse: Sequence[onnx.SparseTensorProto] = (),
 ) -> Path | None:
     """Write the model into ``staged`` (renamed to ``output`` on commit); returns the external
     data file it will have, if any.
@@ -150,15 +198,25 @@ def stage_model(
         ir.external_data.load_to_model(model)
     try:
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)
+        if sparse:
+            saved = onnx.load(str(staged_model), load_external_data=False)
+            if add_sparse_initializers(saved, sparse):
+                onnx.save(saved, str(staged_model))
     except OSError as error:
         raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
     return data_path
 
 
-def save_model(model: ir.Model, output: Path, *, external: bool) -> Path | None:
+def save_model(
+    model: ir.Model,
+    output: Path,
+    *,
+    external: bool,
+    sparse: Sequence[onnx.SparseTensorProto] = (),
+) -> Path | None:
     """Write the model atomically: a failure part-way leaves neither a partial model nor a
     partial weight file."""
     with StagedOutputs() as staged:
-        data_path = stage_model(model, output, staged, external=external)
+        data_path = stage_model(model, output, staged, external=external, sparse=sparse)
         staged.commit()
     return data_path

@@ -98,7 +98,6 @@ def check_outputs(
     for role, path in files.items():
         if path is None:
             continue
-        check_file_target(path, role)
         resolved = path.resolve()
         if resolved in guarded:
             raise FusectlError(
@@ -108,6 +107,7 @@ def check_outputs(
             raise FusectlError(f"{role} is the same file as {seen[resolved]}", path=path)
         if dump is not None and _dump_writes(dump, resolved):
             raise FusectlError(f"{role} is inside --dump_graph's files", path=path)
+        check_file_target(path, role)
         seen[resolved] = role
 
 

@@ -1,5 +1,9 @@
 """fusectl: an ATC-style command-line fusion optimizer for ONNX models.
 
+From Python, ``fusectl.optimize(model, "out.onnx", enable_pass=[...])`` runs what
+``fusectl optimize`` runs; ``verify``, ``bisect`` and ``bench`` mirror the other commands and
+``FusectlPass`` composes fusectl inside an ``onnx_ir.passes.Sequential``.
+
 The public API is what plugins and built-in passes share: ``register_replacement`` declares a
 pass from a search and a replacement function; larger passes declare a ``PassSpec``, implement
 a ``PatternPass`` (onnxscript-style rules) or a ``FusionPass``, and register with
@@ -29,17 +33,24 @@ __all__ = [
     "REGISTRY",
     "Category",
     "Decline",
+    "FusectlError",
+    "FusectlPass",
     "FusionPass",
     "Numerics",
+    "OptimizeResult",
     "PassContext",
     "PassSpec",
     "PatternPass",
     "Rule",
     "Site",
     "__version__",
+    "bench",
+    "bisect",
+    "optimize",
     "register_pass",
     "register_replacement",
     "unregister_pass",
+    "verify",
 ]
 
 # Installed, the built-in passes are the subpackage fusectl.passes; in a source checkout they
@@ -49,3 +60,13 @@ if not _os.path.isdir(_os.path.join(_here, "passes")) and _os.path.isfile(
     _os.path.join(_here, _os.pardir, "passes", "__init__.py")
 ):
     __path__.append(_os.path.dirname(_here))  # type: ignore[name-defined]
+
+from fusectl.api import (  # noqa: E402  (after the passes path above)
+    FusectlError,
+    FusectlPass,
+    OptimizeResult,
+    bench,
+    bisect,
+    optimize,
+    verify,
+)

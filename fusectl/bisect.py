@@ -31,6 +31,7 @@ from fusectl.engine import run_plan
 from fusectl.errors import FusectlError
 from fusectl.inputs import model_feeds
 from fusectl.model_io import load_model, save_model
+from fusectl.paths import check_outputs, write_text_atomic
 from fusectl.registry import Category
 from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 from fusectl.switches import Plan
@@ -204,7 +205,9 @@ class Bisector:
         if self.tolerance is None:
             self.tolerance = default_tolerance(model, self.atol, self.rtol)
         path = self.workdir / f"round{self.rounds}.onnx"
-        save_model(model, path, external=loaded.uses_external_data)
+        save_model(
+            model, path, external=loaded.uses_external_data, sparse=loaded.sparse_initializers
+        )
         try:
             actual = run_model(path, self.feeds, self.providers, failure=VerifyFailed)
         except VerifyFailed as error:
@@ -294,16 +297,30 @@ def bisect_model(
     rtol: float | None = None,
     seed: int = 0,
     providers: str | None = None,
-    output_switch: Path = Path("fusion_switch.cfg"),
+    output_switch: Path | None = None,
+    force: bool = False,
+    protected: Path | None = None,
     per_pass: bool = False,
 ) -> BisectResult:
     """Verify the full optimization; when it fails, find the culprit pass(es) and sites and
-    write a switch file turning them off (checked with one more round)."""
+    write a switch file turning them off at ``output_switch`` (checked with one more round).
+
+    An existing ``output_switch`` is replaced only with ``force``, and never when it is the
+    model or the ``protected`` switch file the plan came from.
+    """
     for name, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise FusectlError(f"{name} must be a finite number >= 0, not {value}")
-    if output_switch.is_dir():
-        raise FusectlError("--output_switch is a directory", path=output_switch)
+    if output_switch is not None:
+        keep = {model_path: "the input model"}
+        if protected is not None:
+            keep[protected] = "the --fusion_switch_file given"
+        check_outputs({"--output_switch": output_switch}, protected=keep)
+        if output_switch.exists() and not force:
+            raise FusectlError(
+                "--output_switch exists; fusectl bisect replaces it only with --force",
+                path=output_switch,
+            )
     options = {"input_shape": input_shape, "inputs": inputs, "seed": seed}
     options |= {"providers": providers, "atol": atol, "rtol": rtol}
     with _bisector(model_path, plan, target, **options) as bisector:
@@ -315,10 +332,6 @@ def bisect_model(
         if not full.passed:
             result.culprits, result.resolved = find_culprits(bisector, full)
         if result.culprits:
-            specs = {d.name: d.fusion_pass.spec for d in plan.decisions}
-            off = [(name, specs[name].category) for name in result.culprit_passes]
-            output_switch.write_text(switch_document(off))
-            result.switch_file = output_switch
             bisector.plan = Plan(
                 [
                     replace(d, enabled=False) if d.name in result.culprit_passes else d
@@ -329,6 +342,11 @@ def bisect_model(
                 plan.options,
             )
             result.switch_check = bisector.trial()
+            if output_switch is not None:
+                specs = {d.name: d.fusion_pass.spec for d in plan.decisions}
+                off = [(name, specs[name].category) for name in result.culprit_passes]
+                write_text_atomic(output_switch, switch_document(off))
+                result.switch_file = output_switch
         result.rounds = bisector.rounds
     return result
 

@@ -15,28 +15,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from fusectl import __version__, logs, reports
-from fusectl.bench import bench_models
+from fusectl import __version__, api, logs, reports
 from fusectl.bench import print_result as print_bench
-from fusectl.bisect import bisect_model, per_pass_errors, print_attribution
+from fusectl.bisect import per_pass_errors, print_attribution
 from fusectl.bisect import print_result as print_bisect
-from fusectl.dump import GraphDumper
-from fusectl.engine import PassRun, run_plan
 from fusectl.errors import FusectlError
-from fusectl.model_io import check_output_path, load_model, save_model
 from fusectl.plugins import load_passes
 from fusectl.registry import Category
-from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
-from fusectl.sitecheck import SiteChecker
-from fusectl.switches import (
-    Decision,
-    SwitchRequest,
-    parse_optimization_switch,
-    parse_switch_file,
-    resolve,
-    split_pass_list,
-)
-from fusectl.verify import VerifyFailed, print_result, verify_models
+from fusectl.switches import SwitchRequest, resolve
+from fusectl.verify import VerifyFailed, print_result
 
 INTERNAL_ERROR_EXIT = 3
 
@@ -191,43 +178,16 @@ def _guarded(action: Callable[[], None]) -> None:
         sys.exit(INTERNAL_ERROR_EXIT)
 
 
-def _pass_options(graph_kernel_flags: str) -> dict[str, str]:
-    """The settings passes read from ctx.options; only those given are present."""
-    return {"graph_kernel_flags": graph_kernel_flags} if graph_kernel_flags.strip() else {}
-
-
-def _output_path(model: Path, output: Path | None) -> Path:
-    if output is None:
-        raise FusectlError("no output given: use -o OUT.onnx (or --output)")
-    # ATC's --output takes a name without extension; keep that habit working.
-    return output if output.suffix else output.with_suffix(".onnx")
-
-
 def _optimize(
     *,
     model_arg: Path | None,
     model_opt: Path | None,
     output: Path | None,
-    fusion_switch_file: Path | None,
-    enable_pass: Sequence[str],
-    disable_pass: Sequence[str],
-    optimization_switch: str,
-    oo_level: str,
-    target: str,
-    graph_kernel_flags: str,
-    input_shape: str,
     fusion_result: Path | None,
     export_compile_stat: str,
-    fusion_result_format: str,
-    report: Path | None,
-    dump_graph: Path | None,
     as_json: bool,
-    verify: bool,
-    plugins: Sequence[Path],
-    pattern_fusion_pass: str,
-    check_custom: bool | None,
-    strict: bool,
     log_level: str | None,
+    **options: Any,
 ) -> None:
     logs.configure(log_level or logs.default_level())
     if model_arg and model_opt and model_arg != model_opt:
@@ -235,40 +195,10 @@ def _optimize(
     model_path = model_arg or model_opt
     if model_path is None:
         raise FusectlError("no model given: fusectl optimize MODEL.onnx -o OUT.onnx")
-    output = _output_path(model_path, output)
-
-    registry = load_passes(plugins)
-    request = SwitchRequest(
-        switch_file=parse_switch_file(fusion_switch_file) if fusion_switch_file else None,
-        enable=split_pass_list(enable_pass),
-        disable=split_pass_list(disable_pass),
-        optimization_switch=parse_optimization_switch(optimization_switch),
-        oo_level=oo_level,
-        target=target,
-        strict=strict,
-        custom_passes=pattern_fusion_pass == "on",
-        pass_options=_pass_options(graph_kernel_flags),
-    )
-    plan = resolve(registry, request)
-    if check_custom is None:  # on when --verify would otherwise find a plugin's error late
-        check_custom = verify and any(d.fusion_pass.spec.custom for d in plan.enabled())
-    shapes = parse_input_shape(input_shape)
-
-    loaded = load_model(model_path)
-    check_output_path(loaded, output)
-    model = loaded.model
-    apply_input_shapes(model, shapes, model_path)
-    for message in plan.warnings + plan.notes:
-        logs.logger.warning("%s", message)
-
-    result_path = None
-    if export_compile_stat != "0":
-        result_path = fusion_result or reports.default_fusion_result_path()
-        result_path.unlink(missing_ok=True)  # never leave a stale result from an earlier run
-    dumper = GraphDumper(dump_graph) if dump_graph else None
-    before = reports.model_stats(model)
-    if dumper:
-        dumper.dump(model, "original")
+    if output is None:
+        raise FusectlError("no output given: use -o OUT.onnx (or --output)")
+    if export_compile_stat != "0" and fusion_result is None:
+        fusion_result = reports.default_fusion_result_path()
 
     # A transient progress line, only where a person watches a terminal.
     progress = Progress(
@@ -279,83 +209,36 @@ def _optimize(
         transient=True,
         disable=not stderr.is_terminal or log_level == "null",
     )
-    task = progress.add_task("fusing", total=len(plan.enabled()))
+    task = progress.add_task("fusing", total=None)
 
-    def before_pass(decision: Decision) -> None:
-        progress.update(task, description=decision.name)
+    def on_pass(name: str, done: int, total: int) -> None:
+        progress.update(task, description=name, completed=done, total=total)
 
-    def after_pass(run: PassRun, current: Any) -> None:
-        progress.advance(task)
-        if dumper and run.ctx is not None and run.ctx.changed:
-            dumper.dump(current, run.decision.name)
-
-    checker = SiteChecker.for_model(model) if check_custom else None
     with progress:
-        result = run_plan(
-            model,
-            plan,
-            target=target,
-            shapes=ShapeOracle(model, loaded.proto),
-            before_pass=before_pass,
-            after_pass=after_pass,
-            site_checker=checker,
+        result = api.optimize(
+            model_path,
+            output,
+            fusion_result=fusion_result,
+            export_compile_stat=export_compile_stat,
+            on_pass=on_pass,
+            **options,
         )
-    fusion_text = reports.render_fusion_result(result, fusion_result_format)
-    if result_path and export_compile_stat == "2":
-        reports.write_text_atomic(result_path, fusion_text)
-    data_path = save_model(model, output, external=loaded.uses_external_data)
-    if result_path and export_compile_stat == "1":
-        reports.write_text_atomic(result_path, fusion_text)
-
-    checked = verify_models(model_path, output, input_shape=input_shape) if verify else None
-
-    layers = reports.model_layers(result, model)
-    document = reports.report_document(
-        plan=plan,
-        layers=layers,
-        result=result,
-        model_before=before,
-        model_after=model,
-        paths={
-            "model": str(model_path),
-            "output": str(output),
-            "external_data": str(data_path) if data_path else None,
-            "fusion_result": str(result_path) if result_path else None,
-            "dump_graph": str(dump_graph) if dump_graph else None,
-        },
-        options={
-            "target": target,
-            "oo_level": oo_level,
-            "fusion_switch_file": str(fusion_switch_file) if fusion_switch_file else None,
-            "enable_pass": list(request.enable),
-            "disable_pass": list(request.disable),
-            "optimization_switch": optimization_switch or None,
-            "input_shape": input_shape or None,
-            "plugins": [str(path) for path in plugins],
-            "pattern_fusion_pass": pattern_fusion_pass,
-            "check_custom": check_custom,
-            "graph_kernel_flags": graph_kernel_flags or None,
-        },
-    )
-    if checked is not None:
-        document["verify"] = checked.to_json()
-    if checker is not None:
-        document["check_custom"] = checker.to_json()
-    if report:
-        reports.write_text_atomic(report, json.dumps(document, indent=2) + "\n")
     if as_json:
-        click.echo(json.dumps(document, indent=2))
+        click.echo(json.dumps(result.report, indent=2))
+    checked, checker = result.verify, result.site_check
+    written = result.paths["output"]
     if log_level != "null":
-        reports.print_summary(stderr, result, layers)
-        stderr.print(f"wrote {output}" + (f" (+ {data_path.name})" if data_path else ""))
+        reports.print_summary(stderr, result.run, result.layers)
+        data_path = result.paths.get("external_data")
+        stderr.print(f"wrote {written}" + (f" (+ {data_path.name})" if data_path else ""))
         if checker is not None:
             checker.print_summary(stderr)
         if checked is not None:
             print_result(stderr, checked)
     if checked is not None and not checked.passed:
-        raise VerifyFailed(f"{checked.summary()}; {output} stays written")
+        raise VerifyFailed(f"{checked.summary()}; {written} stays written")
     if checker is not None and checker.mismatches():
-        raise VerifyFailed(f"{checker.summary()}; {output} stays written without them")
+        raise VerifyFailed(f"{checker.summary()}; {written} stays written without them")
 
 
 @cli.command("verify")
@@ -418,7 +301,7 @@ def _verify(
         original, optimized = models
     if per_pass and original is None:
         raise FusectlError("--per_pass optimizes ORIGINAL again: give ORIGINAL, not --golden")
-    result = verify_models(original, optimized, golden=golden, **options)
+    result = api.verify(original, optimized, golden=golden, **options)
     document = result.to_json()
     if per_pass:
         plan = resolve(load_passes(plugins), SwitchRequest())
@@ -473,7 +356,7 @@ def bench(**options: Any) -> None:
 
 def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     logs.configure(logs.default_level())
-    result = bench_models(models, **options)
+    result = api.bench(models, **options)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -511,6 +394,11 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     help="Where to write the switch file that turns the culprit pass(es) off.",
 )
 @_option(
+    "--force",
+    is_flag=True,
+    help="Replace --output_switch if it exists (never the --fusion_switch_file given).",
+)
+@_option(
     "--per_pass",
     is_flag=True,
     help="First print the error after each pass that rewrote something (one round per pass).",
@@ -528,32 +416,9 @@ def bisect(**options: Any) -> None:
     _guarded(lambda: _bisect(**options))
 
 
-def _bisect(
-    *,
-    model: Path,
-    fusion_switch_file: Path | None,
-    enable_pass: Sequence[str],
-    disable_pass: Sequence[str],
-    target: str,
-    graph_kernel_flags: str,
-    plugins: Sequence[Path],
-    pattern_fusion_pass: str,
-    as_json: bool,
-    **options: Any,
-) -> None:
+def _bisect(*, model: Path, as_json: bool, **options: Any) -> None:
     logs.configure(logs.default_level())
-    request = SwitchRequest(
-        switch_file=parse_switch_file(fusion_switch_file) if fusion_switch_file else None,
-        enable=split_pass_list(enable_pass),
-        disable=split_pass_list(disable_pass),
-        target=target,
-        custom_passes=pattern_fusion_pass == "on",
-        pass_options=_pass_options(graph_kernel_flags),
-    )
-    plan = resolve(load_passes(plugins), request)
-    for message in plan.warnings + plan.notes:
-        logs.logger.warning("%s", message)
-    result = bisect_model(model, plan, target=target, **options)
+    result = api.bisect(model, **options)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     print_bisect(stderr, result)

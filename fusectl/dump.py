@@ -2,7 +2,8 @@
 
 Weights go once into DIR/weights.data and every dump refers to them there, so a dozen dumps of
 a 400 MB model cost 400 MB of disk, not 5 GB. Each weight moved there is swapped for a
-memory-mapped view of its copy, so the run itself holds no more in memory than before.
+memory-mapped view of its copy, so the run itself holds no more in memory than before (the
+optimized output itself is saved with its weights read back in: it never refers to DIR).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fusectl.errors import FusectlError
+from fusectl.paths import DUMP_WEIGHTS_FILE as WEIGHTS_FILE
 
-WEIGHTS_FILE = "weights.data"
 _ALIGNMENT = 64
 _INLINE_BYTES = 1024
 

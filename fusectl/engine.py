@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from fusectl import coverage, logs
 from fusectl.context import NodeNames, OpIndex, PassContext, Rewrites
+from fusectl.errors import FusectlError
 from fusectl.patterns import PatternPass
 from fusectl.shapes import ShapeOracle
 from fusectl.sitecheck import SiteChecker
@@ -58,6 +59,21 @@ def _canonical_group(decisions: list[Decision], start: int) -> range:
     return range(start, max(end, start + 1))
 
 
+def _run_pass(decision: Decision, model: ir.Model, ctx: PassContext) -> None:
+    """Run one pass; a custom pass that raises is the plugin's fault, reported as bad input."""
+    spec = decision.fusion_pass.spec
+    try:
+        decision.fusion_pass.run(model, ctx)
+    except FusectlError:
+        raise
+    except Exception as error:
+        if not spec.custom:
+            raise
+        raise FusectlError(
+            f"custom pass {spec.name} ({spec.origin}) raised {type(error).__name__}: {error}"
+        ) from error
+
+
 def run_plan(
     model: ir.Model,
     plan: Plan,
@@ -104,7 +120,7 @@ def run_plan(
         was_changed, ctx.changed = ctx.changed, False
         nodes = len(model.graph)
         began = time.perf_counter()
-        decision.fusion_pass.run(model, ctx)
+        _run_pass(decision, model, ctx)
         run.seconds += time.perf_counter() - began
         run.nodes_after = len(model.graph)
         run.ctx = ctx

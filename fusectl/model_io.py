@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import shutil
-import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from fusectl.errors import FusectlError
+from fusectl.paths import StagedOutputs
 
 # Protobuf cannot serialise a message of 2 GiB or more; leave room for the graph itself.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -24,15 +26,28 @@ class LoadedModel:
     """A model and what is known about the file it came from."""
 
     model: ir.Model
-    path: Path
+    path: Path | None  # None for a model given in memory
     external_files: frozenset[Path]
     # The parsed file, kept for on-demand shape inference; the IR's in-memory weights are
     # views of its tensors, so keeping it costs no extra memory.
     proto: onnx.ModelProto
 
     @property
+    def sparse_initializers(self) -> list[onnx.SparseTensorProto]:
+        """onnx-ir keeps no sparse initializers: the graph sees them as values with no producer,
+        and ``add_sparse_initializers`` puts them back into what is saved."""
+        return list(self.proto.graph.sparse_initializer)
+
+    @property
     def uses_external_data(self) -> bool:
         return bool(self.external_files)
+
+    def protected_files(self) -> dict[Path, str]:
+        """The files no output of the run may replace."""
+        files = {data: "the input model's external data file" for data in self.external_files}
+        if self.path is not None:
+            files[self.path] = "the input model"
+        return files
 
 
 def _external_tensors(model: ir.Model) -> list[tuple[str, ir.ExternalTensor]]:
@@ -62,57 +77,70 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
         ) from None
     except OSError as error:
         raise FusectlError(f"cannot read: {error.strerror}", path=model_path) from None
+    return _from_proto(proto, model_path)
+
+
+def load_source(source: str | os.PathLike[str] | onnx.ModelProto | ir.Model) -> LoadedModel:
+    """A model given as a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``.
+
+    In-memory models are never modified: the run works on its own copy.
+    """
+    if isinstance(source, onnx.ModelProto):
+        return _from_proto(source, None)
+    if isinstance(source, ir.Model):
+        return _from_proto(ir.serde.serialize_model(source), None)
+    if isinstance(source, str | os.PathLike):
+        return load_model(source)
+    raise FusectlError(
+        f"a model is a path, an onnx.ModelProto or an onnx_ir.Model, not {type(source).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def _sparse_names_expected(proto: onnx.ModelProto) -> Iterator[None]:
+    """onnx-ir warns that a sparse initializer's name is undeclared; fusectl knows and keeps it."""
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    if proto.graph.sparse_initializer:
+        serde_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        serde_log.setLevel(level)
+
+
+def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
+    where = model_path or "<in-memory model>"
     if not proto.HasField("graph") or proto.ir_version == 0 or not proto.opset_import:
         raise FusectlError(
-            "not an ONNX model, or truncated (no graph, IR version or opset imports)",
-            path=model_path,
+            "not an ONNX model, or truncated (no graph, IR version or opset imports)", path=where
         )
     if not proto.graph.output:
-        raise FusectlError("model graph declares no outputs (truncated file?)", path=model_path)
+        raise FusectlError("model graph declares no outputs (truncated file?)", path=where)
     try:
-        model = ir.serde.deserialize_model(proto)
+        with _sparse_names_expected(proto):
+            model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
-        raise FusectlError(f"malformed ONNX model: {error}", path=model_path) from None
-    base_dir = model_path.parent
-    ir.external_data.set_base_dir(model.graph, base_dir)
+        raise FusectlError(f"malformed ONNX model: {error}", path=where) from None
     external_files: set[Path] = set()
+    if model_path is not None:
+        ir.external_data.set_base_dir(model.graph, model_path.parent)
     for name, tensor in _external_tensors(model):
         data_path = Path(tensor.path)
         if not data_path.is_file():
             raise FusectlError(
                 f"external data file '{tensor.location}' of initializer '{name}' is missing",
-                path=model_path,
+                path=where,
             )
         end = (tensor.offset or 0) + (tensor.length or tensor.nbytes)
         if data_path.stat().st_size < end:
             raise FusectlError(
                 f"external data file '{tensor.location}' is shorter than initializer "
                 f"'{name}' needs ({end} bytes)",
-                path=model_path,
+                path=where,
             )
         external_files.add(data_path.resolve())
     return LoadedModel(model, model_path, frozenset(external_files), proto)
-
-
-def check_output_path(source: LoadedModel, output: Path) -> None:
-    """Refuse outputs that would overwrite the input or land in an unwritable place."""
-    if output.exists() and output.is_dir():
-        raise FusectlError("output path is a directory", path=output)
-    if output.resolve() == source.path.resolve():
-        raise FusectlError(
-            "output path is the input model; fusectl never modifies its input", path=output
-        )
-    data_path = external_data_path(output).resolve()
-    if data_path in source.external_files:
-        raise FusectlError(
-            f"output's external data file '{data_path.name}' is the input model's weight file",
-            path=output,
-        )
-    directory = output.parent
-    if not directory.is_dir():
-        raise FusectlError("output directory does not exist", path=directory)
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise FusectlError("output directory is not writable", path=directory)
 
 
 def external_data_path(output: Path) -> Path:
@@ -127,26 +155,68 @@ def weight_bytes(model: ir.Model) -> int:
     )
 
 
-def save_model(model: ir.Model, output: Path, *, external: bool) -> Path | None:
-    """Write the model atomically; returns the external data file when one was written.
+def _names_used(graph: onnx.GraphProto) -> set[str]:
+    used = {value.name for value in graph.output}
+    for node in graph.node:
+        used.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g, *attribute.graphs]:
+                used |= _names_used(subgraph)
+    return used
 
-    Everything is written into a temporary directory beside the target and then renamed into
-    place, so a failure part-way leaves neither a partial model nor a partial weight file.
+
+def add_sparse_initializers(
+    proto: onnx.ModelProto, sparse: Sequence[onnx.SparseTensorProto]
+) -> bool:
+    """Put back the input's sparse initializers that the graph still uses; True if any."""
+    used = _names_used(proto.graph)
+    kept = [tensor for tensor in sparse if tensor.values.name in used]
+    proto.graph.sparse_initializer.extend(kept)
+    return bool(kept)
+
+
+def stage_model(
+    model: ir.Model,
+    output: Path,
+    staged: StagedOutputs,
+    *,
+    external: bool,
+    sparse: Sequence[onnx.SparseTensorProto] = (),
+) -> Path | None:
+    """Write the model into ``staged`` (renamed to ``output`` on commit); returns the external
+    data file it will have, if any.
+
+    An output with its weights inline refers to no other file: weights that live elsewhere
+    (memory-mapped from --dump_graph's weight file, say) are read in first.
     """
     external = external or weight_bytes(model) > INLINE_WEIGHTS_LIMIT
     data_path = external_data_path(output) if external else None
+    staged_model = staged.file(output)
+    if data_path is not None:
+        staged.file(data_path)
+    else:
+        ir.external_data.load_to_model(model)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    except OSError as error:
-        raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
-    try:
-        staged_model = staging / output.name
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)
-        if data_path is not None:
-            os.replace(staging / data_path.name, data_path)
-        os.replace(staged_model, output)
+        if sparse:
+            saved = onnx.load(str(staged_model), load_external_data=False)
+            if add_sparse_initializers(saved, sparse):
+                onnx.save(saved, str(staged_model))
     except OSError as error:
         raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return data_path
+
+
+def save_model(
+    model: ir.Model,
+    output: Path,
+    *,
+    external: bool,
+    sparse: Sequence[onnx.SparseTensorProto] = (),
+) -> Path | None:
+    """Write the model atomically: a failure part-way leaves neither a partial model nor a
+    partial weight file."""
+    with StagedOutputs() as staged:
+        data_path = stage_model(model, output, staged, external=external, sparse=sparse)
+        staged.commit()
     return data_path

@@ -15,7 +15,6 @@ from rich.table import Table
 from fusectl import __version__, coverage, runtime
 from fusectl.context import layer_of
 from fusectl.engine import PassRun, RunResult
-from fusectl.errors import FusectlError
 from fusectl.registry import Category, PassSpec
 from fusectl.switches import Plan, Source
 
@@ -55,6 +54,10 @@ def render_fusion_result(result: RunResult, fmt: str = "v3") -> str:
     return json.dumps(fusion_result_document(result, fmt), indent=4, sort_keys=True)
 
 
+def report_json(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2) + "\n"
+
+
 def default_fusion_result_path() -> Path:
     """./fusion_result.json, or $ASCEND_WORK_PATH/FE/<pid>/fusion_result.json as ATC does."""
     work = os.environ.get("ASCEND_WORK_PATH")
@@ -66,16 +69,6 @@ def default_fusion_result_path() -> Path:
         except OSError:
             pass
     return Path("fusion_result.json")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, path)
-    except OSError as error:
-        staging.unlink(missing_ok=True)
-        raise FusectlError(f"cannot write: {error.strerror or error}", path=path) from None
 
 
 def _providers(spec: PassSpec) -> list[str]:

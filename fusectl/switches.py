@@ -83,6 +83,8 @@ def _parse_json(path: Path, text: str) -> SwitchFile:
         raise _bad(
             path, f"invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
         ) from None
+    except RecursionError:
+        raise _bad(path, "JSON nested too deeply for a switch file") from None
     if not isinstance(document, dict):
         raise _bad(path, f"top level is a JSON {type(document).__name__}, it must be an object")
     result = SwitchFile(path, legacy=False)

@@ -282,7 +282,7 @@ def _absorb_shape_arithmetic(ctx: PassContext, nodes: list[ir.Node], keep: set[i
     changed = True
     while changed:
         changed = False
-        for node in list(members):
+        for node in list(nodes):  # the list, not the set: lineage follows a stable order
             for value in node.inputs:
                 producer = value.producer() if value is not None else None
                 if producer is None or producer in members or value in keep:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from click.testing import CliRunner
 from fusectl.cli import cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
+SAMPLE = Path(__file__).parents[1] / "samples" / "models" / "tiny_cnn.onnx"
 
 
 class Run:
@@ -123,3 +126,15 @@ def restore_registry() -> Iterator[None]:
         yield
     finally:
         REGISTRY.restore(saved)
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    """A copy of the shipped sample model in the test's own folder."""
+    copy = tmp_path / "tiny_cnn.onnx"
+    shutil.copy(SAMPLE, copy)
+    return copy
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

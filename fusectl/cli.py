@@ -303,7 +303,7 @@ def _optimize(
     fusion_text = reports.render_fusion_result(result, fusion_result_format)
     if result_path and export_compile_stat == "2":
         reports.write_text_atomic(result_path, fusion_text)
-    data_path = save_model(model, output, external=loaded.uses_external_data)
+    data_path = save_model(model, output, external=loaded.uses_external_data, source=loaded.path)
     if result_path and export_compile_stat == "1":
         reports.write_text_atomic(result_path, fusion_text)
 

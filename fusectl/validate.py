@@ -103,9 +103,9 @@ def _type_problem(type_proto: TypeProto) -> str | None:
 def _tensor_problem(tensor: TensorProto) -> str | None:
     """Why an initializer's stored data cannot be its declared shape and type, or None."""
     if tensor.data_type not in _VALID_DTYPES:
-        return f"unknown element type {tensor.data_type}"
+        return f"has unknown element type {tensor.data_type}"
     if any(d < 0 for d in tensor.dims):
-        return f"negative dimension in shape {list(tensor.dims)}"
+        return f"has a negative dimension in its shape {list(tensor.dims)}"
     if tensor.data_location == TensorProto.EXTERNAL:
         return None  # sizes are checked against the data file by model_io
     size = _DTYPE_BYTES.get(tensor.data_type)
@@ -253,15 +253,23 @@ class _Validator:
                     f"{node.op_type} takes {declared.type.name}"
                 )
 
+    def signature(self, graph: onnx.GraphProto, where: str) -> None:
+        """The types of the graph's inputs and outputs (an output may leave its type to
+        inference, as onnxruntime does; onnx.checker wants it declared)."""
+        for kind, values in (("input", graph.input), ("output", graph.output)):
+            for value in values:
+                problem = _type_problem(value.type)
+                if problem == "no type" and kind == "output":
+                    self.warning(f"{where}graph output '{value.name}' declares no type")
+                elif problem is not None:
+                    self.error(f"{where}graph {kind} '{value.name}' has {problem}")
+
     def graph(self, graph: onnx.GraphProto, outer: _Scope | None, where: str) -> set[str]:
         """Check one graph and its subgraphs; returns the names it reads from outer scopes.
         ``where`` prefixes the messages about a subgraph ("" for the main graph)."""
         scope = _Scope(set(), outer)
-        for value in graph.input:
-            problem = _type_problem(value.type)
-            if problem is not None:
-                self.error(f"{where}graph input '{value.name}' has {problem}")
-            scope.defined.add(value.name)
+        self.signature(graph, where)
+        scope.defined.update(value.name for value in graph.input)
         for tensor in graph.initializer:
             problem = _tensor_problem(tensor)
             if problem is not None:
@@ -315,11 +323,6 @@ class _Validator:
         for value in graph.output:
             if not scope.resolves(value.name):
                 self.error(f"{where}graph output '{value.name}' is produced by nothing")
-            problem = _type_problem(value.type)
-            if problem == "no type":
-                self.warning(f"{where}graph output '{value.name}' declares no type")
-            elif problem is not None:
-                self.error(f"{where}graph output '{value.name}' has {problem}")
         for info in graph.value_info:
             problem = _type_problem(info.type)
             if problem is not None and problem != "no type":
@@ -372,6 +375,7 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
     minds (a warning)."""
     validator = _Validator(proto)
     validator.versions()
+    validator.signature(proto.graph, "")
     findings = validator.findings
     problem = _checker_problem(proto, path, external)
     if problem is not None:

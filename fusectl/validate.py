@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 import onnx.defs
 import onnx_ir as ir
+import onnxruntime as ort
 from onnx import TensorProto, TypeProto
 
 from fusectl.errors import FusectlError
@@ -352,12 +353,25 @@ def validate_model(proto: onnx.ModelProto) -> list[Finding]:
     return _Validator(proto).run()
 
 
-def _checker_problem(proto: onnx.ModelProto, path: Path, external: bool) -> str | None:
-    """onnx.checker's objection to the input (first line), or None. A model with external
-    data is checked by path, so that the checker finds its (already confined) weight files."""
+def _checker_problem(model: onnx.ModelProto | Path) -> str | None:
+    """onnx.checker's objection (full check: types and shapes too) as one line, or None."""
     try:
-        onnx.checker.check_model(str(path) if external else proto)
-    except (onnx.checker.ValidationError, ValueError) as error:
+        onnx.checker.check_model(
+            model if isinstance(model, onnx.ModelProto) else str(model), full_check=True
+        )
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
+        return _one_line(error)
+    return None
+
+
+def _runtime_problem(path: Path) -> str | None:
+    """Why onnxruntime cannot load the model file (as one line), or None."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types per failure
         return _one_line(error)
     return None
 
@@ -370,18 +384,27 @@ def _one_line(error: Exception) -> str:
 
 def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
     """Refuse the model (exit 2, one line) on the first error; log warnings; --log debug lists
-    every finding. onnx.checker (C++) clears most models fast; only one it objects to is
-    walked here, to tell what onnxruntime refuses too (an error) from what only the checker
-    minds (a warning)."""
+    every finding.
+
+    onnx.checker (C++) clears most models fast. Only a model it objects to is walked here, and
+    when the walk finds no fault onnxruntime decides: a model it cannot load is refused with
+    its reason, one it loads goes on with the checker's objection as a warning. A model with
+    external data is checked by path, so that the checker finds its (already confined) files."""
     validator = _Validator(proto)
     validator.versions()
     validator.signature(proto.graph, "")
     findings = validator.findings
-    problem = _checker_problem(proto, path, external)
+    errors_found = any(f.error for f in findings)
+    problem = None if errors_found else _checker_problem(path if external else proto)
     if problem is not None:
         findings = validate_model(proto)
-        if not findings:
-            findings.append(Finding(f"onnx.checker rejects the model: {problem}", error=False))
+        if not any(f.error for f in findings):
+            refused = _runtime_problem(path)
+            findings.append(
+                Finding(f"onnxruntime cannot load it: {refused}", error=True)
+                if refused is not None
+                else Finding(f"onnx.checker rejects it, onnxruntime loads it: {problem}", False)
+            )
     for finding in findings:
         logger.debug("validation %s: %s", "error" if finding.error else "warning", finding.message)
     errors = [f.message for f in findings if f.error]
@@ -392,38 +415,53 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
         logger.warning("%s: %s", path, finding.message)
 
 
-def check_text(model: ir.Model, path: Path) -> None:
-    """Names and doc strings must be text: protobuf returns what is not valid UTF-8 as bytes,
-    which no later step (reports, serialization) can handle."""
-    texts: list[object] = [model.doc_string, model.producer_name, *model.metadata_props.values()]
-    for graph in (model.graph, *(f for f in model.functions.values())):
-        texts += (value.name for value in graph.inputs)
-        texts += graph.initializers.keys() if isinstance(graph, ir.Graph) else ()
+def _ir_texts(model: ir.Model) -> Iterator[object]:
+    """The names, doc strings and metadata of the model, its graphs, functions, nodes and
+    values: everything fusectl reads or writes back as text."""
+    yield from (model.doc_string, model.producer_name, model.producer_version, model.domain)
+    yield from (text for item in model.metadata_props.items() for text in item)
+    graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        yield from (graph.name, graph.doc_string)
+        yield from (text for item in graph.metadata_props.items() for text in item)
+        values = [*graph.inputs, *graph.outputs]
         for node in ir.traversal.RecursiveGraphIterator(graph):
-            texts += (node.name, node.op_type, node.domain, node.doc_string)
-            texts += (value.name for value in node.outputs)
-    if _has_bytes(texts):
-        raise FusectlError("a name or doc string is not valid UTF-8 text", path=path)
+            yield from (node.name, node.op_type, node.domain, node.overload, node.doc_string)
+            yield from node.attributes
+            yield from (text for item in node.metadata_props.items() for text in item)
+            values += node.outputs
+        for value in values:
+            yield value.name
+            yield from (dim for dim in value.shape or () if not isinstance(dim, int))
 
 
-def _checker_error(path: Path) -> str | None:
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        return _one_line(error)
-    return None
+def check_text(model: ir.Model, path: Path) -> None:
+    """Protobuf hands back string fields that are not valid UTF-8 as bytes, which no later
+    step (reports, serialization) can handle: refuse them after load."""
+    for text in _ir_texts(model):
+        if type(text) is bytes or (isinstance(text, ir.SymbolicDim) and type(text.value) is bytes):
+            raise FusectlError(f"text {text!r} in the model is not valid UTF-8", path=path)
 
 
 def check_output(staged: Path, source: Path) -> None:
-    """An output must pass onnx.checker (full check) whenever its input did: a staged output
-    that fails while the input passes is a fusectl bug, refused before it is renamed into place."""
-    problem = _checker_error(staged)
+    """An output must pass onnx.checker (full check) whenever its input did, and load in
+    onnxruntime whenever its input did: checked on the staged file, before it is renamed into
+    place. An input whose declarations the checker rejects and whose optimized form no longer
+    loads is refused as inconsistent (exit 2); a valid input's invalid output is a bug (exit 3)."""
+    problem = _checker_problem(staged)
     if problem is None:
         return
-    if _checker_error(source) is None:
+    source_problem = _checker_problem(source)
+    if source_problem is None:
         raise OutputInvariantError(
             f"the optimized model fails onnx.checker though the input passes ({problem}); "
             "nothing written, please report this",
             path=source,
         )
-    logger.warning("%s: the input fails onnx.checker too; the output is written as is", source)
+    if _runtime_problem(source) is None and _runtime_problem(staged) is not None:
+        raise FusectlError(
+            f"the model's declarations are inconsistent ({source_problem}) and its optimized "
+            "form would not load in onnxruntime; nothing written",
+            path=source,
+        )
+    logger.warning("%s: the input fails onnx.checker; so does the output", source)

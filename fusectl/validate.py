@@ -394,17 +394,17 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
     validator.versions()
     validator.signature(proto.graph, "")
     findings = validator.findings
-    errors_found = any(f.error for f in findings)
-    problem = None if errors_found else _checker_problem(path if external else proto)
-    if problem is not None:
-        findings = validate_model(proto)
-        if not any(f.error for f in findings):
-            refused = _runtime_problem(path)
-            findings.append(
-                Finding(f"onnxruntime cannot load it: {refused}", error=True)
-                if refused is not None
-                else Finding(f"onnx.checker rejects it, onnxruntime loads it: {problem}", False)
-            )
+    faulty = any(f.error for f in findings)
+    problem = None if faulty else _checker_problem(path if external else proto)
+    if faulty or problem is not None:
+        findings = validate_model(proto)  # every finding, for --log debug
+    if problem is not None and not any(f.error for f in findings):
+        refused = _runtime_problem(path)
+        findings.append(
+            Finding(f"onnxruntime cannot load it: {refused}", error=True)
+            if refused is not None
+            else Finding(f"onnx.checker rejects it, onnxruntime loads it: {problem}", False)
+        )
     for finding in findings:
         logger.debug("validation %s: %s", "error" if finding.error else "warning", finding.message)
     errors = [f.message for f in findings if f.error]

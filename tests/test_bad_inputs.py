@@ -244,6 +244,21 @@ def _non_utf8_case(folder: Path, out: Path) -> Case:
     return Case(_optimize(path, out), ["model.onnx: ", "not valid UTF-8"])
 
 
+def _non_utf8_producer(folder: Path, out: Path) -> Case:
+    model = _relu()
+    model.producer_version = "VERSION1"
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString().replace(b"VERSION1", b"VER\xc3\x28ON1"))
+    return Case(_optimize(path, out), ["model.onnx: ", "not valid UTF-8"])
+
+
+def _type_conflict() -> onnx.ModelProto:
+    """Structurally sound, but Add's operands disagree in type: the checker's type inference
+    and onnxruntime both refuse it."""
+    bias = helper.make_tensor("b", TensorProto.INT16, [2], [1, 2])
+    return _model([helper.make_node("Add", ["x", "b"], ["y"], name="add")], initializers=(bias,))
+
+
 # --- external data faults -------------------------------------------------------------------
 
 
@@ -458,6 +473,8 @@ CASES: dict[str, Builder] = {
     "unknown_attribute": model_case(_unknown_attribute(), "has no attribute 'slope'"),
     "undefined_attribute_type": model_case(_undefined_attribute_type(), "no valid type"),
     "non_utf8_name": _non_utf8_case,
+    "non_utf8_producer_version": _non_utf8_producer,
+    "type_conflict": model_case(_type_conflict(), "onnxruntime cannot load it", "Add"),
     **_EXTERNAL_CASES,
     # switch files, plugins, options
     "switch_bad_json": switch_case('{"Switch": {"GraphFusion": {"A": "on",}}}', "invalid JSON"),
@@ -527,3 +544,58 @@ def test_no_known_bad_input_reaches_internal_error(tmp_path: Path) -> None:
         for args in (["optimize", *case.args], ["verify", model, model], ["bench", model, model]):
             result = run_cli(*args, "--json") if args[0] != "optimize" else run_cli(*args)
             assert result.exit_code != 3, f"{name} {args[0]}: {result.stderr}"
+
+
+def test_what_only_the_checker_minds_passes_with_a_warning(tmp_path: Path) -> None:
+    """Nodes out of topological order: onnx.checker refuses, onnxruntime sorts them. fusectl
+    warns, and writes a sorted output that passes the checker."""
+    model = _saved(
+        tmp_path,
+        _model(
+            [
+                helper.make_node("Relu", ["a"], ["y"], name="second"),
+                helper.make_node("Neg", ["x"], ["a"], name="first"),
+            ]
+        ),
+    )
+    output = tmp_path / "out.onnx"
+    result = run_cli("optimize", model, "-o", output, "--export_compile_stat", "0")
+    assert result.exit_code == 0, result.stderr
+    assert "not in topological order" in result.stderr
+    onnx.checker.check_model(str(output), full_check=True)
+    assert [n.name for n in onnx.load(str(output)).graph.node] == ["first", "second"]
+
+
+BREAKING_PLUGIN = """
+import onnx_ir as ir
+from fusectl import Category, FusionPass, PassSpec, register_pass
+
+
+@register_pass
+class RenameToNothingPass(FusionPass):
+    spec = PassSpec(name="RenameToNothingPass", category=Category.GRAPH,
+                    description="a broken pass: renames every Relu to an op that does not exist")
+
+    def run(self, model: ir.Model, ctx) -> None:
+        for node in model.graph:
+            if node.op_type == "Relu":
+                node.op_type = "NoSuchOperator"
+"""
+
+
+@pytest.mark.usefixtures("restore_registry")
+def test_a_valid_input_never_yields_an_invalid_output(tmp_path: Path) -> None:
+    """A pass that breaks a valid model is caught before the output lands: exit 3 (a bug),
+    one line, nothing written."""
+    plugin = tmp_path / "breaking.py"
+    plugin.write_text(BREAKING_PLUGIN)
+    model = _saved(tmp_path, _relu())
+    output = tmp_path / "out.onnx"
+    before = _snapshot(tmp_path)
+    result = run_cli(
+        "optimize", model, "-o", output, "--plugin", plugin, "--export_compile_stat", "0"
+    )
+    assert result.exit_code == 3, result.stderr
+    assert "fails onnx.checker though the input passes" in result.stderr
+    assert "NoSuchOperator" in result.stderr
+    assert _snapshot(tmp_path) == before

@@ -353,11 +353,11 @@ def validate_model(proto: onnx.ModelProto) -> list[Finding]:
     return _Validator(proto).run()
 
 
-def _checker_problem(model: onnx.ModelProto | Path) -> str | None:
+def _checker_problem(model: onnx.ModelProto | Path, *, full_check: bool = True) -> str | None:
     """onnx.checker's objection (full check: types and shapes too) as one line, or None."""
     try:
         onnx.checker.check_model(
-            model if isinstance(model, onnx.ModelProto) else str(model), full_check=True
+            model if isinstance(model, onnx.ModelProto) else str(model), full_check=full_check
         )
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
         return _one_line(error)
@@ -388,14 +388,17 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
 
     onnx.checker (C++) clears most models fast. Only a model it objects to is walked here, and
     when the walk finds no fault onnxruntime decides: a model it cannot load is refused with
-    its reason, one it loads goes on with the checker's objection as a warning. A model with
-    external data is checked by path, so that the checker finds its (already confined) files."""
+    its reason, one it loads goes on with the checker's objection as a warning."""
     validator = _Validator(proto)
     validator.versions()
     validator.signature(proto.graph, "")
     findings = validator.findings
     faulty = any(f.error for f in findings)
-    problem = None if faulty else _checker_problem(path if external else proto)
+    # Shape inference cannot read external data (a Reshape's shape stored outside): for such
+    # a model the checker's structural checks only, by path so that it finds the files.
+    problem = (
+        None if faulty else _checker_problem(path if external else proto, full_check=not external)
+    )
     if faulty or problem is not None:
         findings = validate_model(proto)  # every finding, for --log debug
     if problem is not None and not any(f.error for f in findings):

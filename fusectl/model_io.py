@@ -16,7 +16,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from fusectl.errors import FusectlError
-from fusectl.validate import check_input, check_output, check_text
+from fusectl.validate import check_input, check_output, check_text, validate_model
 
 # Protobuf cannot serialise a message of 2 GiB or more; leave room for the graph itself.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -176,7 +176,10 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
-        raise FusectlError(f"malformed ONNX model: {error}", path=model_path) from None
+        # The full walk names the fault where it finds one; onnx-ir's message may not.
+        found = [f.message for f in validate_model(proto) if f.error]
+        reason = found[0] if found else f"malformed ONNX model: {error}"
+        raise FusectlError(reason, path=model_path) from None
     check_text(model, model_path)
     ir.external_data.set_base_dir(model.graph, model_path.parent)
     return LoadedModel(model, model_path, external_files, proto)

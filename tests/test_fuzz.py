@@ -76,7 +76,7 @@ def _mutate_field(model: onnx.ModelProto, rng: random.Random) -> None:
         node.op_type = rng.choice(["Relu", "Add", "Conv", "Frob", "SequenceEmpty", "Identity"])
     elif choice == 5 and node.attribute:
         attribute = rng.choice(node.attribute)
-        attribute.type = rng.randrange(16)
+        attribute.type = rng.choice(onnx.AttributeProto.AttributeType.values())
     elif choice == 6:
         model.ir_version = rng.choice([0, 1, 2, 3, 7, 10, 14, 15, 99])
     elif choice == 7:

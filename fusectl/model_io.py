@@ -242,7 +242,7 @@ def save_model(
         staged_model = staging / output.name
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)
         if source is not None:
-            check_output(staged_model, source)
+            check_output(staged_model, source, external=data_path is not None)
         if data_path is not None:
             os.replace(staging / data_path.name, data_path)
         os.replace(staged_model, output)

@@ -387,12 +387,10 @@ def validate_model(proto: onnx.ModelProto) -> list[Finding]:
     return _Validator(proto).run()
 
 
-def _checker_problem(model: onnx.ModelProto | Path, *, full_check: bool = True) -> str | None:
+def _checker_problem(path: Path, *, full_check: bool = True) -> str | None:
     """onnx.checker's objection (full check: types and shapes too) as one line, or None."""
     try:
-        onnx.checker.check_model(
-            model if isinstance(model, onnx.ModelProto) else str(model), full_check=full_check
-        )
+        onnx.checker.check_model(str(path), full_check=full_check)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
         return _one_line(error)
     return None
@@ -428,11 +426,10 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
     validator.signature(proto.graph, "")
     findings = validator.findings
     faulty = any(f.error for f in findings)
-    # Shape inference cannot read external data (a Reshape's shape stored outside): for such
-    # a model the checker's structural checks only, by path so that it finds the files.
-    problem = (
-        None if faulty else _checker_problem(path if external else proto, full_check=not external)
-    )
+    # By path: onnx parses the file in C++, faster than handing it the parsed proto. Shape
+    # inference cannot read external data (a Reshape's shape stored outside): for such a model
+    # the checker's structural checks only.
+    problem = None if faulty else _checker_problem(path, full_check=not external)
     if faulty or problem is not None:
         findings = validate_model(proto)  # every finding, for --log debug
     if problem is not None and not any(f.error for f in findings):
@@ -477,7 +474,7 @@ def check_text(model: ir.Model, path: Path) -> None:
             raise FusectlError(f"text {text!r} in the model is not valid UTF-8", path=path)
 
 
-def check_output(staged: Path, source: Path) -> None:
+def check_output(staged: Path, source: Path, *, external: bool) -> None:
     """The staged output, before it is renamed into place: it must pass onnx.checker (full
     check) whenever the input does, and load in onnxruntime whenever the input does.
 
@@ -486,11 +483,11 @@ def check_output(staged: Path, source: Path) -> None:
       from a pass that is off by default and says so): a warning;
     - both fail, onnxruntime loads the input but not the output: the input's declarations are
       inconsistent in a way the passes trusted; refused (exit 2)."""
-    problem = _checker_problem(staged)
+    problem = _checker_problem(staged, full_check=not external)
     if problem is None:
         return
     output_refused = _runtime_problem(staged)
-    source_problem = _checker_problem(source)
+    source_problem = _checker_problem(source, full_check=not external)
     if source_problem is None:
         if output_refused is not None:
             raise OutputInvariantError(

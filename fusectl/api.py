@@ -211,6 +211,7 @@ def optimize(
                 staged,
                 external=loaded.uses_external_data,
                 sparse=loaded.sparse_initializers,
+                source=loaded.path,
             )
         elif dumper is not None:  # the returned model must not depend on staged dump files
             ir.external_data.load_to_model(working)

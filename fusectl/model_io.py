@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from fusectl.errors import FusectlError
 from fusectl.paths import StagedOutputs
+from fusectl.validate import check_input, check_output, check_text, validate_model
 
 # Protobuf cannot serialise a message of 2 GiB or more; leave room for the graph itself.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -48,6 +51,113 @@ class LoadedModel:
         if self.path is not None:
             files[self.path] = "the input model"
         return files
+
+
+class _Escape(Exception):
+    """An external data location that leads outside the model's folder."""
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _confined_file(folder: str, location: str) -> str:
+    """The real path of ``location`` inside ``folder``, following symbolic links by reading them
+    only: nothing outside the folder is opened or stat'ed. Raises _Escape when the location or
+    a link on the way leads out, FileNotFoundError when it does not name a regular file."""
+    pending = location.replace("\\", "/").split("/")
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or ".." in pending:
+        raise _Escape
+    current, hops = folder, 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        candidate = os.path.join(current, part)
+        info = os.lstat(candidate)  # inside the folder: current never leaves it
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        hops += 1
+        target = os.path.normpath(os.path.join(current, os.readlink(candidate)))
+        if hops > 40 or not _inside(target, folder):
+            raise _Escape
+        pending = os.path.relpath(target, folder).split(os.sep) + pending
+        current = folder
+    if not stat.S_ISREG(os.lstat(current).st_mode):
+        raise FileNotFoundError(current)
+    return current
+
+
+def _check_external_data(proto: onnx.ModelProto, model_path: Path) -> frozenset[Path]:
+    """Every external tensor's file, confined to the model's folder and long enough for the
+    bytes the tensor says it holds. Returns the data files."""
+    folder = os.path.realpath(model_path.parent)
+    files: set[Path] = set()
+    for tensor in _all_tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        where = f"external data of initializer '{tensor.name}'"
+        try:
+            offset, length = int(info.get("offset") or 0), info.get("length")
+            needed = int(length) if length else _tensor_bytes(tensor)
+        except ValueError:
+            raise FusectlError(
+                f"{where} has a malformed offset or length", path=model_path
+            ) from None
+        if offset < 0 or needed < 0:
+            raise FusectlError(f"{where} has a negative offset or length", path=model_path)
+        try:
+            data_file = _confined_file(folder, location)
+        except _Escape:
+            raise FusectlError(
+                f"{where} points outside the model's folder ({location!r})", path=model_path
+            ) from None
+        except OSError:
+            raise FusectlError(
+                f"external data file '{location}' of initializer '{tensor.name}' is missing",
+                path=model_path,
+            ) from None
+        end = offset + needed
+        if os.stat(data_file).st_size < end:
+            raise FusectlError(
+                f"external data file '{location}' is shorter than initializer "
+                f"'{tensor.name}' needs ({end} bytes)",
+                path=model_path,
+            )
+        files.add(Path(data_file))
+    return frozenset(files)
+
+
+def _all_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and attribute tensors of every graph and function of the model."""
+    graphs = [proto.graph]
+    nodes: list[onnx.NodeProto] = [n for f in proto.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            yield from (sparse.values for sparse in graph.sparse_initializer)
+            nodes.extend(graph.node)
+            continue
+        for attribute in nodes.pop().attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                graphs.append(attribute.g)
+            graphs.extend(attribute.graphs)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """Bytes a tensor of this shape and type needs, when its size is fixed (0 if not)."""
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, ValueError):
+        return 0
+    return itemsize * math.prod(tensor.dims) if tensor.data_type != onnx.TensorProto.STRING else 0
 
 
 def _external_tensors(model: ir.Model) -> list[tuple[str, ir.ExternalTensor]]:
@@ -117,11 +227,17 @@ def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
         )
     if not proto.graph.output:
         raise FusectlError("model graph declares no outputs (truncated file?)", path=where)
+    confined = _check_external_data(proto, model_path) if model_path is not None else None
+    check_input(proto, Path(where), external=bool(confined))
     try:
         with _sparse_names_expected(proto):
             model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
-        raise FusectlError(f"malformed ONNX model: {error}", path=where) from None
+        # The full walk names the fault where it finds one; onnx-ir's message may not.
+        found = [f.message for f in validate_model(proto) if f.error]
+        reason = found[0] if found else f"malformed ONNX model: {error}"
+        raise FusectlError(reason, path=where) from None
+    check_text(model, Path(where))
     external_files: set[Path] = set()
     if model_path is not None:
         ir.external_data.set_base_dir(model.graph, model_path.parent)
@@ -182,12 +298,15 @@ def stage_model(
     *,
     external: bool,
     sparse: Sequence[onnx.SparseTensorProto] = (),
+    source: Path | None = None,
 ) -> Path | None:
     """Write the model into ``staged`` (renamed to ``output`` on commit); returns the external
     data file it will have, if any.
 
     An output with its weights inline refers to no other file: weights that live elsewhere
-    (memory-mapped from --dump_graph's weight file, say) are read in first.
+    (memory-mapped from --dump_graph's weight file, say) are read in first. With ``source``
+    (the input model file), the staged output is checked: it must pass onnx.checker whenever
+    the input does.
     """
     external = external or weight_bytes(model) > INLINE_WEIGHTS_LIMIT
     data_path = external_data_path(output) if external else None
@@ -202,6 +321,8 @@ def stage_model(
             saved = onnx.load(str(staged_model), load_external_data=False)
             if add_sparse_initializers(saved, sparse):
                 onnx.save(saved, str(staged_model))
+        if source is not None:
+            check_output(staged_model, source, external=data_path is not None)
     except OSError as error:
         raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
     return data_path
@@ -213,10 +334,13 @@ def save_model(
     *,
     external: bool,
     sparse: Sequence[onnx.SparseTensorProto] = (),
+    source: Path | None = None,
 ) -> Path | None:
     """Write the model atomically: a failure part-way leaves neither a partial model nor a
     partial weight file."""
     with StagedOutputs() as staged:
-        data_path = stage_model(model, output, staged, external=external, sparse=sparse)
+        data_path = stage_model(
+            model, output, staged, external=external, sparse=sparse, source=source
+        )
         staged.commit()
     return data_path

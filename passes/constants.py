@@ -9,9 +9,11 @@ at the model's opset.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
+import onnx.defs
 import onnx_ir as ir
 from onnx.reference.ops import load_op
 
@@ -92,6 +94,21 @@ def _static_part_of_shape(ctx: PassContext, node: ir.Node) -> list[np.ndarray] |
     return [np.array(values, dtype=np.int64).reshape(np.shape(selected))]
 
 
+@functools.cache
+def _yields_tensors(op_type: str, opset: int) -> bool:
+    """Whether every output of the op can be a tensor: sequences, maps and optionals (the
+    outputs of SequenceEmpty, Optional, ...) are never folded into initializers."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    return all(
+        any(kind.startswith("tensor(") for kind in allowed.get(out.type_str, [out.type_str]))
+        for out in schema.outputs
+    )
+
+
 def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     node = value.producer() if value is not None else None
     return node if node is not None and node.op_type == op_type and node.domain == "" else None
@@ -130,6 +147,8 @@ def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] |
     results = implementation(proto, params).run(*arrays)
     if len(results) < len(node.outputs):
         return None
+    if not all(isinstance(r, np.ndarray | np.generic) for r in results):
+        return None  # a sequence, map or optional: not something an initializer can hold
     # The reference computes every optional output (LayerNormalization's Mean and InvStdDev);
     # keep those the node declares, a prefix of them.
     return [np.asarray(r) for r in results[: len(node.outputs)]]
@@ -159,6 +178,8 @@ class ConstantFoldingPass(FusionPass):
         graph = model.graph
         for node in graph:
             if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER:
+                continue
+            if not _yields_tensors(node.op_type, ctx.opset):
                 continue
             if any(value.is_graph_output() for value in node.outputs):
                 continue

@@ -1,0 +1,135 @@
+"""Bounded fuzzing: byte flips and protobuf field mutations of small models, fixed seeds.
+
+Whatever the bytes, `fusectl optimize` ends in exit 0 or 2, never 3 (an internal error); an
+input that passes onnx.checker (full check) gives an output that passes it too, and an input
+onnxruntime loads gives an output it loads.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from fusectl.cli import cli
+from tests.backend_models import DATA
+
+ROOT = Path(__file__).parents[1]
+SEEDS = {
+    "tiny_cnn": ROOT / "samples" / "models" / "tiny_cnn.onnx",
+    "mlp": ROOT / "tests" / "fixtures" / "mlp_torchscript.onnx",
+    "softmax": ROOT / "tests" / "fixtures" / "hand_softmax_torchscript.onnx",
+    "sequences": DATA / "simple" / "test_sequence_model2" / "model.onnx",
+}
+CASES_PER_SEED = 75
+
+
+def _checker_passes(path: Path) -> bool:
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception:
+        return False
+    return True
+
+
+def _runtime_loads(path: Path) -> bool:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception:
+        return False
+    return True
+
+
+def flip_bytes(data: bytes, rng: random.Random) -> bytes:
+    mutated = bytearray(data)
+    for _ in range(rng.choice((1, 1, 2, 4))):
+        mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+    return bytes(mutated)
+
+
+def _names(graph: onnx.GraphProto) -> list[str]:
+    found = [v.name for v in graph.input] + [t.name for t in graph.initializer]
+    return found + [name for node in graph.node for name in node.output]
+
+
+def _mutate_field(model: onnx.ModelProto, rng: random.Random) -> None:
+    """One structural change a broken exporter or an editing script could make."""
+    graph = model.graph
+    node = rng.choice(graph.node)
+    choice = rng.randrange(12)
+    if choice == 0 and node.input:  # rewire an input: undefined values, cycles
+        node.input[rng.randrange(len(node.input))] = rng.choice([*_names(graph), "nowhere"])
+    elif choice == 1:  # a second producer, or a renamed output
+        node.output[0] = rng.choice(_names(graph))
+    elif choice == 2:
+        graph.node.remove(node)
+    elif choice == 3:
+        graph.node.append(node)
+    elif choice == 4:
+        node.op_type = rng.choice(["Relu", "Add", "Conv", "Frob", "SequenceEmpty", "Identity"])
+    elif choice == 5 and node.attribute:
+        attribute = rng.choice(node.attribute)
+        attribute.type = rng.choice(onnx.AttributeProto.AttributeType.values())
+    elif choice == 6:
+        model.ir_version = rng.choice([0, 1, 2, 3, 7, 10, 14, 15, 99])
+    elif choice == 7:
+        model.opset_import[0].version = rng.choice([1, 6, 11, 13, 17, 21, 28, 29, 99])
+    elif choice == 8 and graph.initializer:
+        tensor = rng.choice(graph.initializer)
+        tensor.dims.append(rng.choice([0, 1, 2, 3]))
+    elif choice == 9 and graph.initializer:
+        rng.choice(graph.initializer).data_type = rng.randrange(30)
+    elif choice == 10:
+        value = rng.choice([*graph.input, *graph.output])
+        value.type.tensor_type.elem_type = rng.randrange(30)
+    else:
+        graph.output[0].name = rng.choice(_names(graph))
+
+
+def mutate_fields(data: bytes, rng: random.Random) -> bytes:
+    model = onnx.load_from_string(data)
+    for _ in range(rng.choice((1, 1, 2))):
+        if model.graph.node:
+            _mutate_field(model, rng)
+    return model.SerializeToString()
+
+
+MUTATIONS: dict[str, Callable[[bytes, random.Random], bytes]] = {
+    "bytes": flip_bytes,
+    "fields": mutate_fields,
+}
+
+
+@pytest.mark.parametrize("seed_name", sorted(SEEDS))
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_mutated_models_never_crash_or_break(seed_name: str, mutation: str, tmp_path: Path) -> None:
+    original = SEEDS[seed_name].read_bytes()
+    rng = random.Random(f"{seed_name}/{mutation}")
+    runner = CliRunner()
+    exit_codes: dict[int, int] = {}
+    for case in range(CASES_PER_SEED):
+        model, output = tmp_path / f"{case}.onnx", tmp_path / f"{case}_out.onnx"
+        model.write_bytes(MUTATIONS[mutation](original, rng))
+        result = runner.invoke(
+            cli,
+            ["optimize", str(model), "-o", str(output), "--export_compile_stat", "0"],
+        )
+        exit_codes[result.exit_code] = exit_codes.get(result.exit_code, 0) + 1
+        where = f"{seed_name} {mutation} case {case}: {result.stderr}"
+        assert result.exit_code in (0, 2), where
+        if result.exit_code == 2:
+            assert not output.exists(), where
+            continue
+        if _checker_passes(model):
+            assert _checker_passes(output), f"valid input, invalid output: {where}"
+        if _runtime_loads(model):
+            assert _runtime_loads(output), f"onnxruntime loads the input, not the output: {where}"
+        output.unlink()
+    assert sum(exit_codes.values()) == CASES_PER_SEED

@@ -407,7 +407,7 @@ def _output_is_input(folder: Path, out: Path) -> Case:
 def _output_data_is_input_weights(folder: Path, out: Path) -> Case:
     model = _external(folder, "o.onnx.data")
     (folder / "o.onnx.data").write_bytes(b"\0" * 8)
-    return Case([model, "-o", folder / "o.onnx"], ["is the input model's weight file"])
+    return Case([model, "-o", folder / "o.onnx"], ["is the input model's external data file"])
 
 
 def _output_in_unwritable_directory(folder: Path, out: Path) -> Case:

@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
 from fusectl.cli import cli
+from fusectl.inputs import generate_feeds, graph_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -85,6 +87,22 @@ def random_feeds(
         else:
             dtypes = {"tensor(float16)": np.float16, "tensor(double)": np.float64}
             feeds[value.name] = rng.normal(size=shape).astype(dtypes.get(value.type, np.float32))
+    return feeds
+
+
+def named_dim_feeds(model_path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """fusectl's generated feeds (token ids inside the vocabulary, masks) with each symbolic
+    axis at its size in `dims`; the last row of every 2-D mask loses its last two positions,
+    so that the padding path is compared too (tests/fixtures/make_arch_matrix.py models)."""
+    model = ir.load(str(model_path))
+    shapes = {
+        spec.name: [d if isinstance(d, int) else dims[d] for d in spec.dims or ()]
+        for spec in graph_inputs(model)
+    }
+    feeds, _ = generate_feeds(model, shapes, seed)
+    for name, array in feeds.items():
+        if "mask" in name and array.ndim == 2:
+            array[-1, -2:] = 0
     return feeds
 
 

@@ -12,8 +12,9 @@ in a fresh subprocess with a timeout (the commands of transformers_peers.py):
                 that type; its default opt_level for T)
 
 Then per output: fused ops per class (attention, norms, skip norms, GELU-class, rotary; see
-CLASSES), nodes, and the largest absolute difference from the original on onnxruntime CPU
-(ORT_DISABLE_ALL, the same feeds for all: tests.conftest.named_dim_feeds at the manifest's dims).
+tests.conftest.FUSED_OP_CLASSES), nodes, and the largest absolute difference from the original
+on onnxruntime CPU (ORT_DISABLE_ALL, the same feeds for all: tests.conftest.named_dim_feeds at
+the manifest's dims).
 Expected counts per model are the calls PyTorch makes (the manifest's ``expected``): attention
 layers, norms, GELU + SiLU activations, rotary = 2 per attention layer of a rotary model.
 For every model where fusectl fuses fewer attentions than there are attention layers, the
@@ -31,37 +32,23 @@ import argparse
 import json
 import shutil
 import sys
-from collections import Counter
 from pathlib import Path
 
 import _harness as h
 from transformers_peers import ONNXSCRIPT_SCRIPT, count_ops, one_line
 
 sys.path.insert(0, str(h.REPO_ROOT))
-from tests.conftest import named_dim_feeds
+from tests.conftest import (  # shared with tests/test_arch_matrix.py
+    FUSED_OP_CLASSES,
+    fused_op_classes,
+    named_dim_feeds,
+    run_model,
+)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "fusectl" / "arch_matrix"
 WORK_DIR = h.OUT_DIR / "arch_matrix"
 TOOLS = ("fusectl", "onnxscript", "ort")
 
-# Fused op types per class, whatever their domain (the standard Attention, Gelu,
-# RMSNormalization and RotaryEmbedding count like their com.microsoft forms).
-CLASSES: dict[str, frozenset[str]] = {
-    "attention": frozenset({
-        "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
-        "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention",
-        "DecoderMaskedSelfAttention", "PagedAttention", "SparseAttention", "QAttention",
-    }),
-    "norm": frozenset({
-        "LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
-        "SkipSimplifiedLayerNormalization", "RMSNormalization", "EmbedLayerNormalization",
-    }),
-    "skip_norm": frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}),
-    "gelu": frozenset({
-        "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu", "BiasSplitGelu",
-    }),
-    "rotary": frozenset({"RotaryEmbedding"}),
-}  # fmt: skip
 # The fusectl passes whose near-misses explain a class that is not fused in every layer.
 PASS_WORDS = {"attention": "Attention", "norm": "Norm", "gelu": "Gelu", "rotary": "Rotary"}
 
@@ -77,10 +64,6 @@ def expected_counts(entry: dict) -> dict[str, int]:
     }
 
 
-def class_counts(ops: Counter) -> dict[str, int]:
-    return {cls: sum(ops.get(op, 0) for op in types) for cls, types in CLASSES.items()}
-
-
 def tool_command(tool: str, entry: dict, model: Path, out: Path, report: Path) -> list[str]:
     if tool == "fusectl":
         return h.fusectl_cmd(model, out, report=report)
@@ -94,8 +77,6 @@ def tool_command(tool: str, entry: dict, model: Path, out: Path, report: Path) -
 def max_difference(original: Path, optimized: Path, dims: dict[str, int]) -> float | str:
     """Largest |difference| over all outputs on onnxruntime CPU, optimizations off."""
     import numpy as np
-
-    from tests.conftest import run_model
 
     feeds = named_dim_feeds(original, dims)
     try:
@@ -130,7 +111,7 @@ def run_model_tools(entry: dict, cache: Path, dims: dict, tools: list[str], time
     result: dict = {
         **{k: entry[k] for k in ("file", "arch", "exporter", "category", "attn_implementation")},
         "expected": expected_counts(entry),
-        "tools": {"original": {"classes": class_counts(ops), "nodes": nodes}},
+        "tools": {"original": {"classes": fused_op_classes(ops), "nodes": nodes}},
     }
     for tool in tools:
         out, report = work / f"{tool}.onnx", work / f"{tool}.report.json"
@@ -138,7 +119,7 @@ def run_model_tools(entry: dict, cache: Path, dims: dict, tools: list[str], time
         row: dict = {"wall_s": round(run.wall_s, 2), "status": run.status()}
         if run.ok and out.exists():
             ops, nodes = count_ops(out)
-            row |= {"classes": class_counts(ops), "nodes": nodes}
+            row |= {"classes": fused_op_classes(ops), "nodes": nodes}
             row["diff"] = max_difference(model, out, dims)
             row["other_ms"] = ops.get("_other_ms", "")
         else:
@@ -188,7 +169,7 @@ def verdict(result: dict) -> str:
     peers = [tools[t] for t in ("onnxscript", "ort") if "classes" in tools.get(t, {})]
     behind = [
         cls
-        for cls in CLASSES
+        for cls in FUSED_OP_CLASSES
         if any(tools["fusectl"]["classes"][cls] < peer["classes"][cls] for peer in peers)
     ]
     fewest = min((peer["nodes"] for peer in peers), default=None)

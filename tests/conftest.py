@@ -20,6 +20,31 @@ from fusectl.inputs import generate_feeds, graph_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# Fused op types per class, whatever their domain (the standard Attention, Gelu,
+# RMSNormalization and RotaryEmbedding count like their com.microsoft forms): what
+# tests/test_arch_matrix.py and benchmarks/arch_matrix.py count in an optimized model.
+FUSED_OP_CLASSES: dict[str, frozenset[str]] = {
+    "attention": frozenset({
+        "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+        "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention",
+        "DecoderMaskedSelfAttention", "PagedAttention", "SparseAttention", "QAttention",
+    }),
+    "norm": frozenset({
+        "LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization", "RMSNormalization", "EmbedLayerNormalization",
+    }),
+    "skip_norm": frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}),
+    "gelu": frozenset({
+        "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu", "BiasSplitGelu",
+    }),
+    "rotary": frozenset({"RotaryEmbedding"}),
+}  # fmt: skip
+
+
+def fused_op_classes(ops: Counter[str]) -> dict[str, int]:
+    """How many fused ops of each FUSED_OP_CLASSES class an op-type count holds."""
+    return {cls: sum(ops.get(op, 0) for op in types) for cls, types in FUSED_OP_CLASSES.items()}
+
 
 class Run:
     """The outcome of one `fusectl optimize` invocation."""

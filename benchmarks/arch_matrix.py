@@ -22,6 +22,7 @@ attention passes' near-misses from fusectl's report say why ("no near-miss repor
 
     python benchmarks/arch_matrix.py [CACHE] [--only qwen2,bart] [--tools fusectl,onnxscript,ort]
     python benchmarks/arch_matrix.py --print-only          # the last results again
+    python benchmarks/arch_matrix.py --fixture-rows        # tests/test_arch_matrix.py's table
 
 Results: benchmarks/out/arch_matrix/results.json (--json to put them elsewhere).
 """
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import _harness as h
@@ -47,6 +50,7 @@ from tests.conftest import (  # shared with tests/test_arch_matrix.py
 
 DEFAULT_CACHE = Path.home() / ".cache" / "fusectl" / "arch_matrix"
 WORK_DIR = h.OUT_DIR / "arch_matrix"
+FIXTURE_DIR = h.REPO_ROOT / "tests" / "fixtures" / "arch"
 TOOLS = ("fusectl", "onnxscript", "ort")
 
 # The fusectl passes whose near-misses explain a class that is not fused in every layer.
@@ -254,6 +258,39 @@ def print_all(results: list[dict]) -> None:
     print_why(results)
 
 
+ROW_CLASSES = ("attention", "norm", "skip_norm", "gelu", "rotary")  # tests/test_arch_matrix.py
+
+
+def _literal_line(key: str, text: str) -> list[str]:
+    """`key: "text",` as dict-literal lines of at most 100 characters."""
+    line = f"    {key}: {json.dumps(text)},"
+    if len(line) <= 100:
+        return [line]
+    parts = textwrap.wrap(text, 80, drop_whitespace=False)
+    return [f"    {key}: (", *(f"        {json.dumps(part)}" for part in parts), "    ),"]
+
+
+def print_fixture_rows(results: list[dict]) -> None:
+    """ROWS and WHY of tests/test_arch_matrix.py for fusectl as it is now, to paste there."""
+    rows, why = [], []
+    for r in sorted(results, key=lambda r: r["file"]):
+        name = Path(r["file"]).stem
+        fusectl = r["tools"]["fusectl"]
+        today = tuple(fusectl["classes"][cls] for cls in ROW_CLASSES)
+        target = tuple(r["expected"].get(cls) for cls in ROW_CLASSES)
+        rows.append(f'    "{name}": ({today}, {target}),')
+        for cls in PASS_WORDS:
+            index = ROW_CLASSES.index(cls)
+            if today[index] < target[index]:
+                reasons = "; ".join(dict.fromkeys(fusectl["near_misses"][cls]))
+                reasons = re.sub(r" \(\d+\)(?=;|$)", "", reasons)  # the counts
+                why += _literal_line(f'("{name}", "{cls}")', reasons or "no near-miss reported")
+    print("ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {")
+    print("\n".join(rows) + "\n}")
+    print("WHY: dict[tuple[str, str], str] = {")
+    print("\n".join(why) + "\n}  # fmt: skip")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -265,7 +302,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per tool run [300]")
     parser.add_argument("--json", type=Path, default=WORK_DIR / "results.json")
     parser.add_argument("--print-only", action="store_true")
+    parser.add_argument(
+        "--fixture-rows",
+        action="store_true",
+        help="fusectl alone on tests/fixtures/arch: print ROWS / WHY for tests/test_arch_matrix.py",
+    )
     args = parser.parse_args()
+    if args.fixture_rows:
+        args.cache, args.tools = FIXTURE_DIR, "fusectl"
     if args.print_only:
         print_all(json.loads(args.json.read_text())["results"])
         return
@@ -285,6 +329,9 @@ def main() -> None:
     for number, entry in enumerate(entries, 1):
         print(f"[{number}/{len(entries)}] {entry['file']}", flush=True)
         results.append(run_model_tools(entry, args.cache, manifest["dims"], tools, args.timeout))
+    if args.fixture_rows:
+        print_fixture_rows(results)
+        return
     args.json.parent.mkdir(parents=True, exist_ok=True)
     document = {"machine": h.machine_note(), "cache": str(args.cache), "results": results}
     document["export_failures"] = manifest["failures"]

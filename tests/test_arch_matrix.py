@@ -36,7 +36,8 @@ CLASSES = ("attention", "norm", "skip_norm", "gelu", "rotary")
 TARGETED = ("attention", "norm", "gelu", "rotary")  # skip norms: PyTorch does not say where
 
 # fixture: (today, target), each per class (attention, norm, skip norm, GELU-class, rotary);
-# the target has no skip-norm figure (None).
+# the target has no skip-norm figure (None). `python benchmarks/arch_matrix.py --fixture-rows`
+# prints ROWS and WHY for fusectl as it is: paste them here when a pass changes the counts.
 ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "albert_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "albert_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
@@ -94,7 +95,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "whisper_ts17": ((4, 12, 10, 6, 0), (6, 12, None, 6, 0)),
 }
 
-# (fixture, class) below target today: fusectl's near-miss for that class, first reason.
+# (fixture, class) below target today: the near-misses of that class's fusectl passes.
 WHY: dict[tuple[str, str], str] = {
     ("bloom_dynamo", "attention"): "no near-miss reported",
     ("bloom_dynamo", "gelu"): "no near-miss reported",

@@ -224,6 +224,11 @@ def print_why(results: list[dict]) -> None:
         for r in results
         for tool, row in r["tools"].items()
         if "error" in row
+    ] + [
+        f"- {r['arch']} / {r['exporter']} / {tool}: output does not run: {row['diff'][4:]}"
+        for r in results
+        for tool, row in r["tools"].items()
+        if isinstance(row.get("diff"), str)
     ]
     if failures:
         print("\n### Tool failures")

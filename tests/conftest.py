@@ -12,14 +12,41 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
 from fusectl.cli import cli
+from fusectl.inputs import generate_feeds, graph_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SAMPLE = Path(__file__).parents[1] / "samples" / "models" / "tiny_cnn.onnx"
+
+# Fused op types per class, whatever their domain (the standard Attention, Gelu,
+# RMSNormalization and RotaryEmbedding count like their com.microsoft forms): what
+# tests/test_arch_matrix.py and benchmarks/arch_matrix.py count in an optimized model.
+FUSED_OP_CLASSES: dict[str, frozenset[str]] = {
+    "attention": frozenset({
+        "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+        "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention",
+        "DecoderMaskedSelfAttention", "PagedAttention", "SparseAttention", "QAttention",
+    }),
+    "norm": frozenset({
+        "LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization", "RMSNormalization", "EmbedLayerNormalization",
+    }),
+    "skip_norm": frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}),
+    "gelu": frozenset({
+        "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu", "BiasSplitGelu",
+    }),
+    "rotary": frozenset({"RotaryEmbedding"}),
+}  # fmt: skip
+
+
+def fused_op_classes(ops: Counter[str]) -> dict[str, int]:
+    """How many fused ops of each FUSED_OP_CLASSES class an op-type count holds."""
+    return {cls: sum(ops.get(op, 0) for op in types) for cls, types in FUSED_OP_CLASSES.items()}
 
 
 class Run:
@@ -88,6 +115,22 @@ def random_feeds(
         else:
             dtypes = {"tensor(float16)": np.float16, "tensor(double)": np.float64}
             feeds[value.name] = rng.normal(size=shape).astype(dtypes.get(value.type, np.float32))
+    return feeds
+
+
+def named_dim_feeds(model_path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """fusectl's generated feeds (token ids inside the vocabulary, masks) with each symbolic
+    axis at its size in `dims`; the last row of every 2-D mask loses its last two positions,
+    so that the padding path is compared too (tests/fixtures/make_arch_matrix.py models)."""
+    model = ir.load(str(model_path))
+    shapes = {
+        spec.name: [d if isinstance(d, int) else dims[d] for d in spec.dims or ()]
+        for spec in graph_inputs(model)
+    }
+    feeds, _ = generate_feeds(model, shapes, seed)
+    for name, array in feeds.items():
+        if "mask" in name and array.ndim == 2:
+            array[-1, -2:] = 0
     return feeds
 
 

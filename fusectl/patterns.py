@@ -220,7 +220,7 @@ def within(
     value: ir.Value | None, op_types: frozenset[str], *, upward: bool, depth: int = 5
 ) -> bool:
     """Whether a node of one of ``op_types`` is within ``depth`` ops of ``value``, following
-    producers (the first two inputs of each) or readers."""
+    producers or readers."""
     if value is None or depth == 0:
         return False
     if upward:
@@ -231,7 +231,7 @@ def within(
     for node in nodes:
         if node.op_type in op_types:
             return True
-        following = node.inputs[:2] if upward else node.outputs
+        following = node.inputs if upward else node.outputs
         if any(within(v, op_types, upward=upward, depth=depth - 1) for v in following):
             return True
     return False

@@ -115,8 +115,22 @@ WHY: dict[tuple[str, str], str] = {
         "Add)"
     ),
     ("bloom_ts17", "gelu"): "no near-miss reported",
-    ("deberta_v2_dynamo", "attention"): "no near-miss reported",
-    ("deberta_v2_ts17", "attention"): "no near-miss reported",
+    ("deberta_v2_dynamo", "attention"): (
+        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
+        "biases and a constant scale (they come from Where); "
+        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Where); "
+        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Where)"
+    ),
+    ("deberta_v2_ts17", "attention"): (
+        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
+        "biases and a constant scale (they come from Where); "
+        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Where); "
+        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Where)"
+    ),
     ("gemma2_dynamo", "attention"): "no near-miss reported",
     ("gemma2_dynamo", "norm"): (
         "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18"

@@ -60,7 +60,7 @@ class Outcome:
         return found
 
 
-def _checker_passes(path: Path) -> bool:
+def checker_passes(path: Path) -> bool:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception:
@@ -137,7 +137,7 @@ def sweep_one(model: Path, workdir: Path) -> Outcome:
         ["optimize", str(model), "-o", str(output), "--export_compile_stat", "0", "--log", "null"],
     )
     outcome = Outcome(model, result.exit_code, result.stderr.strip())
-    outcome.input_valid = _checker_passes(model)
+    outcome.input_valid = checker_passes(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -148,7 +148,7 @@ def sweep_one(model: Path, workdir: Path) -> Outcome:
             expected = None
     if result.exit_code != 0:
         return outcome
-    outcome.output_valid = _checker_passes(output)
+    outcome.output_valid = checker_passes(output)
     if expected is not None:
         try:
             actual = _run(output, feeds)

@@ -60,6 +60,11 @@ def reasons(run: Run, name: str) -> dict[str, int]:
     return {miss["reason"]: miss["count"] for miss in run.passed(name)["near_misses"]}
 
 
+def pattern_counts(run: Run, name: str) -> dict[str, tuple[int, int]]:
+    """(matched, effected) per pattern of the pass."""
+    return {k: (v["matched"], v["effected"]) for k, v in run.passed(name)["patterns"].items()}
+
+
 def check_output(run: Run) -> None:
     onnx.checker.check_model(onnx.load(str(run.output)), full_check=True)
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from fusectl.cli import cli
-from tests.backend_models import DATA
+from tests.backend_models import DATA, checker_passes
 
 ROOT = Path(__file__).parents[1]
 SEEDS = {
@@ -27,14 +27,6 @@ SEEDS = {
     "sequences": DATA / "simple" / "test_sequence_model2" / "model.onnx",
 }
 CASES_PER_SEED = 75
-
-
-def _checker_passes(path: Path) -> bool:
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except Exception:
-        return False
-    return True
 
 
 def _runtime_loads(path: Path) -> bool:
@@ -127,8 +119,8 @@ def test_mutated_models_never_crash_or_break(seed_name: str, mutation: str, tmp_
         if result.exit_code == 2:
             assert not output.exists(), where
             continue
-        if _checker_passes(model):
-            assert _checker_passes(output), f"valid input, invalid output: {where}"
+        if checker_passes(model):
+            assert checker_passes(output), f"valid input, invalid output: {where}"
         if _runtime_loads(model):
             assert _runtime_loads(output), f"onnxruntime loads the input, not the output: {where}"
         output.unlink()

@@ -4,27 +4,24 @@ every written-out attention, norm, GELU and rotary that stayed unfused."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import Run
-from tests.pass_helpers import const, fixture_path, optimize_checked, reasons, save_model, value
+from tests.pass_helpers import (
+    const,
+    fixture_path,
+    optimize_checked,
+    pattern_counts,
+    reasons,
+    save_model,
+    value,
+)
 
 CANONICAL = "NoOpSliceConcatEliminationPass"
 MHA = "MultiHeadAttentionFusionPass"
 ROTARY = "RotaryEmbeddingFusionPass"
-
-
-def _ops(path: Path) -> Counter[str]:
-    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
-
-
-def _patterns(run: Run, name: str) -> dict[str, tuple[int, int]]:
-    return {k: (v["matched"], v["effected"]) for k, v in run.passed(name)["patterns"].items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +40,7 @@ def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: 
     original = fixture_path("phi3_tiny_ts17")
     run = optimize_checked(original, tmp_path)
     assert run.counts(CANONICAL) == (13, 13)
-    assert _patterns(run, CANONICAL) == {
+    assert pattern_counts(run, CANONICAL) == {
         "WholeSlice": (4, 4),
         "EmptyConcatOperand": (4, 4),
         "SingleOperandConcat": (5, 5),
@@ -51,7 +48,7 @@ def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: 
     assert run.counts(ROTARY) == (4, 4)
     assert run.counts(MHA) == (2, 2)
     assert run.counts("AddRmsNormFusionPass") == (4, 4)
-    ops = _ops(run.output)
+    ops = run.op_counts()
     assert (ops["Softmax"], ops["Neg"], ops["MultiHeadAttention"]) == (0, 0, 2)
     coverage = run.report["coverage"]
     assert {k: (v["fused"], v["total"]) for k, v in coverage.items()} == {
@@ -80,7 +77,7 @@ def test_gpt_neox_fused_qkv_and_partial_rotary(name: str, tmp_path: Path) -> Non
     assert run.counts(MHA) == (2, 2)
     assert run.counts(ROTARY) == (4, 4)
     assert reasons(run, MHA) == {}
-    ops = _ops(run.output)
+    ops = run.op_counts()
     assert (ops["Softmax"], ops["MultiHeadAttention"], ops["RotaryEmbedding"]) == (0, 2, 4)
     assert {k: (v["fused"], v["total"]) for k, v in run.report["coverage"].items()} == {
         "attention": (2, 2),

@@ -13,19 +13,19 @@ import pytest
 from onnx import helper
 
 from tests.conftest import Run
-from tests.pass_helpers import const, fixture_path, optimize_checked, reasons, save_model, value
+from tests.pass_helpers import (
+    const,
+    fixture_path,
+    optimize_checked,
+    pattern_counts,
+    reasons,
+    save_model,
+    value,
+)
 
 CANONICAL = "NoOpSliceConcatEliminationPass"
 RESHAPE = "ReshapeTargetCanonicalizationPass"
 CSE = "CommonSubexpressionEliminationPass"
-
-
-def _ops(path: Path) -> Counter[str]:
-    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
-
-
-def _patterns(run: Run, name: str) -> dict[str, tuple[int, int]]:
-    return {k: (v["matched"], v["effected"]) for k, v in run.passed(name)["patterns"].items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,15 +56,15 @@ def test_empty_slice_operand_and_single_concat_go(tmp_path: Path) -> None:
     in the same rewrite."""
     model = _slices_model(tmp_path, ["batch", 8], 8, 2**63 - 1, "empty_part")
     run = optimize_checked(model, tmp_path)
-    assert _patterns(run, CANONICAL) == {"EmptyConcatOperand": (1, 1)}
-    assert _ops(run.output) == Counter({"Mul": 1})
+    assert pattern_counts(run, CANONICAL) == {"EmptyConcatOperand": (1, 1)}
+    assert run.op_counts() == Counter({"Mul": 1})
 
 
 def test_whole_slice_goes(tmp_path: Path) -> None:
     model = _slices_model(tmp_path, ["batch", 8], 0, 8, "whole_part")
     run = optimize_checked(model, tmp_path)
-    assert _patterns(run, CANONICAL) == {"WholeSlice": (1, 1)}
-    assert _ops(run.output) == Counter({"Concat": 1, "Mul": 1})
+    assert pattern_counts(run, CANONICAL) == {"WholeSlice": (1, 1)}
+    assert run.op_counts() == Counter({"Concat": 1, "Mul": 1})
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_slices_that_change_something_stay(
     model = _slices_model(tmp_path, shape, start, end, "kept")
     run = optimize_checked(model, tmp_path)
     assert run.counts(CANONICAL) == (0, 0), why
-    assert _ops(run.output) == Counter({"Slice": 1, "Concat": 1, "Mul": 1})
+    assert run.op_counts() == Counter({"Slice": 1, "Concat": 1, "Mul": 1})
 
 
 def test_whole_slice_between_graph_input_and_output_stays(tmp_path: Path) -> None:
@@ -165,7 +165,7 @@ def test_copied_sizes_become_zero(tmp_path: Path) -> None:
     model = _reshape_model(tmp_path, "copied", ["s0", "s1", 2, 3], x, out)
     run = optimize_checked(model, tmp_path)
     assert run.counts(RESHAPE) == (1, 1)
-    assert _ops(run.output) == Counter({"Reshape": 1})
+    assert run.op_counts() == Counter({"Reshape": 1})
     assert _target(run) == [0, 0, 2, 3]
 
 
@@ -184,7 +184,7 @@ def test_two_sizes_of_another_tensor_stay(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(RESHAPE) == (1, 0)
     assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
-    assert _ops(run.output)["Shape"] == 1
+    assert run.op_counts()["Shape"] == 1
 
 
 def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
@@ -212,6 +212,6 @@ def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
     )
     run = optimize_checked(model, tmp_path, "--disable_pass", "ConstantFoldingPass")
     assert run.counts(CSE) == (2, 2)
-    assert _ops(run.output) == Counter(
+    assert run.op_counts() == Counter(
         {"Shape": 1, "Concat": 2, "Relu": 2, "Add": 1, "Constant": 3, "Sum": 1}
     )

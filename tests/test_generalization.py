@@ -25,9 +25,10 @@ ROTARY = "RotaryEmbeddingFusionPass"
 
 
 # ---------------------------------------------------------------------------------------------
-# Real exports: Phi-3 (fused QKV sliced into q/k/v; TorchScript keeps a run-time rotary_dim
-# split of each head) and GPT-NeoX (fused QKV split per head after the head split, rotary over
-# a quarter of each head), two layers each.
+# Real exports from tests/fixtures/arch (tests/fixtures/make_arch_matrix.py): Phi-3 (fused QKV
+# sliced into q/k/v; TorchScript keeps a run-time rotary_dim split of each head) and GPT-NeoX
+# (fused QKV split per head after the head split, rotary over a quarter of each head), two
+# layers each.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -37,7 +38,7 @@ def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: 
     go (with the single-operand Concats of the empty KV cache: 5 in all). Then the rotary and
     attention fuse in both layers, and the shapes re-derived after the rewrites prove the
     residual of layer 1 for its skip norm."""
-    original = fixture_path("phi3_tiny_ts17")
+    original = fixture_path("arch/phi3_ts17")
     run = optimize_checked(original, tmp_path)
     assert run.counts(CANONICAL) == (13, 13)
     assert pattern_counts(run, CANONICAL) == {
@@ -66,12 +67,13 @@ def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: 
     }
 
 
-@pytest.mark.parametrize("name", ["neox_tiny_ts17", "neox_tiny_dynamo"])
+@pytest.mark.parametrize("name", ["arch/gpt_neox_ts17", "arch/gpt_neox_dynamo"])
 def test_gpt_neox_fused_qkv_and_partial_rotary(name: str, tmp_path: Path) -> None:
     """GPT-NeoX's query heads are a per-head slice of the fused QKV projection with the
     partial rotary applied to a quarter of each head: not a head split of a [B, S, N*H]
     projection. The fused op reads them merged back (Transpose + Reshape to [B, S, N*H]); the
-    head count comes from the projection's Reshape target, whose -1 is 96 / 48."""
+    head count comes from the projection's Reshape target, whose -1 it computes (3 * hidden /
+    3 * head size)."""
     original = fixture_path(name)
     run = optimize_checked(original, tmp_path)
     assert run.counts(MHA) == (2, 2)
@@ -90,7 +92,7 @@ def test_gpt_neox_fused_qkv_and_partial_rotary(name: str, tmp_path: Path) -> Non
 def test_target_onnx_reports_attention_unfused_with_reasons(tmp_path: Path) -> None:
     """--target onnx keeps standard ops: attention stays written out below opset 23, and the
     coverage says why for each layer instead of staying silent."""
-    run = optimize_checked(fixture_path("neox_tiny_ts17"), tmp_path, "--target", "onnx")
+    run = optimize_checked(fixture_path("arch/gpt_neox_ts17"), tmp_path, "--target", "onnx")
     attention = run.report["coverage"]["attention"]
     assert (attention["fused"], attention["total"]) == (0, 2)
     assert {site["reason"] for site in attention["unfused"]} == {

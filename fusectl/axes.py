@@ -94,16 +94,20 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     element-wise ops, broadcasting, Concat, Slice, Transpose, Reshape targets and onnxruntime's
     shape-preserving contrib ops (RotaryEmbedding)."""
     shape = ctx.shape(value)
-    rank = len(shape) if shape is not None else None
     if shape is not None and isinstance(shape[axis], int):
         return int(shape[axis])
     node = value.producer()
-    if node is None or depth == 0 or rank is None:
+    if node is None or depth == 0:
         return None
     op, contrib = node.op_type, node.domain == MS
     if node.domain not in ("", "ai.onnx") and not (contrib and op == "RotaryEmbedding"):
         return None
     inputs = [v for v in node.inputs if v is not None]
+    if shape is None and (op in _SAME_SHAPE or op in ("Slice", "RotaryEmbedding")) and inputs:
+        shape = ctx.shape(inputs[0])  # these keep their input's rank
+    if shape is None:
+        return None
+    rank = len(shape)
     if op in _SAME_SHAPE or op == "RotaryEmbedding":
         return axis_size(ctx, inputs[0], axis, depth - 1)
     if op in _BROADCASTING:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.axes import kept_length, slice_operands, target_parts
+from fusectl.axes import axis_size, kept_length, slice_operands, target_parts
 from fusectl.context import PassContext
 from fusectl.patterns import (
     bypass,
@@ -55,23 +55,15 @@ def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, boo
 
 
 def _static_length(ctx: PassContext, value: ir.Value, axis: int) -> int | None:
-    """The value's size along ``axis`` when it is known before run time."""
+    """The value's size along ``axis`` (negative counts from the end) when it is known before
+    run time, derived through the ops that produced it."""
     producer = value.producer()
-    if producer is not None and producer.op_type == "Slice" and producer.domain == "":
-        lengths = _sliced_lengths(ctx, producer)
-        shape = ctx.shape(producer.inputs[0]) if lengths else None
-        if lengths and shape is not None:
-            axis %= len(shape)
-            kept = dict((a, n) for a, n, _ in lengths)
-            if axis in kept:
-                return kept[axis]
-            size = shape[axis]
-            return size if isinstance(size, int) else None
     shape = ctx.shape(value)
+    if shape is None and producer is not None and producer.inputs:
+        shape = ctx.shape(producer.inputs[0]) if producer.inputs[0] is not None else None
     if shape is None or not -len(shape) <= axis < len(shape):
         return None
-    size = shape[axis]
-    return size if isinstance(size, int) else None
+    return axis_size(ctx, value, axis % len(shape))
 
 
 @register_pass

@@ -160,7 +160,7 @@ def load_save_cmd(model: Path, output: Path, *, external: bool) -> list[str]:
 # Interpreter start + fusectl imports + pass registry: the fixed cost of every fusectl run.
 STARTUP_SCRIPT = r"""
 from fusectl import cli
-from fusectl.registry import load_builtin_passes
+from fusectl.core.plugins import load_builtin_passes
 load_builtin_passes()
 """
 

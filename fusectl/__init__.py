@@ -12,13 +12,11 @@ a ``PatternPass`` (onnxscript-style rules) or a ``FusionPass``, and register wit
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import os as _os
 
-from fusectl.context import PassContext
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import (
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
+from fusectl.rewrite.registry import (
     REGISTRY,
     Category,
     FusionPass,
@@ -27,7 +25,8 @@ from fusectl.registry import (
     register_pass,
     unregister_pass,
 )
-from fusectl.replacement import register_replacement
+from fusectl.rewrite.replacement import register_replacement
+from fusectl.version import __version__
 
 __all__ = [
     "REGISTRY",

@@ -16,24 +16,19 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from fusectl import logs, reports
-from fusectl.bench import BenchResult, bench_models
-from fusectl.bisect import BisectResult, bisect_model
-from fusectl.dump import GraphDumper
-from fusectl.engine import PassRun, RunResult, run_plan
-from fusectl.errors import FusectlError
-from fusectl.model_io import (
+from fusectl.core import logs, reports
+from fusectl.core.dump import GraphDumper
+from fusectl.core.engine import PassRun, RunResult, run_plan
+from fusectl.core.model_io import (
     LoadedModel,
     add_sparse_initializers,
     load_source,
     save_model,
     stage_model,
 )
-from fusectl.paths import StagedOutputs, check_outputs, write_text_atomic
-from fusectl.plugins import load_passes
-from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
-from fusectl.sitecheck import SiteChecker
-from fusectl.switches import (
+from fusectl.core.paths import StagedOutputs, check_outputs, write_text_atomic
+from fusectl.core.plugins import load_passes
+from fusectl.core.switches import (
     Plan,
     SwitchRequest,
     parse_optimization_switch,
@@ -41,7 +36,12 @@ from fusectl.switches import (
     resolve,
     split_pass_list,
 )
-from fusectl.verify import VerifyResult, verify_models
+from fusectl.diagnostics.bench import BenchResult, bench_models
+from fusectl.diagnostics.bisect import BisectResult, bisect_model
+from fusectl.diagnostics.sitecheck import SiteChecker
+from fusectl.diagnostics.verify import VerifyResult, verify_models
+from fusectl.errors import FusectlError
+from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 
 PathLike = str | os.PathLike[str]
 ModelSource = PathLike | onnx.ModelProto | ir.Model

@@ -15,15 +15,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from fusectl import __version__, api, logs, reports
-from fusectl.bench import print_result as print_bench
-from fusectl.bisect import per_pass_errors, print_attribution
-from fusectl.bisect import print_result as print_bisect
+from fusectl import api
+from fusectl.core import logs, reports
+from fusectl.core.plugins import load_passes
+from fusectl.core.switches import SwitchRequest, resolve
+from fusectl.diagnostics.bench import print_result as print_bench
+from fusectl.diagnostics.bisect import per_pass_errors, print_attribution
+from fusectl.diagnostics.bisect import print_result as print_bisect
+from fusectl.diagnostics.verify import VerifyFailed, print_result
 from fusectl.errors import FusectlError
-from fusectl.plugins import load_passes
-from fusectl.registry import Category
-from fusectl.switches import SwitchRequest, resolve
-from fusectl.verify import VerifyFailed, print_result
+from fusectl.rewrite.registry import Category
+from fusectl.version import __version__
 
 INTERNAL_ERROR_EXIT = 3
 

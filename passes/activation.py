@@ -6,8 +6,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
+from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
 
 def reduce_axes(site: Site, node: ir.Node) -> list[int] | None:

@@ -27,12 +27,18 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from fusectl import runtime
-from fusectl.axes import axis_size, shape_element
-from fusectl.context import PassContext
-from fusectl.coverage import attention_shaped
-from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
-from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite import runtime
+from fusectl.rewrite.axes import axis_size, shape_element
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.coverage import attention_shaped
+from fusectl.rewrite.patterns import (
+    constant_value,
+    new_constant,
+    replace_subgraph,
+    typed,
+    uses_outside,
+)
+from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.axes import axis_size, kept_length, slice_operands, target_parts
-from fusectl.context import PassContext
-from fusectl.patterns import (
+from fusectl.rewrite.axes import axis_size, kept_length, slice_operands, target_parts
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import (
     bypass,
     bypass_refusal,
     constant_value,
@@ -31,7 +31,7 @@ from fusectl.patterns import (
     replace_subgraph,
     typed,
 )
-from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 
 def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, bool]] | None:

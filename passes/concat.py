@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusectl.context import PassContext
-from fusectl.patterns import replace_subgraph, uses_outside
-from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import replace_subgraph, uses_outside
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 
 def _is_default_domain(node: ir.Node) -> bool:

@@ -17,9 +17,9 @@ import onnx.defs
 import onnx_ir as ir
 from onnx.reference.ops import load_op
 
-from fusectl.context import PassContext
-from fusectl.patterns import constant_value, remove_dead
-from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import constant_value, remove_dead
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
+from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
 
 def _conv_attributes(site: Site) -> dict[str, ir.Attr]:

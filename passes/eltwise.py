@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from fusectl.context import PassContext, PatternStats
 from fusectl.errors import FusectlError
-from fusectl.patterns import constant_tensor, replace_subgraph
-from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite.context import PassContext, PatternStats
+from fusectl.rewrite.patterns import constant_tensor, replace_subgraph
+from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"
 FLAGS_OPTION = "graph_kernel_flags"

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import Category, PassSpec, register_pass
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
+from fusectl.rewrite.registry import Category, PassSpec, register_pass
 
 MS = "com.microsoft"
 _FLOAT_MAX = float(np.finfo(np.float32).max)

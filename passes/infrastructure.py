@@ -9,8 +9,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
-from fusectl.context import PassContext
-from fusectl.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 # Versions of the non-default domains fused ops are emitted in.
 _DOMAIN_VERSIONS = {"com.microsoft": 1}

@@ -6,9 +6,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, Site
-from fusectl.registry import Category, Numerics
-from fusectl.replacement import register_replacement
+from fusectl.rewrite.patterns import Decline, Site
+from fusectl.rewrite.registry import Category, Numerics
+from fusectl.rewrite.replacement import register_replacement
 
 # The element types ONNX's Gemm accepts; with --target ort the installed kernels decide.
 _GEMM_TYPES = frozenset(

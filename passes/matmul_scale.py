@@ -13,8 +13,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site
-from fusectl.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
+from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.patterns import Decline, PatternPass, Rule, Site, constant_value
-from fusectl.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site, constant_value
+from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
 

@@ -21,10 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fusectl import runtime
-from fusectl.context import PassContext
-from fusectl.patterns import constant_value, new_constant, replace_subgraph, typed, uses_outside
-from fusectl.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite import runtime
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import (
+    constant_value,
+    new_constant,
+    replace_subgraph,
+    typed,
+    uses_outside,
+)
+from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]

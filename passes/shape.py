@@ -7,8 +7,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusectl.context import PassContext
-from fusectl.patterns import (
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import (
     Decline,
     PatternPass,
     Rule,
@@ -17,8 +17,8 @@ from fusectl.patterns import (
     bypass_refusal,
     constant_value,
 )
-from fusectl.registry import Category, FusionPass, PassSpec, register_pass
-from fusectl.replacement import register_replacement
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.replacement import register_replacement
 
 
 def _reshape_reshape(op, x, inner_shape, shape):

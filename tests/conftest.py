@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from fusectl.cli import cli
-from fusectl.inputs import generate_feeds, graph_inputs
+from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SAMPLE = Path(__file__).parents[1] / "samples" / "models" / "tiny_cnn.onnx"
@@ -161,7 +161,8 @@ def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def restore_registry() -> Iterator[None]:
     """Take back every pass a test registers (plugins, API calls): the registry is global."""
-    from fusectl.registry import REGISTRY, load_builtin_passes
+    from fusectl.core.plugins import load_builtin_passes
+    from fusectl.rewrite.registry import REGISTRY
 
     load_builtin_passes()
     saved = REGISTRY.snapshot()

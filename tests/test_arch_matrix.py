@@ -5,7 +5,7 @@ cache for benchmarks/arch_matrix.py) are tiny transformers of many families, eac
 TorchScript (opset 17) and dynamo (opset 18). Per fixture:
 
 * the output passes the full checker and matches the original on onnxruntime within the
-  tolerance of the loosest numerics class among the passes that fired (fusectl.verify);
+  tolerance of the loosest numerics class among the passes that fired (fusectl.diagnostics.verify);
 * so does the ``--target onnx`` output, which has only standard-domain ops;
 * fusectl's fused ops per class are exactly TODAY's (a change, better or worse, shows up here);
 * each class reaches its TARGET: one fused op per place PyTorch computes one (the manifest's
@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from fusectl.verify import default_tolerance
+from fusectl.diagnostics.verify import default_tolerance
 from tests.conftest import FIXTURES, Run, fused_op_classes, named_dim_feeds, optimize, run_model
 
 ARCH = FIXTURES / "arch"

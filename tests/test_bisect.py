@@ -14,12 +14,13 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fusectl import PatternPass, Rule, Site, register_pass, unregister_pass
-from fusectl.context import Rewrites
-from fusectl.engine import run_plan
-from fusectl.model_io import load_model, save_model
-from fusectl.registry import REGISTRY, Category, Numerics, PassSpec, load_builtin_passes
-from fusectl.shapes import ShapeOracle
-from fusectl.switches import SwitchRequest, resolve
+from fusectl.core.engine import run_plan
+from fusectl.core.model_io import load_model, save_model
+from fusectl.core.plugins import load_builtin_passes
+from fusectl.core.switches import SwitchRequest, resolve
+from fusectl.rewrite.context import Rewrites
+from fusectl.rewrite.registry import REGISTRY, Category, Numerics, PassSpec
+from fusectl.rewrite.shapes import ShapeOracle
 from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
 
 BLOCKS = 12
@@ -164,8 +165,8 @@ def test_per_pass_attribution_shows_where_error_enters(tmp_path: Path, wrong_pas
 
 
 def test_numbering_is_the_same_below_the_limit(tmp_path: Path, wrong_pass: None) -> None:
-    from fusectl.bisect import Bisector
-    from fusectl.switches import SwitchRequest, resolve
+    from fusectl.core.switches import SwitchRequest, resolve
+    from fusectl.diagnostics.bisect import Bisector
 
     model = _gelu_chain(tmp_path / "chain.onnx")
     plan = resolve(REGISTRY, SwitchRequest())

@@ -16,7 +16,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fusectl import Site, register_replacement
-from fusectl.registry import REGISTRY, Category, Numerics, load_builtin_passes
+from fusectl.core.plugins import load_builtin_passes
+from fusectl.rewrite.registry import REGISTRY, Category, Numerics
 from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
 
 pytestmark = pytest.mark.usefixtures("restore_registry")

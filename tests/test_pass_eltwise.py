@@ -13,13 +13,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from fusectl.context import Rewrites
-from fusectl.engine import run_plan
-from fusectl.model_io import load_model
-from fusectl.model_io import save_model as write_model
+from fusectl.core.engine import run_plan
+from fusectl.core.model_io import load_model
+from fusectl.core.model_io import save_model as write_model
+from fusectl.core.plugins import load_builtin_passes
+from fusectl.core.switches import SwitchRequest, resolve
 from fusectl.passes.eltwise import DEFAULT_CLUSTER_OPS, parse_graph_kernel_flags
-from fusectl.registry import load_builtin_passes
-from fusectl.switches import SwitchRequest, resolve
+from fusectl.rewrite.context import Rewrites
 from tests.conftest import Run, assert_same_outputs, optimize, run_cli, run_model
 from tests.pass_helpers import IR_VERSION, const, fixture_path, reasons, save_model, value
 

@@ -8,16 +8,8 @@ from pathlib import Path
 import onnx_ir as ir
 import pytest
 
-from fusectl.context import PassContext
-from fusectl.errors import FusectlError
-from fusectl.registry import (
-    Category,
-    FusionPass,
-    PassRegistry,
-    PassSpec,
-    load_builtin_passes,
-)
-from fusectl.switches import (
+from fusectl.core.plugins import load_builtin_passes
+from fusectl.core.switches import (
     Plan,
     Source,
     SwitchRequest,
@@ -25,6 +17,14 @@ from fusectl.switches import (
     parse_switch_file,
     resolve,
     split_pass_list,
+)
+from fusectl.errors import FusectlError
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.registry import (
+    Category,
+    FusionPass,
+    PassRegistry,
+    PassSpec,
 )
 
 G, U = Category.GRAPH, Category.UB

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from fusectl.inputs import generate_feeds
-from fusectl.model_io import load_model
-from fusectl.registry import Numerics
-from fusectl.verify import TOLERANCES, default_tolerance
+from fusectl.core.model_io import load_model
+from fusectl.diagnostics.inputs import generate_feeds
+from fusectl.diagnostics.verify import TOLERANCES, default_tolerance
+from fusectl.rewrite.registry import Numerics
 from tests.conftest import FIXTURES, optimize, run_cli, run_model
 from tests.pass_helpers import const, save_model, value
 

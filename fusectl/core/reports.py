@@ -12,11 +12,12 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.table import Table
 
-from fusectl import __version__, coverage, runtime
-from fusectl.context import layer_of
-from fusectl.engine import PassRun, RunResult
-from fusectl.registry import Category, PassSpec
-from fusectl.switches import Plan, Source
+from fusectl.core.engine import PassRun, RunResult
+from fusectl.core.switches import Plan, Source
+from fusectl.rewrite import coverage, runtime
+from fusectl.rewrite.context import layer_of
+from fusectl.rewrite.registry import Category, PassSpec
+from fusectl.version import __version__
 
 FUSION_RESULT_FORMATS = ("v3", "list", "object")
 GRAPH_ID = "0_0"

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
     import onnx_ir as ir
 
-    from fusectl.registry import PassSpec
-    from fusectl.shapes import ShapeOracle
-    from fusectl.sitecheck import SiteChecker
+    from fusectl.diagnostics.sitecheck import SiteChecker
+    from fusectl.rewrite.registry import PassSpec
+    from fusectl.rewrite.shapes import ShapeOracle
 
 LINEAGE_PASSES = "fusectl.pass_name"
 LINEAGE_NAMES = "fusectl.original_op_names"

@@ -6,9 +6,9 @@ import logging
 import os
 import sys
 
-from fusectl.context import PassContext
-from fusectl.registry import Category
-from fusectl.switches import Decision
+from fusectl.core.switches import Decision
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.registry import Category
 
 logger = logging.getLogger("fusectl")
 

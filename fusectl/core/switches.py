@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusectl.errors import FusectlError
-from fusectl.registry import (
+from fusectl.rewrite.registry import (
     DOWN_BAND_OFFSET,
     Category,
     FusionPass,

@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusectl.patterns import PatternPass, Rule, Site
-from fusectl.registry import ALL_TARGETS, REGISTRY, Category, Numerics, PassSpec
+from fusectl.rewrite.patterns import PatternPass, Rule, Site
+from fusectl.rewrite.registry import ALL_TARGETS, REGISTRY, Category, Numerics, PassSpec
 
 ExtraCheck = Callable[..., "bool | str | None"]
 

@@ -1,9 +1,9 @@
 """`fusectl bench`: onnxruntime latency of ORIGINAL and OPTIMIZED (and more) side by side.
 
-Every model runs on the same feeds (``fusectl.inputs``, as ``verify`` builds them), once per
-onnxruntime graph optimization level asked for: ``all`` (ORT_ENABLE_ALL, what a deployment
-gets) and ``none`` (ORT_DISABLE_ALL, fusectl's rewrite alone). Per model and level the session
-creation time is measured, then warm-up runs, then the timed runs.
+Every model runs on the same feeds (``fusectl.diagnostics.inputs``, as ``verify`` builds them),
+once per onnxruntime graph optimization level asked for: ``all`` (ORT_ENABLE_ALL, what a
+deployment gets) and ``none`` (ORT_DISABLE_ALL, fusectl's rewrite alone). Per model and level
+the session creation time is measured, then warm-up runs, then the timed runs.
 
 The timed runs are interleaved: each round runs every model once, and the order rotates from
 round to round, so that clock-frequency drift, a noisy neighbour or a cache flush lands on all
@@ -25,11 +25,11 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
+from fusectl.core.model_io import load_model
+from fusectl.diagnostics.inputs import FeedPlan, describe_feeds, model_feeds
+from fusectl.diagnostics.verify import parse_providers
 from fusectl.errors import FusectlError
-from fusectl.inputs import FeedPlan, describe_feeds, model_feeds
-from fusectl.model_io import load_model
-from fusectl.shapes import parse_input_shape
-from fusectl.verify import parse_providers
+from fusectl.rewrite.shapes import parse_input_shape
 
 OPT_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,

@@ -1,6 +1,6 @@
 """`fusectl bisect`: which pass, and which of its fusion sites, pushed outputs past tolerance.
 
-Every rewrite of a run has a number in execution order (fusectl.context.Rewrites, as LLVM's
+Every rewrite of a run has a number in execution order (fusectl.rewrite.context.Rewrites, as LLVM's
 opt-bisect numbers its transformations), and a run may stop at a limit or leave numbers out.
 The search binary-searches the limit for the first rewrite whose run fails; that rewrite is a
 culprit site and its pass a culprit pass. It is then left out and the search goes on above it
@@ -26,16 +26,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fusectl.context import FusionSite, Rewrites, UnguardedRewrite
-from fusectl.engine import run_plan
-from fusectl.errors import FusectlError
-from fusectl.inputs import model_feeds
-from fusectl.model_io import load_model, save_model
-from fusectl.paths import check_outputs, write_text_atomic
-from fusectl.registry import Category
-from fusectl.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
-from fusectl.switches import Plan
-from fusectl.verify import (
+from fusectl.core.engine import run_plan
+from fusectl.core.model_io import load_model, save_model
+from fusectl.core.paths import check_outputs, write_text_atomic
+from fusectl.core.switches import Plan
+from fusectl.diagnostics.inputs import model_feeds
+from fusectl.diagnostics.verify import (
     Tolerance,
     VerifyFailed,
     default_tolerance,
@@ -43,6 +39,10 @@ from fusectl.verify import (
     parse_providers,
     run_model,
 )
+from fusectl.errors import FusectlError
+from fusectl.rewrite.context import FusionSite, Rewrites, UnguardedRewrite
+from fusectl.rewrite.registry import Category
+from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 
 # A run failing beyond this many culprit sites is not one bad pass: stop and say so.
 MAX_CULPRITS = 64

@@ -12,8 +12,6 @@ import contextvars
 import dataclasses
 import difflib
 import enum
-import importlib
-import pkgutil
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from fusectl.context import PassContext
+    from fusectl.rewrite.context import PassContext
 
 
 class Category(str, enum.Enum):
@@ -41,7 +39,7 @@ class Numerics(str, enum.Enum):
 
 
 # Ascend FE priority bands (lower runs earlier). User-file priorities take 0-2999 (see
-# fusectl.switches); built-in passes declare one of these or fall into the default band.
+# fusectl.core.switches); built-in passes declare one of these or fall into the default band.
 BUILTIN_TOP = range(3000, 4000)
 BUILTIN_MAIN = range(4000, 5000)
 BUILTIN_DOWN = range(5000, 6000)
@@ -235,18 +233,3 @@ def unregister_pass(name: str) -> FusionPass:
     removed = REGISTRY[canonical]
     REGISTRY.unregister(canonical)
     return removed
-
-
-_builtins_loaded = False
-
-
-def load_builtin_passes() -> PassRegistry:
-    """Import every module of fusectl.passes (each registers its passes) exactly once."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        with loading_origin(BUILTIN_ORIGIN):
-            package = importlib.import_module("fusectl.passes")
-            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-                importlib.import_module(f"{package.__name__}.{info.name}")
-    return REGISTRY

@@ -18,14 +18,14 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern as oxs_pattern
 
-from fusectl import runtime
 from fusectl.errors import FusectlError
-from fusectl.registry import FusionPass
+from fusectl.rewrite import runtime
+from fusectl.rewrite.registry import FusionPass
 
 if TYPE_CHECKING:
     from onnxscript.rewriter._basics import MatchContext
 
-    from fusectl.context import PassContext, PatternStats
+    from fusectl.rewrite.context import PassContext, PatternStats
 
 
 class Decline(Exception):

@@ -6,17 +6,19 @@ built-in ones; the registry stamps them with where they came from.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import os
+import pkgutil
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fusectl import logs
+from fusectl.core import logs
 from fusectl.errors import FusectlError
-from fusectl.registry import REGISTRY, PassRegistry, load_builtin_passes, loading_origin
+from fusectl.rewrite.registry import BUILTIN_ORIGIN, REGISTRY, PassRegistry, loading_origin
 
 ENTRY_POINT_GROUP = "fusectl.passes"
 # Set (to anything but "" or "0") to skip installed entry points, as pytest's
@@ -26,6 +28,21 @@ AUTOLOAD_OFF = "FUSECTL_DISABLE_PLUGIN_AUTOLOAD"
 # What each loaded plugin registered, so a second load in one process (tests, notebooks)
 # does not register the same passes twice.
 _loaded: dict[str, tuple[str, ...]] = {}
+
+
+_builtins_loaded = False
+
+
+def load_builtin_passes() -> PassRegistry:
+    """Import every module of fusectl.passes (each registers its passes) exactly once."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        with loading_origin(BUILTIN_ORIGIN):
+            package = importlib.import_module("fusectl.passes")
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+                importlib.import_module(f"{package.__name__}.{info.name}")
+    return REGISTRY
 
 
 def load_passes(plugins: Sequence[Path] = ()) -> PassRegistry:

@@ -20,13 +20,13 @@ import onnx_ir as ir
 import onnxruntime as ort
 from rich.console import Console
 
+from fusectl.diagnostics.inputs import generate_feeds
+from fusectl.diagnostics.verify import TOLERANCES, Tolerance, compare
 from fusectl.errors import FusectlError
-from fusectl.inputs import generate_feeds
-from fusectl.patterns import constant_value
-from fusectl.verify import TOLERANCES, Tolerance, compare
+from fusectl.rewrite.patterns import constant_value
 
 if TYPE_CHECKING:
-    from fusectl.context import PassContext
+    from fusectl.rewrite.context import PassContext
 
 OK, MISMATCH, UNCHECKED = "ok", "mismatch", "unchecked"
 

@@ -5,16 +5,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from fusectl import coverage, logs
-from fusectl.context import NodeNames, OpIndex, PassContext, Rewrites
+from fusectl.core import logs
+from fusectl.core.switches import Decision, Plan
 from fusectl.errors import FusectlError
-from fusectl.patterns import PatternPass
-from fusectl.shapes import ShapeOracle
-from fusectl.sitecheck import SiteChecker
-from fusectl.switches import Decision, Plan
+from fusectl.rewrite import coverage
+from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites
+from fusectl.rewrite.patterns import PatternPass
+
+if TYPE_CHECKING:
+    from fusectl.diagnostics.sitecheck import SiteChecker
+    from fusectl.rewrite.shapes import ShapeOracle
 
 
 @dataclass

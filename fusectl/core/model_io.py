@@ -15,9 +15,9 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
+from fusectl.core.paths import StagedOutputs
+from fusectl.core.validate import check_input, check_output, check_text, validate_model
 from fusectl.errors import FusectlError
-from fusectl.paths import StagedOutputs
-from fusectl.validate import check_input, check_output, check_text, validate_model
 
 # Protobuf cannot serialise a message of 2 GiB or more; leave room for the graph itself.
 PROTOBUF_LIMIT = 2**31 - 1

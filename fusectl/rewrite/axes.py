@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.context import PassContext
-from fusectl.patterns import constant_value
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.patterns import constant_value
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max

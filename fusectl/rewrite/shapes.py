@@ -98,9 +98,7 @@ class ShapeOracle:
         self._proto = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
-        if not self.ran and (
-            value.shape is None or (self.stale and not _is_static(value.shape))
-        ):
+        if not self.ran and (value.shape is None or (self.stale and not _is_static(value.shape))):
             self._infer()
         return value.shape
 

@@ -19,9 +19,9 @@ import numpy as np
 import onnx_ir as ir
 
 if TYPE_CHECKING:
-    from fusectl.engine import PassRun
+    from fusectl.core.engine import PassRun
 
-from fusectl.patterns import constant_value, within
+from fusectl.rewrite.patterns import constant_value, within
 
 FUSED_OPS: dict[str, frozenset[str]] = {
     "attention": frozenset(

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from fusectl.core.paths import DUMP_WEIGHTS_FILE as WEIGHTS_FILE
 from fusectl.errors import FusectlError
-from fusectl.paths import DUMP_WEIGHTS_FILE as WEIGHTS_FILE
 
 _ALIGNMENT = 64
 _INLINE_BYTES = 1024

@@ -26,12 +26,13 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
-from fusectl.context import LINEAGE_PASSES
+from fusectl.core.model_io import load_model
+from fusectl.core.plugins import load_builtin_passes
+from fusectl.diagnostics.inputs import FeedPlan, describe_feeds, model_feeds, read_npz
 from fusectl.errors import FusectlError
-from fusectl.inputs import FeedPlan, describe_feeds, model_feeds, read_npz
-from fusectl.model_io import load_model
-from fusectl.registry import Numerics, load_builtin_passes
-from fusectl.shapes import parse_input_shape
+from fusectl.rewrite.context import LINEAGE_PASSES
+from fusectl.rewrite.registry import Numerics
+from fusectl.rewrite.shapes import parse_input_shape
 
 # (atol, rtol) per numerics class. Exact passes only move or merge ops, but a fused kernel
 # may still round once where the original rounded twice, hence not zero; reassociating is

@@ -31,7 +31,7 @@ from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import axis_size, shape_element
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.coverage import attention_shaped
-from fusectl.rewrite.patterns import (
+from fusectl.rewrite.graph import (
     constant_value,
     new_constant,
     replace_subgraph,

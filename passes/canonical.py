@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.axes import axis_size, kept_length, slice_operands, target_parts
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import (
+from fusectl.rewrite.graph import (
     bypass,
     bypass_refusal,
     constant_value,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import replace_subgraph, uses_outside
+from fusectl.rewrite.graph import replace_subgraph, uses_outside
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 

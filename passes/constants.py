@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx.reference.ops import load_op
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import constant_value, remove_dead
+from fusectl.rewrite.graph import constant_value, remove_dead
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")

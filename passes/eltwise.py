@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite.context import PassContext, PatternStats
-from fusectl.rewrite.patterns import constant_tensor, replace_subgraph
+from fusectl.rewrite.graph import constant_tensor, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"

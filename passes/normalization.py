@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site, constant_value
+from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"

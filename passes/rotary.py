@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite import runtime
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import (
+from fusectl.rewrite.graph import (
     constant_value,
     new_constant,
     replace_subgraph,

@@ -8,15 +8,8 @@ from typing import Any
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import (
-    Decline,
-    PatternPass,
-    Rule,
-    Site,
-    bypass,
-    bypass_refusal,
-    constant_value,
-)
+from fusectl.rewrite.graph import bypass, bypass_refusal, constant_value
+from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.replacement import register_replacement
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from fusectl.diagnostics.inputs import generate_feeds
 from fusectl.diagnostics.verify import TOLERANCES, Tolerance, compare
 from fusectl.errors import FusectlError
-from fusectl.rewrite.patterns import constant_value
+from fusectl.rewrite.graph import constant_value
 
 if TYPE_CHECKING:
     from fusectl.rewrite.context import PassContext

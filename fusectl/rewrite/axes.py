@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.patterns import constant_value
+from fusectl.rewrite.graph import constant_value
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max

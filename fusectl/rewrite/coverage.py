@@ -21,7 +21,7 @@ import onnx_ir as ir
 if TYPE_CHECKING:
     from fusectl.core.engine import PassRun
 
-from fusectl.rewrite.patterns import constant_value, within
+from fusectl.rewrite.graph import constant_value, within
 
 FUSED_OPS: dict[str, frozenset[str]] = {
     "attention": frozenset(

@@ -20,6 +20,7 @@ from onnxscript.rewriter import pattern as oxs_pattern
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite import runtime
+from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph, uses_outside
 from fusectl.rewrite.registry import FusionPass
 
 if TYPE_CHECKING:
@@ -75,22 +76,15 @@ class Site:
 
     @property
     def label(self) -> str:
-        return _node_label(self.root)
+        return node_label(self.root)
 
     def name(self, suffix: str) -> str:
         """A deterministic name for a value or initializer this rewrite creates."""
         return f"{self.ctx.spec.name}/{self.label}/{suffix}"
 
     def constant(self, value: ir.Value | None) -> np.ndarray | None:
-        """The value's constant contents, else None.
-
-        A constant is an initializer or a Constant node, possibly reshaped on the way by the
-        data-movement ops exporters put there (Identity, Unsqueeze, Squeeze, Reshape, Cast),
-        which are evaluated here without touching the graph. Reading a constant is what pulls
-        external weights into memory, so checks ask for values last. An initializer that is
-        also a graph input is a default the caller may override, so it is not a constant
-        (onnxruntime draws the same line).
-        """
+        """The value's constant contents, else None (see graph.constant_value). Reading a
+        constant is what pulls external weights into memory, so checks ask for values last."""
         return constant_value(value)
 
     def require_constant(self, value: ir.Value | None, what: str) -> np.ndarray:
@@ -132,133 +126,6 @@ class Site:
         """Add a new constant for the replacement, named after this site."""
         name = self.name(suffix)
         return op.initializer(ir.tensor(array, name=name), name=name)
-
-
-_FOLD_DEPTH = 4
-# The ops a constant is seen through (see Site.constant).
-_SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
-
-
-def constant_value(value: ir.Value | None) -> np.ndarray | None:
-    """See Site.constant; for passes that work on nodes rather than pattern sites."""
-    return _fold_constant(value, depth=0)
-
-
-# A Constant node's attribute, as the numpy type its value_* spelling stands for.
-_CONSTANT_DTYPES = {
-    "value_float": np.float32,
-    "value_floats": np.float32,
-    "value_int": np.int64,
-    "value_ints": np.int64,
-}
-
-
-def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    """An initializer's or a Constant node output's tensor. Not onnx-ir's get_const_tensor,
-    which renames a Constant's tensor after its output: reading must not change the model."""
-    if value.const_value is not None:
-        return value.const_value
-    producer = value.producer()
-    if (
-        producer is None
-        or producer.op_type != "Constant"
-        or producer.domain not in ("", "ai.onnx")
-        or len(producer.attributes) != 1
-    ):
-        return None
-    attr = next(iter(producer.attributes.values()))
-    if attr.is_ref():
-        return None
-    if attr.name == "value":
-        return attr.as_tensor()
-    dtype = _CONSTANT_DTYPES.get(attr.name)
-    return None if dtype is None else ir.tensor(np.array(attr.value, dtype=dtype))
-
-
-def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    producer = value.producer()
-    if producer is None or producer.op_type == "Constant":
-        tensor = constant_tensor(value)
-        return None if tensor is None else tensor.numpy()
-    if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
-        return None
-    if producer.op_type not in _SEEN_THROUGH:
-        return None
-    inputs = producer.inputs
-    data = _fold_constant(inputs[0], depth + 1) if inputs else None
-    if data is None:
-        return None
-    operand = _fold_constant(inputs[1], depth + 1) if len(inputs) > 1 and inputs[1] else None
-    attrs = producer.attributes
-    op_type = producer.op_type
-    if op_type == "Identity":
-        return data
-    if op_type == "Cast":
-        return data.astype(ir.DataType(attrs.get_int("to")).numpy())
-    if op_type in ("Unsqueeze", "Squeeze"):
-        axes = operand if operand is not None else attrs.get_ints("axes", None)
-        if axes is None:
-            return np.squeeze(data) if op_type == "Squeeze" else None
-        axes = [int(a) for a in np.asarray(axes).reshape(-1)]
-        if op_type == "Squeeze":
-            return np.squeeze(data, axis=tuple(a % data.ndim for a in axes))
-        rank = data.ndim + len(axes)
-        for axis in sorted(a % rank for a in axes):
-            data = np.expand_dims(data, axis)
-        return data
-    if op_type == "Reshape" and operand is not None:
-        shape = [int(d) for d in operand.reshape(-1)]
-        if not attrs.get_int("allowzero", 0):
-            shape = [data.shape[i] if d == 0 else d for i, d in enumerate(shape)]
-        return data.reshape(shape)
-    return None
-
-
-def within(
-    value: ir.Value | None, op_types: frozenset[str], *, upward: bool, depth: int = 5
-) -> bool:
-    """Whether a node of one of ``op_types`` is within ``depth`` ops of ``value``, following
-    producers or readers."""
-    if value is None or depth == 0:
-        return False
-    if upward:
-        producer = value.producer()
-        nodes = [producer] if producer is not None else []
-    else:
-        nodes = [user for user, _ in value.uses()]
-    for node in nodes:
-        if node.op_type in op_types:
-            return True
-        following = node.inputs if upward else node.outputs
-        if any(within(v, op_types, upward=upward, depth=depth - 1) for v in following):
-            return True
-    return False
-
-
-def _node_label(node: ir.Node) -> str:
-    return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
-
-
-def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | None:
-    """Why ``nodes`` cannot be removed, if a value they compute (other than ``kept``) is
-    needed elsewhere: a graph output, or an input of a node outside the set."""
-    members = set(nodes)
-    keep = set(kept)
-    for node in nodes:
-        for value in node.outputs:
-            if value in keep:
-                continue
-            if value.is_graph_output():
-                return f"an intermediate value ({node.op_type} output) is a graph output"
-            for consumer, _ in value.uses():
-                if consumer not in members:
-                    return (
-                        f"an intermediate value ({node.op_type} output) is also used by "
-                        f"{consumer.op_type} outside the match"
-                    )
-    return None
 
 
 @dataclass
@@ -431,13 +298,13 @@ class PatternPass(FusionPass):
                 outcome = self._try_node(model, node, compiled, stats)
                 if isinstance(outcome, str):
                     if node in declined:  # already counted by an earlier pattern
-                        stats.withdraw(outcome, _node_label(node))
+                        stats.withdraw(outcome, node_label(node))
                     else:
                         declined[node] = (stats, outcome)
                     continue
                 if outcome and node in declined:
                     earlier, reason = declined.pop(node)
-                    earlier.withdraw(reason, _node_label(node))
+                    earlier.withdraw(reason, node_label(node))
                 for new in outcome:
                     by_op.setdefault(new.op_identifier(), []).append(new)
                 if outcome and ctx.effected > budget:
@@ -486,134 +353,6 @@ class PatternPass(FusionPass):
             if compiled.outcome.reason is not None and declined is None:
                 declined = compiled.outcome.reason
         if declined is not None:
-            stats.decline(declined, _node_label(node))
+            stats.decline(declined, node_label(node))
             return declined
         return ()
-
-
-def replace_subgraph(
-    ctx: PassContext,
-    pattern: str,
-    root: ir.Node,
-    old_nodes: Sequence[ir.Node],
-    new_nodes: Sequence[ir.Node],
-    old_outputs: Sequence[ir.Value],
-    new_outputs: Sequence[ir.Value],
-    new_initializers: Sequence[ir.Value] = (),
-) -> str | None:
-    """Swap matched nodes for new ones, as every pass does it: deterministic names
-    (``<Pass>/<root>``), new outputs taking the old outputs' names and uses, new nodes placed
-    at the root (which keeps the graph sorted), the effect counted and lineage stamped.
-
-    The graph is left as it is when a bisection leaves this rewrite out (ctx.may_rewrite) or
-    --check_custom finds the replacement computes something else: the answer is then the
-    reason, recorded as a decline; None means replaced."""
-    graph = root.graph
-    assert graph is not None
-    if ctx.site_checker is not None:
-        mismatch = ctx.site_checker.check(
-            ctx, pattern, _node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
-        )
-        if mismatch is not None:
-            ctx.pattern(pattern).decline(mismatch, _node_label(root))
-            return mismatch
-    refused = ctx.refusal(pattern, _node_label(root))
-    if refused is not None:
-        return refused
-    produced = {value for node in new_nodes for value in node.outputs}
-    if any(value not in produced for value in new_outputs):
-        raise ValueError(f"{ctx.spec.name}: a replacement output must come from a new node")
-    if len(set(new_outputs)) != len(new_outputs):
-        raise ValueError(f"{ctx.spec.name}: two matched values replaced by the same new value")
-    base = f"{ctx.spec.name}/{_node_label(root)}"
-    replaced = set(new_outputs)
-    for index, node in enumerate(new_nodes):
-        node.name = ctx.names.claim(graph, base if index == 0 else f"{base}_{index}")
-        for position, value in enumerate(node.outputs):
-            if value not in replaced and not value.name:
-                value.name = f"{node.name}:{position}"
-    for initializer in new_initializers:
-        graph.initializers[initializer.name] = initializer
-    ir.convenience.replace_nodes_and_values(
-        graph, root, old_nodes, new_nodes, old_outputs, new_outputs
-    )
-    ctx.record_fusion(pattern, old_nodes, new_nodes)
-    for node in new_nodes:
-        if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
-            bypass(node)  # when it cannot go, the Identity stays: correct, just not minimal
-    return None
-
-
-def remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
-    """Remove the nodes left without readers by a rewrite (the Shape a folded Gather read), and
-    what only they read: later passes then see the graph as it will be saved."""
-    while nodes:
-        node = nodes.pop()
-        if node is None or node.graph is not graph:
-            continue
-        if any(value.uses() or value.is_graph_output() for value in node.outputs):
-            continue
-        nodes += [value.producer() for value in node.inputs if value is not None]
-        graph.remove(node, safe=True)
-
-
-def new_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """A new initializer holding ``array``, named ``name`` or ``name_<n>`` if that is taken
-    (nodes without a name give their sites one label)."""
-    candidate, suffix = name, 0
-    while candidate in graph.initializers:
-        suffix += 1
-        candidate = f"{name}_{suffix}"
-    value = ir.Value(
-        name=candidate,
-        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        shape=ir.Shape(array.shape),
-        const_value=ir.tensor(array, name=candidate),
-    )
-    graph.initializers[candidate] = value
-    return value
-
-
-def typed(value: ir.Value, dtype: ir.DataType | None, shape: ir.Shape | None) -> ir.Value:
-    """Record what a pass knows of a new value: onnx shape inference cannot see through the
-    contrib ops, and a later run would otherwise infer (and write) what this one did not."""
-    value.type = ir.TensorType(dtype) if dtype is not None else None
-    value.shape = shape
-    return value
-
-
-def bypass(node: ir.Node) -> str | None:
-    """Remove a pass-through node (Identity, inference Dropout) by wiring its input to its
-    consumers; None when done, else why it stays. A graph output keeps its name, type and
-    shape: the producer of the input takes them over, unless the input is itself a graph
-    input, initializer or another graph output."""
-    reason = bypass_refusal(node)
-    if reason is not None:
-        return reason
-    graph = node.graph
-    assert graph is not None
-    source, result = node.inputs[0], node.outputs[0]
-    assert source is not None
-    if result.is_graph_output():
-        ir.convenience.replace_all_uses_with(result, source, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        source.name = result.name
-        source.type = result.type or source.type
-        source.shape = result.shape or source.shape
-        return None
-    ir.convenience.replace_all_uses_with(result, source)
-    graph.remove(node, safe=True)
-    return None
-
-
-def bypass_refusal(node: ir.Node) -> str | None:
-    """Why bypass(node) would leave the node in place, without touching the graph."""
-    source, result = node.inputs[0], node.outputs[0]
-    if source is None:
-        return "it has no input"
-    if result.is_graph_output():
-        if source.is_graph_input() or source.is_initializer():
-            return "it links a graph input or initializer straight to a graph output"
-        if source.is_graph_output():
-            return "it copies one graph output to another"
-    return None

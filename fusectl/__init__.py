@@ -48,6 +48,7 @@ __all__ = [
     "optimize",
     "register_pass",
     "register_replacement",
+    "tune",
     "unregister_pass",
     "verify",
 ]
@@ -67,5 +68,6 @@ from fusectl.api import (  # noqa: E402  (after the passes path above)
     bench,
     bisect,
     optimize,
+    tune,
     verify,
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from fusectl.core.model_io import (
 )
 from fusectl.core.paths import StagedOutputs, check_outputs, write_text_atomic
 from fusectl.core.plugins import load_passes
+from fusectl.core.repository import RepositoryGate, choose_repository, parse_provider_list
 from fusectl.core.switches import (
     Plan,
     SwitchRequest,
@@ -39,7 +41,8 @@ from fusectl.core.switches import (
 from fusectl.diagnostics.bench import BenchResult, bench_models
 from fusectl.diagnostics.bisect import BisectResult, bisect_model
 from fusectl.diagnostics.sitecheck import SiteChecker
-from fusectl.diagnostics.verify import VerifyResult, verify_models
+from fusectl.diagnostics.tune import TuneResult, merged_repository, tune_model, tune_section
+from fusectl.diagnostics.verify import VerifyResult, parse_providers, verify_models
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 
@@ -63,6 +66,8 @@ class OptimizeResult:
     paths: dict[str, Path] = field(default_factory=dict)
     verify: VerifyResult | None = None
     site_check: SiteChecker | None = None
+    # The knowledge repository's decisions in this run (None when none applied).
+    repository: RepositoryGate | None = None
     sparse_initializers: list[onnx.SparseTensorProto] = field(default_factory=list)
 
     def to_proto(self) -> onnx.ModelProto:
@@ -149,6 +154,8 @@ def optimize(
     pattern_fusion_pass: str | bool = "on",
     check_custom: bool | None = None,
     strict: bool = False,
+    providers: str | Sequence[str] | None = None,
+    repository: PathLike | None = None,
     on_pass: Callable[[str, int, int], None] | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) as
@@ -160,7 +167,10 @@ def optimize(
     ``dump_graph``. Every path is checked before anything is written and all of them appear
     together at the end, or none on an error. ``verify`` compares the output on onnxruntime
     (in a temporary folder when there is no file to compare). ``on_pass(name, done, total)`` is
-    called before each enabled pass. Raises FusectlError on bad input.
+    called before each enabled pass. ``providers`` names the execution provider(s) the output
+    is for (default CPU; the first decides); ``repository`` is the knowledge repository whose
+    measurements for it decline fusions that are slower there: a path, ``"none"``, or by
+    default the one shipped with fusectl. Raises FusectlError on bad input.
     """
     output_path = _optional_path(output)
     if output_path is not None and not output_path.suffix:
@@ -180,6 +190,7 @@ def optimize(
     if check_custom is None:  # on when verify would otherwise find a plugin's error late
         check_custom = verify and any(d.fusion_pass.spec.custom for d in plan.enabled())
     shapes = parse_input_shape(input_shape)
+    gate = repository_gate(providers, repository)
     loaded = load_source(model)
     dump_dir = _optional_path(dump_graph)
     report_path = _optional_path(report)
@@ -201,7 +212,7 @@ def optimize(
         before = reports.model_stats(working)
         if dumper:
             dumper.dump(working, "original")
-        run = _run(loaded, plan, target, dumper, check_custom, on_pass)
+        run = _run(loaded, plan, target, dumper, check_custom, on_pass, gate)
         fusion_text = reports.render_fusion_result(run.result, fusion_result_format)
         data_path = None
         if output_path is not None:
@@ -237,6 +248,8 @@ def optimize(
             "pattern_fusion_pass": _on_off(pattern_fusion_pass),
             "check_custom": check_custom,
             "graph_kernel_flags": graph_kernel_flags or None,
+            "providers": parse_provider_list(providers),
+            "repository": str(repository) if repository is not None else None,
         }
         # verify needs the output on disk: the report is written once its result is known.
         staged_report = report_path is not None and not verify
@@ -268,6 +281,7 @@ def optimize(
         paths=written,
         verify=checked,
         site_check=run.checker,
+        repository=run.gate,
         sparse_initializers=loaded.sparse_initializers,
     )
 
@@ -279,10 +293,23 @@ def _external_data_role(loaded: LoadedModel, output: Path | None) -> dict[str, P
     return {"the output's external data file": output.with_name(output.name + ".data")}
 
 
+def repository_gate(
+    providers: str | Sequence[str] | None, repository: PathLike | None
+) -> RepositoryGate | None:
+    """The gate that applies the repository's decisions for the first provider, if it has
+    any for it; a section measured elsewhere is used with a warning."""
+    provider = parse_provider_list(providers)[0]
+    section, warning = choose_repository(repository, provider).section(provider)
+    if warning is not None:
+        logs.logger.warning("%s", warning)
+    return RepositoryGate(section) if section is not None else None
+
+
 @dataclass
 class _Run:
     result: RunResult
     checker: SiteChecker | None
+    gate: RepositoryGate | None = None
 
 
 def _run(
@@ -292,6 +319,7 @@ def _run(
     dumper: GraphDumper | None,
     check_custom: bool,
     on_pass: Callable[[str, int, int], None] | None,
+    gate: RepositoryGate | None,
 ) -> _Run:
     model = loaded.model
     total = len(plan.enabled())
@@ -316,8 +344,9 @@ def _run(
         before_pass=before_pass,
         after_pass=after_pass,
         site_checker=checker,
+        site_gates=(gate,) if gate is not None else (),
     )
-    return _Run(result, checker)
+    return _Run(result, checker, gate)
 
 
 def _report(
@@ -343,6 +372,8 @@ def _report(
         document["verify"] = checked.to_json()
     if run.checker is not None:
         document["check_custom"] = run.checker.to_json()
+    if run.gate is not None:
+        document["repository"] = reports.repository_document(run.gate)
     return document
 
 
@@ -455,21 +486,82 @@ def bench(
     )
 
 
+def tune(
+    model: PathLike,
+    *,
+    providers: str = "cpu",
+    threads: int = 1,
+    input_shape: str = "",
+    repository: PathLike | None = None,
+    budget_s: float = 3.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    **switches: Any,
+) -> TuneResult:
+    """Measure each class of fusion site in MODEL fused and unfused on the (first) provider, as
+    ``fusectl tune``; the verdicts are merged into the repository file at ``repository`` when
+    one is given (created if missing). ``switches`` choose the passes, as :func:`switch_plan`
+    takes them. ``progress`` receives one line per measured class."""
+    if threads < 0:
+        raise FusectlError(f"--threads must be 0 (onnxruntime's choice) or more, not {threads}")
+    provider = parse_providers(providers)[0]
+    plan, _ = switch_plan(**switches)
+    _log_plan(plan)
+    path = _optional_path(repository)
+    loaded = load_source(model)
+    if path is not None:
+        check_outputs({"--repository": path}, protected=loaded.protected_files())
+        merged_repository(path, tune_section([], provider, threads, ""))  # bad file: fail early
+    began = time.perf_counter()
+    classes, _ = tune_model(
+        loaded,
+        plan,
+        target=switches.get("target", "ort"),
+        provider=provider,
+        threads=threads,
+        input_shapes=parse_input_shape(input_shape),
+        budget_s=budget_s,
+        seed=seed,
+        progress=progress,
+    )
+    name = loaded.path.name if loaded.path is not None else "<in-memory model>"
+    section = tune_section(classes, provider, threads, name)
+    if path is not None:
+        write_text_atomic(path, merged_repository(path, section).text())
+    return TuneResult(provider, section, classes, path, time.perf_counter() - began)
+
+
 class FusectlPass(ir.passes.InPlacePass):
     """fusectl's passes as one onnx-ir pass, to compose in ``onnx_ir.passes.Sequential``.
 
     Takes the switches of :func:`optimize` that choose passes (enable_pass, disable_pass,
-    fusion_switch_file, optimization_switch, oo_level, target, plugins, ...). Works in place on
-    the model it is given, as onnx-ir's in-place passes do.
+    fusion_switch_file, optimization_switch, oo_level, target, plugins, ...) and its
+    ``providers`` and ``repository``. Works in place on the model it is given, as onnx-ir's
+    in-place passes do.
     """
 
-    def __init__(self, **switches: Any) -> None:
+    def __init__(
+        self,
+        *,
+        providers: str | Sequence[str] | None = None,
+        repository: PathLike | None = None,
+        **switches: Any,
+    ) -> None:
         super().__init__()
         self.plan, _ = switch_plan(**switches)
         self.target = switches.get("target", "ort")
+        self.providers, self.repository = providers, repository
+        repository_gate(providers, repository)  # a bad repository fails here, not mid-pipeline
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        result = run_plan(model, self.plan, target=self.target, shapes=ShapeOracle(model, None))
+        gate = repository_gate(self.providers, self.repository)
+        result = run_plan(
+            model,
+            self.plan,
+            target=self.target,
+            shapes=ShapeOracle(model, None),
+            site_gates=(gate,) if gate is not None else (),
+        )
         modified = any(run.ctx is not None and run.ctx.changed for run in result.runs)
         return ir.passes.PassResult(model, modified)
 
@@ -481,5 +573,6 @@ __all__ = [
     "bench",
     "bisect",
     "optimize",
+    "tune",
     "verify",
 ]

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from fusectl import api
 from fusectl.core import logs, reports
 from fusectl.core.plugins import load_passes
+from fusectl.core.repository import choose_repository
 from fusectl.core.switches import SwitchRequest, resolve
 from fusectl.diagnostics.bench import print_result as print_bench
 from fusectl.diagnostics.bisect import per_pass_errors, print_attribution
@@ -147,6 +148,18 @@ def cli() -> None:
 )
 @_option("--strict", is_flag=True, help="Unknown pass names are errors, not warnings.")
 @_option(
+    "--providers",
+    default=None,
+    help="Execution provider(s) the output is for, e.g. cpu, cuda [cpu]; the first decides "
+    "which fusions the knowledge repository declines as slower there.",
+)
+@_option(
+    "--repository",
+    default=None,
+    help="Knowledge repository (from `fusectl tune`) deciding which fusions pay on the "
+    "provider; none: no repository [the CPU repository shipped with fusectl].",
+)
+@_option(
     "--log",
     "log_level",
     type=click.Choice(list(logs.LEVELS)),
@@ -231,6 +244,8 @@ def _optimize(
     written = result.paths["output"]
     if log_level != "null":
         reports.print_summary(stderr, result.run, result.layers)
+        if result.repository is not None and result.repository.decisions:
+            stderr.print(reports.repository_line(result.repository), markup=False, soft_wrap=True)
         data_path = result.paths.get("external_data")
         stderr.print(f"wrote {written}" + (f" (+ {data_path.name})" if data_path else ""))
         if checker is not None:
@@ -428,22 +443,112 @@ def _bisect(*, model: Path, as_json: bool, **options: Any) -> None:
         raise VerifyFailed(f"culprit pass(es): {', '.join(result.culprit_passes) or 'not found'}")
 
 
+@cli.command("tune")
+@click.argument("model", metavar="MODEL", type=click.Path(path_type=Path))
+@_option(
+    "--providers",
+    default="cpu",
+    show_default=True,
+    help="The execution provider to measure on (installed in this onnxruntime).",
+)
+@_option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="onnxruntime intra-op threads while timing (0: its choice).",
+)
+@_option(
+    "--input_shape",
+    default="",
+    help='Tuning sizes for symbolic dims: "ids:1,128;mask:1,128" [batch 1, others 128].',
+)
+@_option(
+    "--repository",
+    type=click.Path(path_type=Path),
+    default=Path("fusion_repository.json"),
+    show_default=True,
+    help="Repository file the verdicts are merged into (created if missing).",
+)
+@_option(
+    "--budget",
+    "budget_s",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="Seconds of timing per site class at most.",
+)
+@_option(
+    "--fusion_switch_file",
+    type=click.Path(path_type=Path),
+    help="Tune the passes this switch file selects.",
+)
+@_option("--enable_pass", multiple=True, help="Comma-separated passes to turn on (repeatable).")
+@_option("--disable_pass", multiple=True, help="Comma-separated passes to turn off (repeatable).")
+@_option(
+    "--target",
+    type=click.Choice(["ort", "onnx"]),
+    default="ort",
+    show_default=True,
+    help="As optimize.",
+)
+@_plugin_option(_PLUGIN_HELP)
+@_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
+@_option("--json", "as_json", is_flag=True, help="Print the measurements as JSON on stdout.")
+def tune(**options: Any) -> None:
+    """Measure which fusions pay on a provider, site class by site class, and record it.
+
+    Each class of site the passes would rewrite in MODEL is cut out fused and unfused, both
+    are timed interleaved on the provider, and the verdict (with its timings) is merged into
+    the repository file, which `fusectl optimize --repository` then applies.
+    """
+    _guarded(lambda: _tune(**options))
+
+
+def _tune(*, model: Path, as_json: bool, **options: Any) -> None:
+    logs.configure(logs.default_level())
+    result = api.tune(
+        model, progress=lambda line: stderr.print(line, markup=False, soft_wrap=True), **options
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    verdicts = [c.verdict for c in result.classes]
+    stderr.print(
+        f"tune: {len(result.classes)} site class(es) on {result.provider} in "
+        f"{result.seconds:.1f} s: {verdicts.count('unfused')} slower fused (kept unfused), "
+        f"{verdicts.count('fused')} faster fused, {verdicts.count('same')} no difference, "
+        f"{verdicts.count(None)} not measured; wrote {result.repository}",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
 @cli.command("passes")
 @_option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON.")
 @_option("--category", type=click.Choice([c.value for c in Category]), default=None)
+@_option(
+    "--repository",
+    default=None,
+    help="Show this knowledge repository's CPU verdicts [the one shipped with fusectl].",
+)
 @_plugin_option(_PLUGIN_HELP)
-def list_passes(as_json: bool, category: str | None, plugins: Sequence[Path]) -> None:
-    """List every registered pass in default execution order."""
-    _guarded(lambda: _list_passes(as_json, category, plugins))
+def list_passes(
+    as_json: bool, category: str | None, repository: str | None, plugins: Sequence[Path]
+) -> None:
+    """List every registered pass in default execution order, and the knowledge repository."""
+    _guarded(lambda: _list_passes(as_json, category, repository, plugins))
 
 
-def _list_passes(as_json: bool, category: str | None, plugins: Sequence[Path]) -> None:
+def _list_passes(
+    as_json: bool, category: str | None, repository: str | None, plugins: Sequence[Path]
+) -> None:
     registry = load_passes(plugins)
     specs = [d.fusion_pass.spec for d in resolve(registry, SwitchRequest()).decisions]
     if category:
         specs = [s for s in specs if s.category.value == category]
+    known = choose_repository(repository, "CPUExecutionProvider")
     if as_json:
-        click.echo(json.dumps(reports.catalogue_document(specs), indent=2))
+        click.echo(json.dumps(reports.catalogue_document(specs, known), indent=2))
         return
     console = Console(highlight=False)
     for group in Category:
@@ -461,6 +566,8 @@ def _list_passes(as_json: bool, category: str | None, plugins: Sequence[Path]) -
             )
             console.print(f"      {spec.description}", markup=False)
         console.print()
+    for line in reports.repository_lines(known):
+        console.print(line, markup=False, soft_wrap=True)
 
 
 @cli.command("switch-template")

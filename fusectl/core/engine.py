@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from fusectl.core import logs
 from fusectl.core.switches import Decision, Plan
 from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
-from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites
+from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate
 from fusectl.rewrite.patterns import PatternPass
 
 if TYPE_CHECKING:
@@ -88,12 +88,14 @@ def run_plan(
     after_pass: AfterPass | None = None,
     rewrites: Rewrites | None = None,
     site_checker: SiteChecker | None = None,
+    site_gates: Sequence[SiteGate] = (),
 ) -> RunResult:
     """Apply every enabled pass of the plan to ``model`` in place, in plan order.
 
     ``rewrites`` numbers the rewrites across all passes and may leave some out (fusectl
     bisect); by default every rewrite happens. ``site_checker`` checks every rewrite of the
-    custom passes before it lands (--check_custom)."""
+    custom passes before it lands (--check_custom); ``site_gates`` review every pass's
+    rewrites (the knowledge repository, tune's recorder)."""
     start = time.perf_counter()
     nodes_before = len(model.graph)
     runs: list[PassRun] = []
@@ -109,6 +111,7 @@ def run_plan(
             before_pass(decision)
         ctx = contexts.get(index)
         if ctx is None:
+            custom = decision.fusion_pass.spec.custom and site_checker is not None
             ctx = contexts[index] = PassContext(
                 decision.fusion_pass.spec,
                 target,
@@ -117,7 +120,7 @@ def run_plan(
                 names=names,
                 rewrites=rewrites,
                 options=plan.options,
-                site_checker=site_checker if decision.fusion_pass.spec.custom else None,
+                site_gates=(*((site_checker,) if custom else ()), *site_gates),
                 op_index=op_index,
             )
             run.nodes_before = len(model.graph)

@@ -259,6 +259,16 @@ def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
     return LoadedModel(model, model_path, frozenset(external_files), proto)
 
 
+def model_copy(loaded: LoadedModel) -> ir.Model:
+    """A second IR model of the same file, for a run that must not touch ``loaded.model``
+    (weights are shared with the parsed file or read from its external data on demand)."""
+    with _sparse_names_expected(loaded.proto):
+        model = ir.serde.deserialize_model(loaded.proto)
+    if loaded.path is not None:
+        ir.external_data.set_base_dir(model.graph, loaded.path.parent)
+    return model
+
+
 def external_data_path(output: Path) -> Path:
     return output.with_name(output.name + ".data")
 

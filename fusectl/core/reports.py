@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fusectl.core.engine import PassRun, RunResult
+from fusectl.core.repository import UNFUSED, Repository, RepositoryGate, ms
 from fusectl.core.switches import Plan, Source
 from fusectl.rewrite import coverage, runtime
 from fusectl.rewrite.context import layer_of
@@ -39,7 +40,7 @@ def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
         spec = run.ctx.spec
         entry = {"effect_times": str(run.ctx.effected), "match_times": str(run.ctx.matched)}
         if spec.category is Category.UB and fmt != "object":
-            entry["repository_hit_times"] = "0"
+            entry["repository_hit_times"] = str(run.ctx.repository_hits)
         key = "ub_fusion" if spec.category is Category.UB else "graph_fusion"
         sections.setdefault(key, {})[spec.name] = entry
     if fmt == "v3":
@@ -100,8 +101,49 @@ def _spec_document(spec: PassSpec) -> dict[str, Any]:
     }
 
 
-def catalogue_document(specs: list[PassSpec]) -> list[dict[str, Any]]:
-    return [_spec_document(spec) for spec in specs]
+def catalogue_document(
+    specs: list[PassSpec], repository: Repository | None = None
+) -> list[dict[str, Any]]:
+    """Every pass as `fusectl passes --json` lists it; with a repository, each pass's entry
+    carries its verdicts per measured provider (``repository``: provenance and the classes
+    kept unfused)."""
+    documents = [_spec_document(spec) for spec in specs]
+    for document in documents:
+        verdicts = []
+        for section in repository.sections if repository is not None else ():
+            mine = {k: v for k, v in section.sites.items() if v.get("pass") == document["name"]}
+            if mine:
+                verdicts.append(
+                    {
+                        "provenance": section.provenance,
+                        "measured": len(mine),
+                        "unfused": sorted(k for k, v in mine.items() if v["decision"] == UNFUSED),
+                    }
+                )
+        if repository is not None:
+            document["repository"] = verdicts
+    return documents
+
+
+def repository_lines(repository: Repository) -> list[str]:
+    """The repository as `fusectl passes` ends with it: where and how it was measured, and
+    which fused ops it keeps unfused."""
+    if not repository.sections:
+        return [f"Knowledge repository {repository.label}: empty"]
+    lines = [f"Knowledge repository {repository.label}"]
+    for section in repository.sections:
+        unfused = [v for v in section.sites.values() if v["decision"] == UNFUSED]
+        lines.append(
+            f"  {section.provenance}: {len(section.sites)} site class(es) measured, "
+            f"{len(unfused)} kept unfused as slower"
+        )
+        for entry in sorted(unfused, key=lambda v: (v.get("pass", ""), v.get("fused", []))):
+            fused = " + ".join(entry.get("fused", [])) or "?"
+            lines.append(
+                f"    {entry.get('pass', '?')}: {fused} {ms(entry['fused_ms'])} ms vs "
+                f"{ms(entry['unfused_ms'])} ms unfused ({', '.join(entry.get('inputs', []))})"
+            )
+    return lines
 
 
 def model_layers(result: RunResult, model: ir.Model) -> set[str]:
@@ -169,6 +211,7 @@ def _run_document(run: PassRun, order: int, layers: set[str] = frozenset()) -> d
             stats.name: {"matched": stats.matched, "effected": stats.effected}
             for stats in ctx.patterns.values()
         },
+        repository_hits=ctx.repository_hits,
         layers=layer_coverage(run, layers),
         time_ms=round(run.seconds * 1e3, 3),
         nodes_before=run.nodes_before,
@@ -221,6 +264,29 @@ def report_document(
         "coverage": coverage.to_json(result.coverage),
         "fusion_result": fusion_result_document(result),
     }
+
+
+def repository_document(gate: RepositoryGate) -> dict[str, Any]:
+    """The knowledge repository's part in a run: where its measurements come from, and each
+    site it decided (declined ones with the measured times)."""
+    section = gate.section
+    declined = [d for d in gate.decisions if d["decision"] == UNFUSED]
+    return {
+        "provider": section.provider,
+        "provenance": section.provenance,
+        "hits": len(gate.decisions),
+        "declined": len(declined),
+        "decisions": gate.decisions,
+    }
+
+
+def repository_line(gate: RepositoryGate) -> str:
+    """The summary's line on the repository (printed only when it decided something)."""
+    declined = sum(1 for d in gate.decisions if d["decision"] == UNFUSED)
+    return (
+        f"knowledge repository ({gate.section.provenance}): {len(gate.decisions)} site(s) "
+        f"decided, {declined} left unfused as slower on {gate.section.provider}"
+    )
 
 
 def print_summary(console: Console, result: RunResult, layers: set[str] = frozenset()) -> None:

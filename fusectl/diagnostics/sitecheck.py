@@ -24,6 +24,7 @@ from fusectl.diagnostics.inputs import generate_feeds
 from fusectl.diagnostics.verify import TOLERANCES, Tolerance, compare
 from fusectl.errors import FusectlError
 from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.sites import site_inputs
 
 if TYPE_CHECKING:
     from fusectl.rewrite.context import PassContext
@@ -107,7 +108,7 @@ class SiteChecker:
             soft_wrap=True,
         )
 
-    def check(
+    def review(
         self,
         ctx: PassContext,
         pattern: str,
@@ -126,7 +127,7 @@ class SiteChecker:
             record.verdict, record.reason, record.detail, record.max_abs = self._compare(
                 ctx, old_nodes, new_nodes, old_outputs, new_outputs
             )
-        except _Unchecked as why:
+        except Uncut as why:
             record.verdict, record.detail = UNCHECKED, str(why)
         if record.verdict != MISMATCH:
             return None
@@ -142,18 +143,17 @@ class SiteChecker:
         new_outputs: Sequence[ir.Value],
     ) -> tuple[str, str, str, float]:
         """(verdict, reason shared by like sites, detail naming the output, max abs error)."""
-        cut = _Cut(ctx, self.opsets, self.ir_version)
-        inputs = cut.inputs([*old_nodes, *new_nodes])
-        original = cut.model("original", old_nodes, inputs, old_outputs, old_outputs)
-        replacement = cut.model("replacement", new_nodes, inputs, new_outputs, old_outputs)
+        original, replacement = cut_site(
+            ctx, self.opsets, self.ir_version, old_nodes, new_nodes, old_outputs, new_outputs
+        )
         try:
             feeds, _ = generate_feeds(ir.from_proto(original), seed=self.seed)
         except FusectlError as error:
-            raise _Unchecked(f"no inputs for the match: {error}") from None
+            raise Uncut(f"no inputs for the match: {error}") from None
         try:
             expected = _run(original, feeds)
         except _RunFailed as error:
-            raise _Unchecked(f"the matched nodes do not run on their own: {error}") from None
+            raise Uncut(f"the matched nodes do not run on their own: {error}") from None
         try:
             actual = _run(replacement, feeds)
         except _RunFailed as error:
@@ -178,8 +178,27 @@ class SiteChecker:
         return OK, "", "", worst
 
 
-class _Unchecked(Exception):
-    """The site cannot be checked (unknown shapes, nodes that need the rest of the graph)."""
+class Uncut(Exception):
+    """The site cannot be cut out on its own (unknown shapes, nodes that need the rest of the
+    graph)."""
+
+
+def cut_site(
+    ctx: PassContext,
+    opsets: dict[str, int],
+    ir_version: int,
+    old_nodes: Sequence[ir.Node],
+    new_nodes: Sequence[ir.Node],
+    old_outputs: Sequence[ir.Value],
+    new_outputs: Sequence[ir.Value],
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The matched nodes and their replacement, each as a model of its own with the same
+    inputs (the values the match reads; constants go in as initializers) and outputs."""
+    cut = _Cut(ctx, opsets, ir_version)
+    inputs = site_inputs([*old_nodes, *new_nodes])
+    original = cut.model("original", old_nodes, inputs, old_outputs, old_outputs)
+    replacement = cut.model("replacement", new_nodes, inputs, new_outputs, old_outputs)
+    return original, replacement
 
 
 class _RunFailed(Exception):
@@ -201,15 +220,6 @@ class _Cut:
         if found is None:
             found = self.names[value] = f"v{len(self.names)}"
         return found
-
-    def inputs(self, nodes: Sequence[ir.Node]) -> list[ir.Value]:
-        produced = {value for node in nodes for value in node.outputs}
-        seen: dict[ir.Value, None] = {}
-        for node in nodes:
-            for value in node.inputs:
-                if value is not None and value not in produced:
-                    seen[value] = None
-        return list(seen)
 
     def model(
         self,
@@ -255,7 +265,7 @@ class _Cut:
         dtype, shape = self.ctx.dtype(value), self.ctx.shape(value)
         what = value.name or "a value the match reads"
         if dtype is None or shape is None:
-            raise _Unchecked(
+            raise Uncut(
                 f"the {'element type' if dtype is None else 'shape'} of {what} is unknown"
             )
         dims = [d if isinstance(d, int) else d.value for d in shape]
@@ -264,7 +274,7 @@ class _Cut:
     def _output_info(self, value: ir.Value, like: ir.Value) -> onnx.ValueInfoProto:
         dtype = self.ctx.dtype(like)
         if dtype is None:
-            raise _Unchecked(f"the element type of {like.name or 'a matched output'} is unknown")
+            raise Uncut(f"the element type of {like.name or 'a matched output'} is unknown")
         return onnx.helper.make_tensor_value_info(self.name(value), int(dtype), None)
 
 

@@ -6,14 +6,13 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import onnx_ir as ir
 
-    from fusectl.diagnostics.sitecheck import SiteChecker
     from fusectl.rewrite.registry import PassSpec
     from fusectl.rewrite.shapes import ShapeOracle
 
@@ -148,6 +147,23 @@ class Rewrites:
         return index, None
 
 
+class SiteGate(Protocol):
+    """Asked before a rewrite lands (``replace_subgraph``): None lets it happen, a reason
+    declines it and the site stays as it was. ``--check_custom`` runs both sides of a custom
+    pass's site; the knowledge repository declines fusions measured slower on the provider."""
+
+    def review(
+        self,
+        ctx: PassContext,
+        pattern: str,
+        site: str,
+        old_nodes: Sequence[ir.Node],
+        new_nodes: Sequence[ir.Node],
+        old_outputs: Sequence[ir.Value],
+        new_outputs: Sequence[ir.Value],
+    ) -> str | None: ...
+
+
 class UnguardedRewrite(RuntimeError):
     """A pass changed the graph without asking ``ctx.may_rewrite`` while a bisection ran."""
 
@@ -166,8 +182,10 @@ class PassContext:
     names: NodeNames = field(default_factory=NodeNames)
     rewrites: Rewrites = field(default_factory=Rewrites)
     options: dict[str, str] = field(default_factory=dict)
-    # Set for custom passes under --check_custom: every replace_subgraph is checked first.
-    site_checker: SiteChecker | None = None
+    # Asked in order before every replace_subgraph lands (see SiteGate).
+    site_gates: tuple[SiteGate, ...] = ()
+    # Sites whose class the knowledge repository had a decision for (either way).
+    repository_hits: int = 0
     op_index: OpIndex = field(default_factory=OpIndex)
     _granted: int | None = None
 

@@ -165,18 +165,19 @@ def replace_subgraph(
     (``<Pass>/<root>``), new outputs taking the old outputs' names and uses, new nodes placed
     at the root (which keeps the graph sorted), the effect counted and lineage stamped.
 
-    The graph is left as it is when a bisection leaves this rewrite out (ctx.may_rewrite) or
-    --check_custom finds the replacement computes something else: the answer is then the
-    reason, recorded as a decline; None means replaced."""
+    The graph is left as it is when a site gate declines it (--check_custom finds the
+    replacement computes something else, the knowledge repository measured it slower) or a
+    bisection leaves this rewrite out (ctx.may_rewrite): the answer is then the reason,
+    recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
-    if ctx.site_checker is not None:
-        mismatch = ctx.site_checker.check(
+    for gate in ctx.site_gates:
+        declined = gate.review(
             ctx, pattern, node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
         )
-        if mismatch is not None:
-            ctx.pattern(pattern).decline(mismatch, node_label(root))
-            return mismatch
+        if declined is not None:
+            ctx.pattern(pattern).decline(declined, node_label(root))
+            return declined
     refused = ctx.refusal(pattern, node_label(root))
     if refused is not None:
         return refused

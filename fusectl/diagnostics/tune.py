@@ -1,0 +1,417 @@
+"""``fusectl tune``: measure, for each class of fusion site in a model, whether the fused kernel
+pays on an execution provider, and record the verdict in a knowledge repository.
+
+The passes run as ``optimize`` would run them, twice: on the model as it is, which names each
+site's class (symbolic dimensions stay ``?``, so the verdict serves every batch and sequence
+length), and on a copy whose inputs are fixed at the tuning shapes (``--input_shape``, else
+batch 1 and 128 for every other free dimension), from which each class's first site is cut out
+as two small models, the matched nodes and their replacement (the ``--check_custom`` cut). Both
+run on the provider with onnxruntime's own graph optimizations off, interleaved: rounds of a
+batch of runs of each, in alternating order, until a sign test over the rounds separates them
+and the medians differ by more than the noise margin, or the round or time budget runs out
+(then they are the same). A class whose fused kernel is slower is recorded ``unfused``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from fusectl.core.engine import run_plan
+from fusectl.core.model_io import LoadedModel, model_copy
+from fusectl.core.repository import (
+    FUSED,
+    SAME,
+    UNFUSED,
+    Repository,
+    Section,
+    device_identity,
+    load_repository,
+    ms,
+)
+from fusectl.core.switches import Plan
+from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
+from fusectl.diagnostics.sitecheck import Uncut, cut_site
+from fusectl.errors import FusectlError
+from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes
+from fusectl.rewrite.sites import SiteClass, site_class
+from fusectl.version import __version__
+
+if TYPE_CHECKING:
+    from fusectl.rewrite.context import PassContext
+    from fusectl.rewrite.registry import PassSpec
+
+# Rewrites that only move data (a merged Reshape, a removed Transpose pair) always pay.
+_DATA_MOVEMENT = frozenset(
+    {"Reshape", "Transpose", "Identity", "Cast", "Concat", "Squeeze", "Unsqueeze", "Flatten"}
+)
+# Tuning sizes for free input dimensions.
+TUNE_BATCH = 1
+TUNE_LENGTH = 128
+# Two timings closer than this are the same kernel speed for the repository's purposes.
+NOISE_MARGIN = 0.03
+MIN_ROUNDS = 7
+MAX_ROUNDS = 41
+# A batch of runs lasts at least this long, so timer resolution and call overhead vanish.
+_BATCH_S = 0.01
+_MAX_BATCH = 500
+
+
+def tuned(spec: PassSpec) -> bool:
+    """Whether a pass's sites are measured: it emits a fused op, not only data movement."""
+    return bool(spec.emits) and not spec.canonical and not set(spec.emits) <= _DATA_MOVEMENT
+
+
+@dataclass
+class ClassResult:
+    """One site class of the model: where it occurs and what the measurement found."""
+
+    site_class: SiteClass
+    sites: list[str] = field(default_factory=list)
+    verdict: str | None = None  # None: not measured (see note)
+    fused_ms: float = 0.0
+    unfused_ms: float = 0.0
+    rounds: int = 0
+    runs_per_round: int = 0
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.fused_ms / self.unfused_ms if self.unfused_ms else math.inf
+
+    def entry(self, model: str) -> dict[str, Any]:
+        """The repository entry for this class."""
+        return {
+            **self.site_class.to_json(),
+            "decision": self.verdict,
+            "fused_ms": round(self.fused_ms, 5),
+            "unfused_ms": round(self.unfused_ms, 5),
+            "ratio": round(self.ratio, 4),
+            "rounds": self.rounds,
+            "runs_per_round": self.runs_per_round,
+            "measured_shapes": self.shapes,
+            "model": model,
+            "sites_in_model": len(self.sites),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "class": self.site_class.key,
+            "sites": self.sites,
+            "decision": self.verdict,
+            "fused_ms": self.fused_ms,
+            "unfused_ms": self.unfused_ms,
+            "rounds": self.rounds,
+            "note": self.note or None,
+        }
+
+
+@dataclass
+class TuneResult:
+    provider: str
+    section: Section
+    classes: list[ClassResult]
+    repository: Path | None
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "provenance": self.section.provenance,
+            "repository": str(self.repository) if self.repository else None,
+            "seconds": round(self.seconds, 3),
+            "classes": [c.to_json() for c in self.classes],
+        }
+
+
+def tuning_shapes(model: ir.Model, given: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Every input's shape for tuning: ``given`` first, then a free dimension takes the size
+    another input gives its name, else batch 1 or length 128."""
+    symbols: dict[str, int] = {}
+    for value in model.graph.inputs:
+        dims = given.get(value.name or "")
+        if dims is not None and value.shape is not None:
+            for declared, size in zip(value.shape, dims, strict=False):
+                if isinstance(declared, ir.SymbolicDim) and declared.value and size >= 0:
+                    symbols.setdefault(declared.value, size)
+    shapes: dict[str, list[int]] = {}
+    for spec in graph_inputs(model):
+        if spec.dims is None:
+            if spec.name in given:
+                shapes[spec.name] = given[spec.name]
+            continue
+        fixed = given.get(spec.name, [-1] * len(spec.dims))
+        dims = []
+        for axis, declared in enumerate(spec.dims):
+            if fixed[axis] >= 0:
+                dims.append(fixed[axis])
+            elif isinstance(declared, int):
+                dims.append(declared)
+            elif declared and declared in symbols:
+                dims.append(symbols[declared])
+            else:
+                batch = declared is not None and re.search("batch", declared, re.I)
+                size = TUNE_BATCH if batch else TUNE_LENGTH
+                dims.append(size)
+                if declared:
+                    symbols[declared] = size
+        shapes[spec.name] = dims
+    return shapes
+
+
+SiteKey = tuple[str, str, str]  # pass, pattern, site label
+
+
+class _ClassNamer:
+    """A site gate that approves every rewrite and notes the class of each tuned one."""
+
+    def __init__(self) -> None:
+        self.classes: dict[SiteKey, SiteClass | None] = {}
+
+    def review(
+        self,
+        ctx: PassContext,
+        pattern: str,
+        site: str,
+        old_nodes: Sequence[ir.Node],
+        new_nodes: Sequence[ir.Node],
+        old_outputs: Sequence[ir.Value],
+        new_outputs: Sequence[ir.Value],
+    ) -> str | None:
+        if tuned(ctx.spec):
+            key = (ctx.spec.name, pattern, site)
+            self.classes.setdefault(key, site_class(ctx, pattern, old_nodes, new_nodes))
+        return None
+
+
+class _SiteCutter:
+    """A site gate that approves every rewrite and cuts out each tuned site asked for."""
+
+    def __init__(self, model: ir.Model, wanted: set[SiteKey]) -> None:
+        self.opsets = dict(model.opset_imports)
+        self.ir_version = model.ir_version
+        self.wanted = wanted
+        self.cuts: dict[SiteKey, tuple[onnx.ModelProto, onnx.ModelProto] | str] = {}
+
+    def review(
+        self,
+        ctx: PassContext,
+        pattern: str,
+        site: str,
+        old_nodes: Sequence[ir.Node],
+        new_nodes: Sequence[ir.Node],
+        old_outputs: Sequence[ir.Value],
+        new_outputs: Sequence[ir.Value],
+    ) -> str | None:
+        key = (ctx.spec.name, pattern, site)
+        if key in self.wanted and key not in self.cuts:
+            try:
+                self.cuts[key] = cut_site(
+                    ctx, self.opsets, self.ir_version, old_nodes, new_nodes, old_outputs,
+                    new_outputs,
+                )
+            except Uncut as why:
+                self.cuts[key] = str(why)
+        return None
+
+
+def _session(model: onnx.ModelProto, provider: str, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+
+
+def _sign_test(slower: int, rounds: int) -> float:
+    """Two-sided p-value that ``slower`` of ``rounds`` coin flips came up one way."""
+    extreme = max(slower, rounds - slower)
+    tail = sum(math.comb(rounds, k) for k in range(extreme, rounds + 1)) / 2**rounds
+    return min(1.0, 2 * tail)
+
+
+@dataclass
+class Timing:
+    fused_ms: float
+    unfused_ms: float
+    rounds: int
+    runs_per_round: int
+    verdict: str
+
+
+def time_pair(
+    fused: ort.InferenceSession,
+    unfused: ort.InferenceSession,
+    feeds: dict[str, np.ndarray],
+    *,
+    budget_s: float = 3.0,
+) -> Timing:
+    """Time both sessions interleaved until they separate or the budget is spent."""
+    sessions = (fused, unfused)
+    for session in sessions:  # warm up: first runs allocate
+        for _ in range(3):
+            session.run(None, feeds)
+    began = time.perf_counter()
+    fused.run(None, feeds)
+    unfused.run(None, feeds)
+    once = max((time.perf_counter() - began) / 2, 1e-6)
+    batch = max(1, min(_MAX_BATCH, int(_BATCH_S / once)))
+    per_run: tuple[list[float], list[float]] = ([], [])
+    verdict = SAME
+    started = time.perf_counter()
+    while True:
+        rounds = len(per_run[0])
+        order = (0, 1) if rounds % 2 == 0 else (1, 0)
+        for index in order:
+            session = sessions[index]
+            start = time.perf_counter()
+            for _ in range(batch):
+                session.run(None, feeds)
+            per_run[index].append((time.perf_counter() - start) / batch)
+        rounds += 1
+        if rounds < MIN_ROUNDS:
+            continue
+        ratio = statistics.median(per_run[0]) / statistics.median(per_run[1])
+        slower = sum(f > u for f, u in zip(*per_run, strict=True))
+        p_value = _sign_test(slower, rounds)
+        separated = p_value < 0.01 and abs(ratio - 1) > NOISE_MARGIN
+        if separated or rounds >= MAX_ROUNDS or time.perf_counter() - started > budget_s:
+            if separated or (p_value < 0.05 and abs(ratio - 1) > NOISE_MARGIN):
+                verdict = UNFUSED if ratio > 1 else FUSED
+            break
+    return Timing(
+        statistics.median(per_run[0]) * 1e3,
+        statistics.median(per_run[1]) * 1e3,
+        len(per_run[0]),
+        batch,
+        verdict,
+    )
+
+
+def _concrete_copy(loaded: LoadedModel, shapes: dict[str, list[int]]) -> ir.Model:
+    """The model with its inputs fixed at the tuning shapes and intermediate shapes forgotten,
+    so that inference derives them concrete."""
+    model = model_copy(loaded)
+    apply_input_shapes(model, shapes, loaded.path or Path("<in-memory model>"))
+    for node in model.graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.shape = None
+    return model
+
+
+def tune_model(
+    loaded: LoadedModel,
+    plan: Plan,
+    *,
+    target: str,
+    provider: str,
+    threads: int = 1,
+    input_shapes: dict[str, list[int]] | None = None,
+    budget_s: float = 3.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[ClassResult], dict[str, list[int]]]:
+    """Each tuned site class of the model, measured on ``provider``."""
+    say = progress or (lambda _: None)
+    symbolic = model_copy(loaded)
+    namer = _ClassNamer()
+    run_plan(symbolic, plan, target=target, shapes=ShapeOracle(symbolic, None), site_gates=[namer])
+    classes: dict[str, ClassResult] = {}
+    first: dict[str, SiteKey] = {}
+    unnamed = []
+    for key, found in namer.classes.items():
+        if found is None:
+            unnamed.append(key)
+            continue
+        record = classes.setdefault(found.key, ClassResult(found))
+        record.sites.append(key[2])
+        first.setdefault(found.key, key)
+    shapes = tuning_shapes(symbolic, input_shapes or {})
+    concrete = _concrete_copy(loaded, shapes)
+    cutter = _SiteCutter(concrete, set(first.values()))
+    run_plan(concrete, plan, target=target, shapes=ShapeOracle(concrete, None), site_gates=[cutter])
+    say(
+        f"tune: {len(namer.classes)} site(s) in {len(classes)} class(es) to measure on "
+        f"{provider}" + (f"; {len(unnamed)} with unknown input shapes left out" if unnamed else "")
+    )
+    for number, (class_key, record) in enumerate(classes.items(), 1):
+        cut = cutter.cuts.get(first[class_key])
+        if cut is None:
+            record.note = "the site is not there once the inputs are fixed at the tuning shapes"
+        elif isinstance(cut, str):
+            record.note = f"cannot be cut out: {cut}"
+        else:
+            _measure(record, cut, provider, threads, budget_s, seed)
+        outcome = (
+            f"fused {ms(record.fused_ms)} ms, unfused {ms(record.unfused_ms)} ms -> "
+            f"{record.verdict}"
+            if record.verdict is not None
+            else f"not measured: {record.note}"
+        )
+        say(f"tune: [{number}/{len(classes)}] {class_key}: {outcome}")
+    return list(classes.values()), shapes
+
+
+def _measure(
+    record: ClassResult,
+    cut: tuple[onnx.ModelProto, onnx.ModelProto],
+    provider: str,
+    threads: int,
+    budget_s: float,
+    seed: int,
+) -> None:
+    original, replacement = cut
+    try:
+        feeds, _ = generate_feeds(ir.from_proto(original), seed=seed)
+        unfused = _session(original, provider, threads)
+        fused = _session(replacement, provider, threads)
+        timing = time_pair(fused, unfused, feeds, budget_s=budget_s)
+    except FusectlError as error:
+        record.note = f"no inputs for the site: {error}"
+        return
+    except Exception as error:  # onnxruntime's own error types, for load and run alike
+        text = str(error).strip()
+        record.note = f"does not run on its own: {text.splitlines()[0] if text else error!r}"
+        return
+    record.shapes = {name: list(array.shape) for name, array in feeds.items()}
+    record.fused_ms, record.unfused_ms = timing.fused_ms, timing.unfused_ms
+    record.rounds, record.runs_per_round = timing.rounds, timing.runs_per_round
+    record.verdict = timing.verdict
+
+
+def tune_section(
+    classes: Sequence[ClassResult], provider: str, threads: int, model_name: str
+) -> Section:
+    """The repository section the measured classes make."""
+    return Section(
+        provider=provider,
+        onnxruntime=ort.__version__,
+        device=device_identity(provider),
+        threads=threads,
+        measured=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        fusectl=__version__,
+        models=[model_name],
+        sites={c.site_class.key: c.entry(model_name) for c in classes if c.verdict is not None},
+    )
+
+
+def merged_repository(path: Path | None, section: Section) -> Repository:
+    """The repository at ``path`` (or a new one) with ``section`` merged in."""
+    repository = load_repository(path, missing_ok=True) if path else Repository(None)
+    repository.update(section)
+    return repository

@@ -1,0 +1,119 @@
+"""A rewrite's site class: what decides whether the fused kernel pays, independent of the model.
+
+Two sites belong to one class when the same pass and pattern rewrite the same kind of input into
+the same fused ops with the same attributes: element types, and shapes with each dimension the
+model leaves symbolic written ``?`` (batch and sequence are chosen at run time; a hidden size is
+not). A measurement made on one site (``fusectl tune``) then decides every site of its class, in
+this model or another, which is how the knowledge repository is keyed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import onnx_ir as ir
+
+if TYPE_CHECKING:
+    from fusectl.rewrite.context import PassContext
+
+
+@dataclass(frozen=True)
+class SiteClass:
+    """One class of rewrite; ``key`` is its repository key, readable on its own."""
+
+    pass_name: str
+    pattern: str
+    fused: tuple[str, ...]
+    inputs: tuple[str, ...]
+    attributes: str
+
+    @property
+    def key(self) -> str:
+        attributes = f" {self.attributes}" if self.attributes != "{}" else ""
+        return (
+            f"{self.pass_name}/{self.pattern}: {' + '.join(self.fused)}"
+            f"({', '.join(self.inputs)}){attributes}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pass": self.pass_name,
+            "pattern": self.pattern,
+            "fused": list(self.fused),
+            "inputs": list(self.inputs),
+            "attributes": json.loads(self.attributes),
+        }
+
+
+def _op_name(node: ir.Node) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+
+
+def _signature(ctx: PassContext, value: ir.Value) -> str | None:
+    dtype, shape = ctx.dtype(value), ctx.shape(value)
+    if dtype is None or shape is None:
+        return None
+    dims = ",".join(str(d) if isinstance(d, int) else "?" for d in shape)
+    constant = value.const_value is not None and not value.is_graph_input()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant":
+        constant = True
+    return f"{'const ' if constant else ''}{dtype.name.lower()}[{dims}]"
+
+
+def _attribute(attr: ir.Attr) -> Any:
+    if attr.is_ref() or attr.type in (
+        ir.AttributeType.TENSOR,
+        ir.AttributeType.TENSORS,
+        ir.AttributeType.GRAPH,
+        ir.AttributeType.GRAPHS,
+        ir.AttributeType.SPARSE_TENSOR,
+        ir.AttributeType.SPARSE_TENSORS,
+        ir.AttributeType.TYPE_PROTO,
+        ir.AttributeType.TYPE_PROTOS,
+    ):
+        return attr.type.name.lower()
+    value = attr.value
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+
+
+def site_inputs(nodes: Sequence[ir.Node]) -> list[ir.Value]:
+    """The values ``nodes`` read that none of them computes, in first-read order."""
+    produced = {value for node in nodes for value in node.outputs}
+    seen: dict[ir.Value, None] = {}
+    for node in nodes:
+        for value in node.inputs:
+            if value is not None and value not in produced:
+                seen[value] = None
+    return list(seen)
+
+
+def site_class(
+    ctx: PassContext, pattern: str, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node]
+) -> SiteClass | None:
+    """The class of a rewrite about to land; None when an input's type or shape is unknown."""
+    signatures = []
+    for value in site_inputs(old_nodes):
+        signature = _signature(ctx, value)
+        if signature is None:
+            return None
+        signatures.append(signature)
+    # Sorted: passes list matched nodes in their own order, which may differ site to site.
+    signatures.sort()
+    attributes = [
+        {name: _attribute(attr) for name, attr in sorted(node.attributes.items())}
+        for node in new_nodes
+        if node.attributes
+    ]
+    return SiteClass(
+        ctx.spec.name,
+        pattern,
+        tuple(_op_name(node) for node in new_nodes),
+        tuple(signatures),
+        json.dumps(attributes[0] if len(attributes) == 1 else attributes, sort_keys=True)
+        if attributes
+        else "{}",
+    )

@@ -29,7 +29,7 @@ from fusectl.core.model_io import (
 )
 from fusectl.core.paths import StagedOutputs, check_outputs, write_text_atomic
 from fusectl.core.plugins import load_passes
-from fusectl.core.repository import RepositoryGate, choose_repository, parse_provider_list
+from fusectl.core.repository import RepositoryGate, parse_provider_list, repository_gate
 from fusectl.core.switches import (
     Plan,
     SwitchRequest,
@@ -293,18 +293,6 @@ def _external_data_role(loaded: LoadedModel, output: Path | None) -> dict[str, P
     return {"the output's external data file": output.with_name(output.name + ".data")}
 
 
-def repository_gate(
-    providers: str | Sequence[str] | None, repository: PathLike | None
-) -> RepositoryGate | None:
-    """The gate that applies the repository's decisions for the first provider, if it has
-    any for it; a section measured elsewhere is used with a warning."""
-    provider = parse_provider_list(providers)[0]
-    section, warning = choose_repository(repository, provider).section(provider)
-    if warning is not None:
-        logs.logger.warning("%s", warning)
-    return RepositoryGate(section) if section is not None else None
-
-
 @dataclass
 class _Run:
     result: RunResult
@@ -434,6 +422,7 @@ def bisect(
     providers: str | None = None,
     seed: int = 0,
     per_pass: bool = False,
+    repository: PathLike | None = None,
     **switches: Any,
 ) -> BisectResult:
     """Find the pass(es) and sites that push MODEL's outputs beyond tolerance, as
@@ -457,6 +446,7 @@ def bisect(
         force=force,
         protected=_optional_path(switches.get("fusion_switch_file")),
         per_pass=per_pass,
+        repository=None if repository is None else str(repository),
     )
 
 

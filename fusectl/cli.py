@@ -416,6 +416,11 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
     help="Replace --output_switch if it exists (never the --fusion_switch_file given).",
 )
 @_option(
+    "--repository",
+    default=None,
+    help="Knowledge repository, as optimize (for the first of --providers) [shipped CPU one].",
+)
+@_option(
     "--per_pass",
     is_flag=True,
     help="First print the error after each pass that rewrote something (one round per pass).",

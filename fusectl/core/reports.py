@@ -137,6 +137,8 @@ def repository_lines(repository: Repository) -> list[str]:
             f"  {section.provenance}: {len(section.sites)} site class(es) measured, "
             f"{len(unfused)} kept unfused as slower"
         )
+        if section.models:
+            lines.append(f"  measured on: {', '.join(section.models)}")
         for entry in sorted(unfused, key=lambda v: (v.get("pass", ""), v.get("fused", []))):
             fused = " + ".join(entry.get("fused", [])) or "?"
             lines.append(

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnxruntime as ort
 
+from fusectl.core import logs
 from fusectl.errors import FusectlError
 from fusectl.rewrite.sites import site_class
 
@@ -187,7 +188,9 @@ class Repository:
 
     @property
     def label(self) -> str:
-        return str(self.path) if self.path is not None else "(in memory)"
+        if self.path is None:
+            return "(in memory)"
+        return "shipped with fusectl" if self.path == shipped_path() else str(self.path)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -286,6 +289,18 @@ def choose_repository(repository: str | os.PathLike[str] | None, provider: str) 
     if repository is None:
         return load_repository(shipped_path())
     return load_repository(Path(repository))
+
+
+def repository_gate(
+    providers: str | Sequence[str] | None, repository: str | os.PathLike[str] | None
+) -> RepositoryGate | None:
+    """A fresh gate applying the repository's verdicts for the first provider, if it has a
+    section for it; one measured elsewhere is used with a warning in the log."""
+    provider = parse_provider_list(providers)[0]
+    section, warning = choose_repository(repository, provider).section(provider)
+    if warning is not None:
+        logs.logger.warning("%s", warning)
+    return RepositoryGate(section) if section is not None else None
 
 
 def ms(value: float) -> str:

@@ -29,6 +29,7 @@ from rich.table import Table
 from fusectl.core.engine import run_plan
 from fusectl.core.model_io import load_model, save_model
 from fusectl.core.paths import check_outputs, write_text_atomic
+from fusectl.core.repository import repository_gate
 from fusectl.core.switches import Plan
 from fusectl.diagnostics.inputs import model_feeds
 from fusectl.diagnostics.verify import (
@@ -162,8 +163,10 @@ class Bisector:
         atol: float | None,
         rtol: float | None,
         workdir: Path,
+        repository: str | None = None,
     ) -> None:
         self.model_path = model_path
+        self.repository = repository
         self.plan = plan
         self.target = target
         self.shapes = parse_input_shape(input_shape)
@@ -185,6 +188,8 @@ class Bisector:
         model = loaded.model
         apply_input_shapes(model, self.shapes, self.model_path)
         rewrites = Rewrites(limit=limit, skip=skip)
+        # The repository declines before a rewrite is numbered: every round agrees on numbers.
+        gate = repository_gate(self.providers, self.repository)
         try:
             result = run_plan(
                 model,
@@ -192,6 +197,7 @@ class Bisector:
                 target=self.target,
                 shapes=ShapeOracle(model, loaded.proto),
                 rewrites=rewrites,
+                site_gates=(gate,) if gate is not None else (),
             )
         except UnguardedRewrite as error:
             raise FusectlError(f"cannot bisect: {error}") from None
@@ -301,6 +307,7 @@ def bisect_model(
     force: bool = False,
     protected: Path | None = None,
     per_pass: bool = False,
+    repository: str | None = None,
 ) -> BisectResult:
     """Verify the full optimization; when it fails, find the culprit pass(es) and sites and
     write a switch file turning them off at ``output_switch`` (checked with one more round).
@@ -322,7 +329,7 @@ def bisect_model(
                 path=output_switch,
             )
     options = {"input_shape": input_shape, "inputs": inputs, "seed": seed}
-    options |= {"providers": providers, "atol": atol, "rtol": rtol}
+    options |= {"providers": providers, "atol": atol, "rtol": rtol, "repository": repository}
     with _bisector(model_path, plan, target, **options) as bisector:
         full = bisector.trial()
         assert bisector.tolerance is not None

@@ -172,14 +172,33 @@ def tuning_shapes(model: ir.Model, given: dict[str, list[int]]) -> dict[str, lis
     return shapes
 
 
-SiteKey = tuple[str, str, str]  # pass, pattern, site label
+@dataclass(frozen=True)
+class _Site:
+    """A tuned site of one run: its pass, pattern, label and the names of the nodes it fuses."""
+
+    pass_name: str
+    pattern: str
+    label: str
+    nodes: frozenset[str]
+
+    def same_place(self, other: _Site) -> bool:
+        """Whether two runs' sites fuse the same part of the model: same pass and pattern, and
+        most of the nodes of the smaller one (fixed shapes fold shape arithmetic away)."""
+        if (self.pass_name, self.pattern) != (other.pass_name, other.pattern):
+            return False
+        shared = len(self.nodes & other.nodes)
+        return shared > 0 and shared * 2 >= min(len(self.nodes), len(other.nodes))
+
+
+def _site(ctx: PassContext, pattern: str, label: str, nodes: Sequence[ir.Node]) -> _Site:
+    return _Site(ctx.spec.name, pattern, label, frozenset(n.name for n in nodes if n.name))
 
 
 class _ClassNamer:
     """A site gate that approves every rewrite and notes the class of each tuned one."""
 
     def __init__(self) -> None:
-        self.classes: dict[SiteKey, SiteClass | None] = {}
+        self.classes: dict[_Site, SiteClass | None] = {}
 
     def review(
         self,
@@ -192,19 +211,20 @@ class _ClassNamer:
         new_outputs: Sequence[ir.Value],
     ) -> str | None:
         if tuned(ctx.spec):
-            key = (ctx.spec.name, pattern, site)
-            self.classes.setdefault(key, site_class(ctx, pattern, old_nodes, new_nodes))
+            found = site_class(ctx, pattern, old_nodes, new_nodes)
+            self.classes.setdefault(_site(ctx, pattern, site, old_nodes), found)
         return None
 
 
 class _SiteCutter:
-    """A site gate that approves every rewrite and cuts out each tuned site asked for."""
+    """A site gate that approves every rewrite and cuts out the sites asked for: each site of
+    this run that fuses the same place as one of ``wanted`` (a site of the symbolic run)."""
 
-    def __init__(self, model: ir.Model, wanted: set[SiteKey]) -> None:
+    def __init__(self, model: ir.Model, wanted: Sequence[_Site]) -> None:
         self.opsets = dict(model.opset_imports)
         self.ir_version = model.ir_version
-        self.wanted = wanted
-        self.cuts: dict[SiteKey, tuple[onnx.ModelProto, onnx.ModelProto] | str] = {}
+        self.wanted = list(wanted)
+        self.cuts: dict[_Site, tuple[onnx.ModelProto, onnx.ModelProto] | str] = {}
 
     def review(
         self,
@@ -216,15 +236,24 @@ class _SiteCutter:
         old_outputs: Sequence[ir.Value],
         new_outputs: Sequence[ir.Value],
     ) -> str | None:
-        key = (ctx.spec.name, pattern, site)
-        if key in self.wanted and key not in self.cuts:
-            try:
-                self.cuts[key] = cut_site(
-                    ctx, self.opsets, self.ir_version, old_nodes, new_nodes, old_outputs,
-                    new_outputs,
-                )
-            except Uncut as why:
-                self.cuts[key] = str(why)
+        if not tuned(ctx.spec):
+            return None
+        here = _site(ctx, pattern, site, old_nodes)
+        for wanted in self.wanted:
+            if wanted not in self.cuts and wanted.same_place(here):
+                try:
+                    self.cuts[wanted] = cut_site(
+                        ctx,
+                        self.opsets,
+                        self.ir_version,
+                        old_nodes,
+                        new_nodes,
+                        old_outputs,
+                        new_outputs,
+                    )
+                except Uncut as why:
+                    self.cuts[wanted] = str(why)
+                break
         return None
 
 
@@ -332,25 +361,26 @@ def tune_model(
     namer = _ClassNamer()
     run_plan(symbolic, plan, target=target, shapes=ShapeOracle(symbolic, None), site_gates=[namer])
     classes: dict[str, ClassResult] = {}
-    first: dict[str, SiteKey] = {}
+    members: dict[str, list[_Site]] = {}
     unnamed = []
-    for key, found in namer.classes.items():
+    for site, found in namer.classes.items():
         if found is None:
-            unnamed.append(key)
+            unnamed.append(site)
             continue
-        record = classes.setdefault(found.key, ClassResult(found))
-        record.sites.append(key[2])
-        first.setdefault(found.key, key)
+        classes.setdefault(found.key, ClassResult(found)).sites.append(site.label)
+        members.setdefault(found.key, []).append(site)
     shapes = tuning_shapes(symbolic, input_shapes or {})
     concrete = _concrete_copy(loaded, shapes)
-    cutter = _SiteCutter(concrete, set(first.values()))
+    cutter = _SiteCutter(concrete, [site for sites in members.values() for site in sites])
     run_plan(concrete, plan, target=target, shapes=ShapeOracle(concrete, None), site_gates=[cutter])
     say(
         f"tune: {len(namer.classes)} site(s) in {len(classes)} class(es) to measure on "
         f"{provider}" + (f"; {len(unnamed)} with unknown input shapes left out" if unnamed else "")
     )
     for number, (class_key, record) in enumerate(classes.items(), 1):
-        cut = cutter.cuts.get(first[class_key])
+        # The first site of the class that has a counterpart in the run at fixed shapes.
+        cuts = [cutter.cuts[s] for s in members[class_key] if s in cutter.cuts]
+        cut = next((c for c in cuts if not isinstance(c, str)), cuts[0] if cuts else None)
         if cut is None:
             record.note = "the site is not there once the inputs are fixed at the tuning shapes"
         elif isinstance(cut, str):

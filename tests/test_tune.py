@@ -1,0 +1,291 @@
+"""The knowledge repository: `fusectl tune` on a real model, the file format and provenance, and
+`fusectl optimize --providers/--repository` applying a decision (declines, reasons, counts)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import fusectl
+from fusectl.core.repository import (
+    DECISIONS,
+    FORMAT,
+    UNFUSED,
+    device_identity,
+    load_repository,
+    shipped_path,
+)
+from fusectl.diagnostics.tune import time_pair
+from fusectl.errors import FusectlError
+from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
+
+BERT = FIXTURES / "bert_tiny_ts17.onnx"
+# The tiny BERT has 32 positions: tune it at sequence 16 (the default 128 would not fit).
+SHAPES = "input_ids:1,16;attention_mask:1,16"
+SKIP_LN = "AddLayerNormFusionPass"
+# Sites of tuned passes in the tiny BERT (`fusectl optimize` fuses each of them).
+TUNED_SITES = {
+    "MultiHeadAttentionFusionPass": 2,
+    "AddLayerNormFusionPass": 4,
+    "BiasGeluFusionPass": 2,
+    "GemmActivationFusionPass": 1,
+    "EmbedLayerNormFusionPass": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The tiny BERT tuned on CPU through the CLI: (repository file, CLI result)."""
+    repository = tmp_path_factory.mktemp("tune") / "repository.json"
+    result = run_cli(
+        "tune", BERT, "--input_shape", SHAPES, "--repository", repository, "--budget", "0.5"
+    )
+    assert result.exit_code == 0, result.stderr + result.stdout
+    return repository, result
+
+
+def subdir(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    return path
+
+
+def with_decision(source: Path, target: Path, pass_name: str, **entry: Any) -> Path:
+    """The repository at ``source`` with every class of ``pass_name`` given ``entry``."""
+    document = json.loads(source.read_text())
+    (section,) = document["sections"]
+    changed = 0
+    for key, site in section["sites"].items():
+        if key.startswith(f"{pass_name}/"):
+            site.update(entry)
+            changed += 1
+    assert changed, f"no {pass_name} class in {source}"
+    target.write_text(json.dumps(document))
+    return target
+
+
+def test_tune_records_every_class_with_provenance(tuned: tuple[Path, Any]) -> None:
+    repository, result = tuned
+    assert "tune: 10 site(s) in " in result.stderr
+    document = json.loads(repository.read_text())
+    assert document["format"] == FORMAT and document["version"] == 1
+    (section,) = document["sections"]
+    assert section["provider"] == "CPUExecutionProvider"
+    assert section["onnxruntime"] == ort.__version__
+    assert section["device"] == device_identity("CPUExecutionProvider")
+    assert section["threads"] == 1 and section["models"] == [BERT.name]
+    assert section["measured"].endswith("Z") and section["fusectl"] == fusectl.__version__
+    sites = section["sites"]
+    counted: Counter[str] = Counter()
+    for key, entry in sites.items():
+        assert key.startswith(f"{entry['pass']}/{entry['pattern']}: ")
+        assert entry["decision"] in DECISIONS
+        assert entry["fused_ms"] > 0 and entry["unfused_ms"] > 0 and entry["rounds"] >= 7
+        assert entry["measured_shapes"] and entry["model"] == BERT.name
+        counted[entry["pass"]] += entry["sites_in_model"]
+    # Every tuned site is in a measured class, except the embedding layer norm: with the
+    # inputs fixed at the tuning shapes its position ids fold to a constant and it no longer
+    # matches, which the progress line says.
+    assert counted == {k: v for k, v in TUNED_SITES.items() if k != "EmbedLayerNormFusionPass"}
+    assert "EmbedLayerNormFusionPass/EmbedLayerNormalization" in result.stderr
+    assert "not measured: the site is not there once the inputs are fixed" in result.stderr
+    # Symbolic dimensions stay '?': the verdict serves every batch and sequence length.
+    skip = next(key for key in sites if key.startswith(f"{SKIP_LN}/"))
+    assert "float[?,?,32]" in skip and "com.microsoft.SkipLayerNormalization" in skip
+
+
+def test_tune_again_merges_into_one_section(tuned: tuple[Path, Any], tmp_path: Path) -> None:
+    repository = tmp_path / "repository.json"
+    repository.write_text(tuned[0].read_text())
+    before = load_repository(repository).sections[0]
+    result = fusectl.tune(
+        str(BERT), input_shape=SHAPES, repository=repository, budget_s=0.3, seed=1
+    )
+    (after,) = load_repository(repository).sections
+    assert (
+        set(after.sites)
+        == set(before.sites)
+        == {c.site_class.key for c in result.classes if c.verdict is not None}
+    )
+    assert after.models == [BERT.name]
+
+
+def test_a_slower_decision_declines_with_the_measured_reason(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    repository = with_decision(
+        tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
+    )
+    kept = optimize(BERT, tmp_path, "--repository", repository)
+    assert kept.op_counts()["SkipLayerNormalization"] == 0
+    entry = kept.passed(SKIP_LN)
+    assert (entry["matched"], entry["effected"], entry["repository_hits"]) == (5, 0, 4)
+    reasons = {miss["reason"]: miss["count"] for miss in entry["near_misses"]}
+    assert reasons["slower on CPUExecutionProvider: 0.49 vs 0.06 ms"] == 4
+    ub = kept.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
+    assert ub[SKIP_LN] == {"effect_times": "0", "match_times": "5", "repository_hit_times": "4"}
+    report = kept.report["repository"]
+    assert report["provider"] == "CPUExecutionProvider" and report["declined"] == 4
+    assert "left unfused as slower on CPUExecutionProvider" in kept.stderr
+    assert_same_outputs(BERT, kept.output)
+    assert onnx.checker.check_model(onnx.load(str(kept.output)), full_check=True) is None
+
+    fused = optimize(BERT, subdir(tmp_path, "none"), "--repository", "none")
+    assert fused.op_counts()["SkipLayerNormalization"] == 4
+    assert fused.fusion_result["session_and_graph_id_0_0"]["ub_fusion"][SKIP_LN] == {
+        "effect_times": "4",
+        "match_times": "5",
+        "repository_hit_times": "0",
+    }
+    assert "repository" not in fused.report
+
+
+def test_faster_decisions_fuse_and_count_as_hits(tuned: tuple[Path, Any], tmp_path: Path) -> None:
+    repository = with_decision(tuned[0], tmp_path / "fast.json", SKIP_LN, decision="fused")
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    assert run.op_counts()["SkipLayerNormalization"] == 4
+    ub = run.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
+    assert ub[SKIP_LN]["repository_hit_times"] == "4"
+    assert sum(int(entry["repository_hit_times"]) for entry in ub.values()) == sum(
+        count for name, count in TUNED_SITES.items() if name != "EmbedLayerNormFusionPass"
+    )
+
+
+def test_unseen_classes_and_other_providers_keep_the_pass_default(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    repository = with_decision(
+        tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.5, unfused_ms=0.1
+    )
+    # A model whose sites are of other classes (another hidden size): nothing is declined.
+    gpt2 = optimize(
+        FIXTURES / "gpt2_tiny_ts17.onnx", subdir(tmp_path, "gpt2"), "--repository", repository
+    )
+    ub = gpt2.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
+    assert all(entry["repository_hit_times"] == "0" for entry in ub.values())
+    # The repository measured CPU only: for CUDA (installed here or not) it decides nothing.
+    cuda = optimize(
+        BERT, subdir(tmp_path, "cuda"), "--providers", "cuda", "--repository", repository
+    )
+    assert cuda.op_counts()["SkipLayerNormalization"] == 4
+    assert cuda.report["options"]["providers"] == ["CUDAExecutionProvider"]
+
+
+def test_a_section_measured_elsewhere_applies_with_a_warning(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    document = json.loads(tuned[0].read_text())
+    document["sections"][0]["onnxruntime"] = "0.0.1"
+    other = tmp_path / "old.json"
+    other.write_text(json.dumps(document))
+    repository = with_decision(other, other, SKIP_LN, decision=UNFUSED)
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    assert "measured with onnxruntime 0.0.1, this is " + ort.__version__ in run.stderr
+    assert run.op_counts()["SkipLayerNormalization"] == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "knowledge repository is not valid JSON"),
+        ("[]", "not a fusectl knowledge repository: the document is not an object"),
+        ('{"format": "x", "version": 1, "sections": []}', '"format" is not "fusectl-repository"'),
+        ('{"format": "fusectl-repository", "version": 9, "sections": []}', '"version" 9'),
+        (
+            '{"format": "fusectl-repository", "version": 1, "sections": [{"provider": '
+            '"CPUExecutionProvider", "onnxruntime": "1", "device": "d", "sites": {"k": '
+            '{"decision": "maybe", "fused_ms": 1, "unfused_ms": 1}}}]}',
+            "sections[0].sites['k'].decision is 'maybe'",
+        ),
+        (
+            '{"format": "fusectl-repository", "version": 1, "sections": [{"provider": '
+            '"CPUExecutionProvider", "onnxruntime": "1", "device": "d", "sites": {"k": '
+            '{"decision": "unfused", "fused_ms": -1, "unfused_ms": 1}}}]}',
+            "fused_ms is not a non-negative number",
+        ),
+    ],
+)
+def test_a_bad_repository_is_one_line_and_exit_2(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    repository = tmp_path / "bad.json"
+    repository.write_text(content)
+    run = optimize(BERT, tmp_path, "--repository", repository, expect=2)
+    assert message in run.stderr and str(repository) in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert not run.output.exists() and not run.fusion_result_path.exists()
+
+
+def test_missing_repository_unknown_provider_and_repository_over_the_input(tmp_path: Path) -> None:
+    missing = optimize(BERT, tmp_path, "--repository", tmp_path / "nope.json", expect=2)
+    assert "knowledge repository not found" in missing.stderr
+    unknown = optimize(BERT, tmp_path, "--providers", "abacus", expect=2)
+    assert "--providers: 'abacus' is not an onnxruntime execution provider" in unknown.stderr
+    model = tmp_path / "model.onnx"
+    model.write_bytes(BERT.read_bytes())
+    over = run_cli("tune", model, "--repository", model, "--input_shape", SHAPES)
+    assert over.exit_code == 2 and "fusectl never modifies its input" in over.stderr
+    assert model.read_bytes() == BERT.read_bytes()
+
+
+def test_the_shipped_repository_and_its_provenance() -> None:
+    shipped = load_repository(shipped_path())
+    (section,) = (s for s in shipped.sections if s.provider == "CPUExecutionProvider")
+    assert section.onnxruntime and section.device and section.measured and section.models
+    unfused = {entry["pass"] for entry in section.sites.values() if entry["decision"] == UNFUSED}
+    assert SKIP_LN in unfused  # onnxruntime's CPU SkipLayerNormalization is the slow kernel
+    listing = run_cli("passes")
+    assert listing.exit_code == 0
+    assert f"  {section.provenance}: {len(section.sites)} site class(es) measured" in (
+        listing.stdout
+    )
+    catalogue = json.loads(run_cli("passes", "--json").stdout)
+    (skip,) = (entry for entry in catalogue if entry["name"] == SKIP_LN)
+    assert skip["repository"][0]["provenance"] == section.provenance
+    assert skip["repository"][0]["unfused"]
+
+
+def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> ort.InferenceSession:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_timing_separates_a_clearly_slower_kernel() -> None:
+    weight = onnx.numpy_helper.from_array(np.eye(256, dtype=np.float32), "w")
+    chain = [helper.make_node("MatMul", ["x", "w"], ["m0"])]
+    chain += [helper.make_node("MatMul", [f"m{i}", "w"], [f"m{i + 1}"]) for i in range(7)]
+    chain.append(helper.make_node("Identity", ["m7"], ["y"]))
+    slow = _model(chain, [weight])
+    fast = _model([helper.make_node("Identity", ["x"], ["y"])], [])
+    feeds = {"x": np.ones((64, 256), np.float32)}
+    assert time_pair(slow, fast, feeds, budget_s=2.0).verdict == UNFUSED
+    assert time_pair(fast, slow, feeds, budget_s=2.0).verdict == "fused"
+
+
+def test_api_optimize_takes_providers_and_repository(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    repository = with_decision(
+        tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
+    )
+    result = fusectl.optimize(str(BERT), providers="cpu", repository=repository)
+    assert result.repository is not None and len(result.repository.decisions) == 9
+    ops = Counter(node.op_type for node in result.model.graph)
+    assert ops["SkipLayerNormalization"] == 0
+    with pytest.raises(FusectlError, match="not an onnxruntime execution provider"):
+        fusectl.optimize(str(BERT), providers="abacus")

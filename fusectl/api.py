@@ -38,6 +38,7 @@ from fusectl.core.switches import (
     resolve,
     split_pass_list,
 )
+from fusectl.core.validate import OutputInvariantError
 from fusectl.diagnostics.bench import BenchResult, bench_models
 from fusectl.diagnostics.bisect import BisectResult, bisect_model
 from fusectl.diagnostics.sitecheck import SiteChecker
@@ -216,14 +217,27 @@ def optimize(
         fusion_text = reports.render_fusion_result(run.result, fusion_result_format)
         data_path = None
         if output_path is not None:
-            data_path = stage_model(
-                working,
-                output_path,
-                staged,
-                external=loaded.uses_external_data,
-                sparse=loaded.sparse_initializers,
-                source=loaded.path,
-            )
+            try:
+                data_path = stage_model(
+                    working,
+                    output_path,
+                    staged,
+                    external=loaded.uses_external_data,
+                    sparse=loaded.sparse_initializers,
+                    source=loaded.path,
+                )
+            except OutputInvariantError as error:
+                if not shapes:
+                    raise
+                # Sizes the model cannot take (a sequence past its position table) show only
+                # once shape arithmetic is folded: the user's sizes, not a fusectl bug.
+                text = str(error)
+                problem = text[text.find("(") + 1 : text.rfind("); nothing written")]
+                raise FusectlError(
+                    f"--input_shape {input_shape!r} gives sizes the model cannot take: with "
+                    f"them its optimized form fails onnx.checker ({problem}); nothing written",
+                    path=loaded.path,
+                ) from None
         elif dumper is not None:  # the returned model must not depend on staged dump files
             ir.external_data.load_to_model(working)
         if result_path is not None:

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import run_cli
+from tests.conftest import FIXTURES, run_cli
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "models" / "tiny_cnn.onnx"
 
@@ -385,6 +385,18 @@ def _unknown_input_shape(folder: Path, out: Path) -> Case:
     return Case(_optimize(model, out, "--input_shape", "nope:1,2"), ["nope"])
 
 
+def _input_shape_past_the_positions(folder: Path, out: Path) -> Case:
+    """The tiny BERT has 32 positions: a sequence of 128 cannot run (its position ids, folded
+    at that length, no longer broadcast), which shows only once the shape arithmetic folds."""
+    model = folder / "bert.onnx"
+    model.write_bytes((FIXTURES / "bert_tiny_ts17.onnx").read_bytes())
+    sizes = "input_ids:1,128;attention_mask:1,128"
+    return Case(
+        _optimize(model, out, "--input_shape", sizes),
+        ["bert.onnx", "gives sizes the model cannot take", "Incompatible dimensions"],
+    )
+
+
 # --- output path faults ---------------------------------------------------------------------
 
 
@@ -486,6 +498,7 @@ CASES: dict[str, Builder] = {
     "plugin_raises": plugin_case("raise RuntimeError('plugin broke')\n", "plugin broke"),
     "plugin_syntax_error": plugin_case("def broken(:\n", "plugin.py"),
     "unknown_input_shape": _unknown_input_shape,
+    "input_shape_past_the_positions": _input_shape_past_the_positions,
     # output paths
     "output_is_directory": _output_is_directory,
     "output_directory_missing": _output_directory_missing,

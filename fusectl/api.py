@@ -475,6 +475,7 @@ def bench(
     input_shape: str = "",
     inputs: PathLike | None = None,
     seed: int = 0,
+    session_runs: int = 3,
 ) -> BenchResult:
     """Time the models side by side on onnxruntime, as ``fusectl bench``."""
     return bench_models(
@@ -487,6 +488,7 @@ def bench(
         input_shape=input_shape,
         inputs=_optional_path(inputs),
         seed=seed,
+        session_runs=session_runs,
     )
 
 

@@ -340,6 +340,13 @@ def _verify(
 @_option("--runs", type=int, default=20, show_default=True, help="Timed runs per model.")
 @_option("--warmup", type=int, default=3, show_default=True, help="Untimed runs first.")
 @_option(
+    "--session_runs",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Session creations per model and level (interleaved); the median is reported.",
+)
+@_option(
     "--threads",
     type=int,
     default=1,

@@ -38,10 +38,21 @@ def test_json_has_sane_timings_per_model_and_level(optimized: Path) -> None:
             assert timing["runs"] == 3
             assert timing["session_s"] > 0
             assert 0 < timing["p10_ms"] <= timing["median_ms"] <= timing["p90_ms"]
+            assert timing["session_runs"] == 3
             if index == 0:
-                assert timing["ratio"] == 1.0
+                assert timing["ratio"] == timing["session_ratio"] == 1.0
             else:
-                assert timing["ratio"] > 0
+                assert timing["ratio"] > 0 and timing["session_ratio"] > 0
+    # The cold start compares the optimized model's session without onnxruntime's optimizer
+    # with the original's with it fully on.
+    original, fused = document["models"]
+    assert original["cold_start"] == pytest.approx(
+        original["levels"]["none"]["session_s"] / original["levels"]["all"]["session_s"]
+    )
+    assert fused["cold_start"] == pytest.approx(
+        fused["levels"]["none"]["session_s"] / original["levels"]["all"]["session_s"]
+    )
+    assert document["session_runs"] == 3
 
 
 def test_one_level_and_more_than_two_models(optimized: Path) -> None:
@@ -49,6 +60,7 @@ def test_one_level_and_more_than_two_models(optimized: Path) -> None:
     assert len(document["models"]) == 3 and document["threads"] == 2
     for model in document["models"]:
         assert list(model["levels"]) == ["none"]
+        assert model["cold_start"] is None  # needs both levels
 
 
 def test_table_on_stderr(optimized: Path) -> None:
@@ -58,6 +70,8 @@ def test_table_on_stderr(optimized: Path) -> None:
     for text in ("median ms", "p10 ms", "p90 ms", "session s", "1.00x", "input_ids int64[2,8]"):
         assert text in result.stderr
     assert "3 timed run(s) per model, interleaved, after 1 warm-up" in result.stderr
+    assert "session time: median of 3 creation(s)" in result.stderr
+    assert f"cold start: {optimized.name} creates its session" in result.stderr
 
 
 def _broken_model(path: Path) -> Path:
@@ -83,6 +97,7 @@ def _broken_model(path: Path) -> Path:
         ((str(FIXTURES / "cnn_dynamo.onnx"),), "cnn_dynamo.onnx: needs input(s) 'x'"),
         (("--runs", "0"), "--runs must be at least 1"),
         (("--warmup", "-1"), "--warmup must be 0 or more"),
+        (("--session_runs", "0"), "--session_runs must be at least 1"),
         (("--opt-levels", "fast"), "--opt-levels: 'fast' is not a level"),
         (("--providers", "nope"), "--providers: 'nope' is not available"),
     ],
@@ -93,6 +108,7 @@ def _broken_model(path: Path) -> Path:
         "other-inputs",
         "runs",
         "warmup",
+        "session-runs",
         "opt-levels",
         "providers",
     ],

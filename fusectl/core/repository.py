@@ -320,9 +320,7 @@ class RepositoryGate:
     _vetoed: dict[tuple[str, ir.Node], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._passes = frozenset(
-            key.split("/", 1)[0] for key in self.section.sites if "/" in key
-        )
+        self._passes = frozenset(key.split("/", 1)[0] for key in self.section.sites if "/" in key)
 
     def review(
         self,
@@ -371,4 +369,3 @@ class RepositoryGate:
         for decision in self.decisions:
             counts[decision["decision"]] = counts.get(decision["decision"], 0) + 1
         return {"hits": len(self.decisions), "by_decision": counts}
-

@@ -56,10 +56,15 @@ def parse_opt_levels(text: str) -> list[str]:
 
 @dataclass
 class Timing:
-    """One model at one optimization level: session creation and the timed runs."""
+    """One model at one optimization level: session creations and the timed runs."""
 
-    session_s: float
+    sessions_s: list[float] = field(default_factory=list)
     times_ms: list[float] = field(default_factory=list)
+
+    @property
+    def session_s(self) -> float:
+        """The median session creation time: the cold-start cost a deployment pays."""
+        return float(np.median(self.sessions_s))
 
     @property
     def median_ms(self) -> float:
@@ -86,11 +91,24 @@ class BenchResult:
     warmup: int
     feeds: dict[str, np.ndarray]
     plans: dict[str, FeedPlan]
+    session_runs: int = 1
     timings: dict[tuple[int, str], Timing] = field(default_factory=dict)  # (model index, level)
 
     def ratio(self, index: int, level: str) -> float:
         """This model's median over the first model's at the same level."""
         return self.timings[index, level].median_ms / self.timings[0, level].median_ms
+
+    def session_ratio(self, index: int, level: str) -> float:
+        """This model's session creation over the first model's at the same level."""
+        return self.timings[index, level].session_s / self.timings[0, level].session_s
+
+    def cold_start(self, index: int) -> float | None:
+        """This model's session creation with onnxruntime's optimizer off over the first
+        model's with it fully on: what fusing offline saves at start-up (None unless both
+        levels were benched)."""
+        if "none" not in self.levels or "all" not in self.levels:
+            return None
+        return self.timings[index, "none"].session_s / self.timings[0, "all"].session_s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +116,7 @@ class BenchResult:
             "threads": self.threads,
             "runs": self.runs,
             "warmup": self.warmup,
+            "session_runs": self.session_runs,
             "inputs": {
                 name: {"dtype": str(array.dtype), "shape": list(array.shape)}
                 for name, array in self.feeds.items()
@@ -105,9 +124,12 @@ class BenchResult:
             "models": [
                 {
                     "path": str(path),
+                    "cold_start": self.cold_start(index),
                     "levels": {
                         level: {
                             "session_s": self.timings[index, level].session_s,
+                            "session_runs": len(self.timings[index, level].sessions_s),
+                            "session_ratio": self.session_ratio(index, level),
                             "median_ms": self.timings[index, level].median_ms,
                             "p10_ms": self.timings[index, level].p10_ms,
                             "p90_ms": self.timings[index, level].p90_ms,
@@ -153,8 +175,10 @@ def bench_models(
     input_shape: str = "",
     inputs: Path | None = None,
     seed: int = 0,
+    session_runs: int = 3,
 ) -> BenchResult:
-    """Time every model at every level on the first model's feeds, interleaving the runs.
+    """Time every model at every level on the first model's feeds, interleaving the runs
+    and the ``session_runs`` session creations (the median of those is the cold start).
 
     Bad arguments, a file that is not an ONNX model and a model that onnxruntime cannot load or
     run raise FusectlError naming the file (exit 2).
@@ -165,6 +189,8 @@ def bench_models(
         raise FusectlError(f"--runs must be at least 1, not {runs}")
     if warmup < 0:
         raise FusectlError(f"--warmup must be 0 or more, not {warmup}")
+    if session_runs < 1:
+        raise FusectlError(f"--session_runs must be at least 1, not {session_runs}")
     if threads < 0:
         raise FusectlError(f"--threads must be 0 (onnxruntime's choice) or more, not {threads}")
     levels = parse_opt_levels(opt_levels)
@@ -174,14 +200,23 @@ def bench_models(
     for path in paths[1:]:
         load_model(path)  # a missing or non-ONNX file fails here, before any timing
     feeds, plans = model_feeds(load_model(paths[0]).model, shapes, inputs, seed)
-    result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans)
+    result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans, session_runs)
 
     for level in levels:
+        for index in range(len(paths)):
+            result.timings[index, level] = Timing()
+        # Session creations interleaved as the runs are; the last one of each model is kept.
+        kept: dict[int, ort.InferenceSession] = {}
+        for round_ in range(session_runs):
+            shift = round_ % len(paths)
+            for index in [*range(shift, len(paths)), *range(shift)]:
+                kept.pop(index, None)
+                start = time.perf_counter()
+                kept[index] = _session(paths[index], level, chosen, threads)
+                result.timings[index, level].sessions_s.append(time.perf_counter() - start)
         sessions: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]] = []
         for index, path in enumerate(paths):
-            start = time.perf_counter()
-            session = _session(path, level, chosen, threads)
-            result.timings[index, level] = Timing(time.perf_counter() - start)
+            session = kept[index]
             wanted = {value.name for value in session.get_inputs()}
             missing = sorted(wanted - feeds.keys())
             if missing:
@@ -207,7 +242,7 @@ def bench_models(
                 except Exception as error:
                     raise _failure(paths[index], error) from None
                 result.timings[index, level].times_ms.append(elapsed * 1e3)
-        del sessions  # free one level's sessions before building the next
+        del sessions, kept  # free one level's sessions before building the next
     return result
 
 
@@ -235,7 +270,8 @@ def print_result(console: Console, result: BenchResult) -> None:
             table.add_row(
                 label,
                 level,
-                f"{timing.session_s:.3f}",
+                # The session's ratio to the first model's beside it: one column, as wide.
+                f"{timing.session_s:.3f} ({result.session_ratio(index, level):.2f}x)",
                 f"{timing.median_ms:.3f}",
                 f"{timing.p10_ms:.3f}",
                 f"{timing.p90_ms:.3f}",
@@ -244,10 +280,20 @@ def print_result(console: Console, result: BenchResult) -> None:
         if level != result.levels[-1]:
             table.add_section()
     console.print(table)
+    for index, label in enumerate(labels[1:], 1):
+        cold = result.cold_start(index)
+        if cold is not None:
+            console.print(
+                f"cold start: {label} creates its session with onnxruntime's optimizer off in "
+                f"{cold:.2f}x the time {labels[0]} takes with it fully on",
+                markup=False,
+                soft_wrap=True,
+            )
     console.print(describe_feeds(result.feeds, result.plans), markup=False, soft_wrap=True)
     threads = "onnxruntime's choice" if result.threads == 0 else str(result.threads)
     console.print(
         f"{result.runs} timed run(s) per model, interleaved, after {result.warmup} warm-up; "
+        f"session time: median of {result.session_runs} creation(s); "
         f"intra-op threads {threads}; providers {', '.join(result.providers)}",
         markup=False,
         soft_wrap=True,

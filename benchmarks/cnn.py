@@ -87,6 +87,8 @@ def export_one(name: str, path: Path) -> None:
     torch.manual_seed(0)
     if arch == "resnet50":
         inner = transformers.ResNetModel(transformers.ResNetConfig())
+    elif arch == "vit":  # ViT-base at 224x224 (benchmarks/latency.py): no BatchNorm to perturb
+        inner = transformers.ViTModel(transformers.ViTConfig())
     else:
         inner = transformers.MobileNetV2Model(transformers.MobileNetV2Config())
     for bn in inner.modules():  # trained-looking statistics, so folding BN is not a no-op

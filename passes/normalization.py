@@ -10,7 +10,7 @@ them fused with them into onnxruntime's SkipLayerNormalization / SkipSimplifiedL
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -394,6 +394,32 @@ class AddLayerNormFusionPass(PatternPass):
         Rule("AddLayerNormMul", _pattern("Mul", True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormalization", _add_layer_normalization, _skip_native, exposes=("total",)),
     )
+
+    def keep_unfused(self, nodes: Sequence[ir.Node]) -> bool:
+        """onnxruntime's online optimizer (ORT_ENABLE_ALL) fuses a residual Add into the
+        LayerNormalization it feeds whenever the summands' shapes agree, into the kernel the
+        repository measured slower: the residual Add becomes the two-input Sum it equals,
+        which that fusion does not match (and which runs as fast)."""
+        members = set(nodes)
+        changed = False
+        for node in nodes:
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or node.graph is None:
+                continue
+            if not any(
+                user in members and user.op_type != "Add" for user, _ in node.outputs[0].uses()
+            ):
+                continue  # a bias Add in front of the residual one
+            summed = ir.Node("", "Sum", list(node.inputs), name=node.name)
+            summed.metadata_props.update(node.metadata_props)
+            summed.outputs[0].type, summed.outputs[0].shape = (
+                node.outputs[0].type,
+                node.outputs[0].shape,
+            )
+            ir.convenience.replace_nodes_and_values(
+                node.graph, node, [node], [summed], [node.outputs[0]], [summed.outputs[0]]
+            )
+            changed = True
+        return changed
 
 
 def _rms(inverse: str, cast: bool = False) -> Callable[..., Any]:

@@ -72,6 +72,17 @@ def with_decision(source: Path, target: Path, pass_name: str, **entry: Any) -> P
     return target
 
 
+def ort_enable_all_ops(model: Path, tmp_path: Path) -> Counter[str]:
+    """The op types of ``model`` after onnxruntime's own ORT_ENABLE_ALL optimizations."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / f"{model.stem}.ort_all.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(options.optimized_model_filepath)
+    return Counter(node.op_type for node in optimized.graph.node)
+
+
 def test_tune_records_every_class_with_provenance(tuned: tuple[Path, Any]) -> None:
     repository, result = tuned
     assert "tune: 10 site(s) in " in result.stderr
@@ -137,6 +148,16 @@ def test_a_slower_decision_declines_with_the_measured_reason(
     assert "left unfused as slower on CPUExecutionProvider" in kept.stderr
     assert_same_outputs(BERT, kept.output)
     assert onnx.checker.check_model(onnx.load(str(kept.output)), full_check=True) is None
+    # Each kept residual Add is written as the Sum it equals: onnxruntime's online optimizer
+    # would otherwise fuse it into the slow kernel at ORT_ENABLE_ALL, as it does the Add.
+    assert kept.op_counts()["Sum"] == 4
+    assert ort_enable_all_ops(kept.output, tmp_path)["SkipLayerNormalization"] == 0
+    as_add = onnx.load(str(kept.output))
+    for node in as_add.graph.node:
+        if node.op_type == "Sum":
+            node.op_type = "Add"
+    onnx.save(as_add, str(tmp_path / "as_add.onnx"))
+    assert ort_enable_all_ops(tmp_path / "as_add.onnx", tmp_path)["SkipLayerNormalization"] == 4
 
     fused = optimize(BERT, subdir(tmp_path, "none"), "--repository", "none")
     assert fused.op_counts()["SkipLayerNormalization"] == 4

@@ -121,6 +121,7 @@ def run_plan(
                 rewrites=rewrites,
                 options=plan.options,
                 site_gates=(*((site_checker,) if custom else ()), *site_gates),
+                keep_unfused=decision.fusion_pass.keep_unfused,
                 op_index=op_index,
             )
             run.nodes_before = len(model.graph)

@@ -362,6 +362,8 @@ class RepositoryGate:
         reason = f"slower on {self.section.provider}: {ms(fused)} vs {ms(unfused)} ms"
         for node in old_nodes:
             self._vetoed[ctx.spec.name, node] = reason
+        if ctx.keep_unfused is not None and ctx.keep_unfused(old_nodes):
+            ctx.changed = True
         return reason
 
     def summary(self) -> dict[str, Any]:

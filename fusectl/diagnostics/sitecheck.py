@@ -265,9 +265,7 @@ class _Cut:
         dtype, shape = self.ctx.dtype(value), self.ctx.shape(value)
         what = value.name or "a value the match reads"
         if dtype is None or shape is None:
-            raise Uncut(
-                f"the {'element type' if dtype is None else 'shape'} of {what} is unknown"
-            )
+            raise Uncut(f"the {'element type' if dtype is None else 'shape'} of {what} is unknown")
         dims = [d if isinstance(d, int) else d.value for d in shape]
         return onnx.helper.make_tensor_value_info(self.name(value), int(dtype), dims)
 

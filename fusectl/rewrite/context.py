@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import onnx_ir as ir
 
@@ -186,6 +186,8 @@ class PassContext:
     site_gates: tuple[SiteGate, ...] = ()
     # Sites whose class the knowledge repository had a decision for (either way).
     repository_hits: int = 0
+    # The pass's FusionPass.keep_unfused, for a site the repository keeps unfused.
+    keep_unfused: Callable[[Sequence[ir.Node]], bool] | None = None
     op_index: OpIndex = field(default_factory=OpIndex)
     _granted: int | None = None
 

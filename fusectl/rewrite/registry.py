@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import enum
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -114,6 +114,13 @@ class FusionPass(abc.ABC):
     @abc.abstractmethod
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         """Rewrite ``model`` in place, recording matches, effects and declines on ``ctx``."""
+
+    def keep_unfused(self, nodes: Sequence[ir.Node]) -> bool:
+        """Called for a site the knowledge repository keeps unfused (the fused kernel measured
+        slower): rewrite ``nodes`` exactly so that onnxruntime's own online fusion cannot fuse
+        them into that kernel at ORT_ENABLE_ALL. True when the graph changed. Most passes emit
+        kernels onnxruntime does not fuse on its own, and leave the site as it is."""
+        return False
 
     def check_options(self, options: Mapping[str, str]) -> None:
         """Raise FusectlError for settings this pass cannot use: called when the plan is made,

@@ -1,0 +1,217 @@
+"""Latency on onnxruntime CPU: fusectl's output against the original and the peers' outputs.
+
+Models (random weights, default sizes, TorchScript exports; cached under
+benchmarks/out/latency/models):
+
+* ``bert`` BERT-base, ``gpt2`` GPT-2 small, ``llama`` a LLaMA-style model (_export.py's: hidden
+  2048, 16 query / 4 KV heads, intermediate 5504) cut to 4 layers so that five copies fit in
+  memory and time: inputs ``input_ids`` and ``attention_mask`` at batch 1, sequence 128;
+* ``vit`` ViT-base, ``resnet50`` ResNet-50, ``mobilenetv2`` MobileNet-V2 (cnn.py's exports,
+  BatchNorm folded by the exporter): one 1x3x224x224 image.
+
+Outputs per model (each tool once, in a fresh process, as transformers_peers.py runs them):
+
+    fusectl       fusectl optimize MODEL -o OUT   (default: the shipped CPU knowledge repository)
+    fusectl-none  fusectl optimize MODEL -o OUT --repository none
+    onnxscript    onnxscript.rewriter.ort_fusions.optimize_for_ort
+    ORT           python -m onnxruntime.transformers.optimizer --model_type bert|gpt2|vit
+                  (none for the CNNs: onnxruntime's optimizer has no CNN model type)
+
+Then one ``fusectl bench`` per model over the original and every output, in a fresh process:
+the same feeds for all, ORT_ENABLE_ALL and ORT_DISABLE_ALL, 1 intra-op thread, --runs timed runs
+per model and level interleaved round-robin (the order rotating) after warm-up, session creation
+the median of 3 interleaved creations. The table gives each output's median and its ratio to
+the original's at the same level, and the cold start: its session creation under
+ORT_DISABLE_ALL over the original's under ORT_ENABLE_ALL.
+
+    python benchmarks/latency.py                          # every model
+    python benchmarks/latency.py --models bert,resnet50 --runs 50
+    python benchmarks/latency.py --print-only             # the last results again
+    python benchmarks/latency.py --tune-repository fusectl/data/repository_cpu.json
+                                                          # re-measure the shipped repository
+
+Results: benchmarks/out/latency/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import _harness as h
+from transformers_peers import ONNXSCRIPT_SCRIPT, one_line, remove_outputs
+
+LATENCY_DIR = h.OUT_DIR / "latency"
+MODEL_DIR = LATENCY_DIR / "models"
+RESULTS = LATENCY_DIR / "results.json"
+TEXT = "input_ids:1,128;attention_mask:1,128"
+MODELS: dict[str, dict] = {
+    "bert": {"kind": "bert", "ort": "bert", "heads": 12, "hidden": 768, "shape": TEXT},
+    "gpt2": {"kind": "gpt2", "ort": "gpt2", "heads": 12, "hidden": 768, "shape": TEXT},
+    "llama": {
+        "kind": "llama",
+        "layers": 4,
+        "ort": "gpt2",
+        "heads": 16,
+        "hidden": 2048,
+        "shape": TEXT,
+    },
+    "vit": {"vision": "vit_torchscript_eval", "ort": "vit", "heads": 12, "hidden": 768},
+    "resnet50": {"vision": "resnet50_torchscript_eval"},
+    "mobilenetv2": {"vision": "mobilenetv2_torchscript_eval"},
+}
+TOOLS = ("fusectl", "fusectl-none", "onnxscript", "ORT")
+
+
+def export(name: str, force: bool) -> Path:
+    """The cached original of ``name``, exported on first use."""
+    case = MODELS[name]
+    path = MODEL_DIR / f"{name}.onnx"
+    if "kind" in case:
+        h.ensure_export(case["kind"], path, layers=case.get("layers"), force=force)
+        return path
+    if force or not path.exists():
+        MODEL_DIR.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(h.BENCH_DIR / "cnn.py"), "--export-one", case["vision"]]
+        step = h.measure([*cmd, str(path)])
+        if not step.ok:
+            raise SystemExit(f"export of {name} failed:\n{step.stderr[-4000:]}")
+        print(step.stdout.strip(), flush=True)
+    return path
+
+
+def tool_command(tool: str, name: str, model: Path, out: Path) -> list[str] | None:
+    case = MODELS[name]
+    if tool == "fusectl":
+        return h.fusectl_cmd(model, out)
+    if tool == "fusectl-none":
+        return [*h.fusectl_cmd(model, out), "--repository", "none"]
+    if tool == "onnxscript":
+        return [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(model), str(out)]
+    if case.get("ort") is None:
+        return None
+    cmd = [sys.executable, "-m", "onnxruntime.transformers.optimizer"]
+    cmd += ["--input", str(model), "--output", str(out), "--model_type", case["ort"]]
+    cmd += ["--num_heads", str(case["heads"]), "--hidden_size", str(case["hidden"])]
+    return [*cmd, "--use_external_data_format"]
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict:
+    model = export(name, args.force_export)
+    out_dir = LATENCY_DIR / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    outputs: list[tuple[str, Path]] = [("original", model)]
+    result: dict = {"model": name, "tools": {}}
+    for tool in TOOLS:
+        out = out_dir / f"{tool}.onnx"
+        cmd = tool_command(tool, name, model, out)
+        if cmd is None:
+            result["tools"][tool] = {"error": "no model type for this architecture"}
+            continue
+        run = h.measure(cmd, timeout=args.timeout)
+        if not run.ok or not out.exists():
+            error = "TIMEOUT" if run.timed_out else one_line(run.stderr)
+            result["tools"][tool] = {"error": error}
+            print(f"  {name} {tool}: {error}", flush=True)
+            continue
+        result["tools"][tool] = {"optimize_s": round(run.wall_s, 2)}
+        outputs.append((tool, out))
+    bench = [sys.executable, "-m", "fusectl", "bench", *(str(p) for _, p in outputs)]
+    bench += ["--runs", str(args.runs), "--warmup", "5", "--threads", "1", "--json"]
+    bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
+    for _, path in outputs:
+        h.warm_page_cache(path)
+    timed = h.measure(bench, timeout=args.timeout)
+    if not timed.ok:
+        result["error"] = one_line(timed.stderr)
+        return result
+    document = json.loads(timed.stdout)
+    for (label, _), entry in zip(outputs, document["models"], strict=True):
+        row = result["tools"].setdefault(label, {})
+        row["cold_start"] = entry["cold_start"]
+        for level, timing in entry["levels"].items():
+            row[level] = {
+                key: timing[key] for key in ("median_ms", "ratio", "session_s", "session_ratio")
+            }
+    if not args.keep:
+        for _, path in outputs[1:]:
+            remove_outputs(path)
+    return result
+
+
+def print_results(results: list[dict]) -> None:
+    headers = ["model", "output", "ALL ms", "ALL ratio", "NONE ms", "NONE ratio", "cold start"]
+    rows = []
+    for result in results:
+        if "error" in result:
+            rows.append([result["model"], "bench failed", result["error"], "", "", "", ""])
+            continue
+        for label in ("original", *TOOLS):
+            row = result["tools"].get(label, {})
+            if "error" in row:
+                rows.append([result["model"], label, row["error"][:60], "", "", "", ""])
+                continue
+            if "all" not in row:
+                continue
+            cells = [result["model"], label]
+            for level in ("all", "none"):
+                cells += [f"{row[level]['median_ms']:.2f}", f"{row[level]['ratio']:.3f}"]
+            cells.append(f"{row['cold_start']:.2f}")
+            rows.append(cells)
+    print(h.table(headers, rows))
+    print(
+        "ratio: median over the original's at the same level (<= 1.01: no slower); "
+        "cold start: session creation under ORT_DISABLE_ALL over the original's under "
+        "ORT_ENABLE_ALL (<= 0.5: offline fusion halves start-up)."
+    )
+    print(h.machine_note())
+
+
+def tune_repository(names: list[str], repository: Path, force: bool) -> None:
+    """Re-measure the knowledge repository on every model's original (fusectl tune)."""
+    for name in names:
+        model = export(name, force)
+        cmd = [sys.executable, "-m", "fusectl", "tune", str(model), "--repository", str(repository)]
+        cmd += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
+        run = h.measure(cmd)
+        print(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.status())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default=",".join(MODELS), help=f"[{','.join(MODELS)}]")
+    parser.add_argument("--runs", type=int, default=30, help="timed runs per model and level [30]")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per step [1800]")
+    parser.add_argument("--force-export", action="store_true", help="redo cached exports")
+    parser.add_argument("--keep", action="store_true", help="keep the tools' output models")
+    parser.add_argument("--print-only", action="store_true", help="print the saved results")
+    parser.add_argument("--tune-repository", type=Path, help="fusectl tune every model into this")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    if args.print_only:
+        print_results(json.loads(RESULTS.read_text()))
+        return 0
+    if args.tune_repository:
+        tune_repository(names, args.tune_repository, args.force_export)
+        return 0
+    results = []
+    for name in names:
+        print(f"{name} ...", flush=True)
+        results.append(run_model(name, args))
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(results, indent=2))
+    print_results(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,8 +45,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "bart_past_dynamo": ((4, 7, 6, 2, 0), (4, 7, None, 2, 0)),
     "bart_past_ts17": ((4, 7, 6, 2, 0), (4, 7, None, 2, 0)),
     "bart_ts17": ((6, 12, 10, 4, 0), (6, 12, None, 4, 0)),
-    "bloom_dynamo": ((0, 6, 4, 0, 0), (2, 6, None, 2, 0)),
-    "bloom_ts17": ((0, 6, 2, 0, 0), (2, 6, None, 2, 0)),
+    "bloom_dynamo": ((0, 6, 4, 2, 0), (2, 6, None, 2, 0)),
+    "bloom_ts17": ((0, 6, 2, 2, 0), (2, 6, None, 2, 0)),
     "clip_text_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "clip_text_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "clip_vision_dynamo": ((2, 6, 3, 2, 0), (2, 6, None, 2, 0)),
@@ -105,7 +105,6 @@ WHY: dict[tuple[str, str], str] = {
         "MatMul(query, key^T) with additive biases and a constant scale (they come from "
         "Add)"
     ),
-    ("bloom_dynamo", "gelu"): "no near-miss reported",
     ("bloom_ts17", "attention"): (
         "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
         "biases and a constant scale (they come from Add); GroupQueryAttentionFusionPass:"
@@ -114,7 +113,6 @@ WHY: dict[tuple[str, str], str] = {
         "MatMul(query, key^T) with additive biases and a constant scale (they come from "
         "Add)"
     ),
-    ("bloom_ts17", "gelu"): "no near-miss reported",
     ("deberta_v2_dynamo", "attention"): (
         "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
         "biases and a constant scale (they come from Where); "

@@ -269,6 +269,11 @@ class PatternPass(FusionPass):
             ]
         return self._compiled
 
+    def could_match(self, node: ir.Node) -> bool:
+        """Whether some rule's op-type skeleton fits the graph above ``node`` (a cheap test,
+        necessary for a match but not sufficient: constants and shared values are not checked)."""
+        return any(_tree_fits(compiled.tree, node) for compiled in self.compiled_rules())
+
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
         # The nodes bucketed by op: a rule then visits only nodes of its root op, and is

@@ -133,3 +133,29 @@ def test_one_model_is_not_a_comparison() -> None:
     result = run_cli("bench", BERT)
     assert result.exit_code == 2
     assert "bench takes ORIGINAL and OPTIMIZED (or more), got 1" in result.stderr
+
+
+def test_a_model_with_onnxruntime_only_ops_is_benched(tmp_path: Path) -> None:
+    """Another optimizer's output may hold ops only onnxruntime knows in the ONNX domain
+    (its SimplifiedLayerNormalization): onnxruntime runs it, so bench times it."""
+    scale = helper.make_tensor("scale", TensorProto.FLOAT, [4], [1.0] * 4)
+    shape = [2, 4]
+    io = helper.make_tensor_value_info
+    plain = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "plain",
+        [io("x", TensorProto.FLOAT, shape)],
+        [io("y", TensorProto.FLOAT, shape)],
+    )
+    rms = helper.make_graph(
+        [helper.make_node("SimplifiedLayerNormalization", ["x", "scale"], ["y"], axis=-1)],
+        "rms",
+        [io("x", TensorProto.FLOAT, shape)],
+        [io("y", TensorProto.FLOAT, shape)],
+        [scale],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    onnx.save(helper.make_model(plain, opset_imports=opsets), tmp_path / "plain.onnx")
+    onnx.save(helper.make_model(rms, opset_imports=opsets), tmp_path / "rms.onnx")
+    document = bench_json(tmp_path / "plain.onnx", tmp_path / "rms.onnx")
+    assert [m["path"] for m in document["models"]][1] == str(tmp_path / "rms.onnx")

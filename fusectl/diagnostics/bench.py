@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
@@ -149,6 +150,19 @@ def _failure(path: Path, error: Exception) -> FusectlError:
     return FusectlError(f"onnxruntime cannot run it: {message}", path=path)
 
 
+def _readable(path: Path) -> None:
+    """A model file that exists and parses; what it holds is onnxruntime's to judge (another
+    optimizer's output may use onnxruntime-only ops that fusectl's own validation refuses)."""
+    if not path.is_file():
+        raise FusectlError("no such file" if not path.exists() else "not a file", path=path)
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as error:  # protobuf raises DecodeError, onnx others for broken files
+        raise FusectlError(f"not an ONNX model: {error}", path=path) from None
+    if not proto.HasField("graph"):
+        raise FusectlError("not an ONNX model (no graph)", path=path)
+
+
 def _session(
     path: Path, level: str, providers: Sequence[str], threads: int
 ) -> ort.InferenceSession:
@@ -198,7 +212,7 @@ def bench_models(
     shapes = parse_input_shape(input_shape)
     paths = [Path(m) for m in models]
     for path in paths[1:]:
-        load_model(path)  # a missing or non-ONNX file fails here, before any timing
+        _readable(path)  # a missing or non-ONNX file fails here, before any timing
     feeds, plans = model_feeds(load_model(paths[0]).model, shapes, inputs, seed)
     result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans, session_runs)
 

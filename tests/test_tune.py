@@ -25,7 +25,14 @@ from fusectl.core.repository import (
 )
 from fusectl.diagnostics.tune import time_pair
 from fusectl.errors import FusectlError
-from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
+from tests.conftest import (
+    FIXTURES,
+    assert_same_outputs,
+    optimize,
+    random_feeds,
+    run_cli,
+    run_model,
+)
 
 BERT = FIXTURES / "bert_tiny_ts17.onnx"
 # The tiny BERT has 32 positions: tune it at sequence 16 (the default 128 would not fit).
@@ -167,6 +174,25 @@ def test_a_slower_decision_declines_with_the_measured_reason(
         "repository_hit_times": "0",
     }
     assert "repository" not in fused.report
+
+
+def test_a_class_measured_with_symbolic_sizes_covers_fixed_ones(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Measured as float[?,?,32] (any batch and length), the verdict holds for a model whose
+    sizes are fixed: the same export with --input_shape."""
+    repository = with_decision(
+        tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
+    )
+    run = optimize(BERT, tmp_path, "--repository", repository, "--input_shape", SHAPES)
+    # At fixed sizes the embeddings' sum is provably of one shape and fuses too: a class the
+    # repository has not measured ([1,16,32] from two different sources) keeps the default.
+    assert run.op_counts()["SkipLayerNormalization"] == 1
+    decided = [d for d in run.report["repository"]["decisions"] if d["pass"] == SKIP_LN]
+    assert len(decided) == 4 and all("float[?,?,32]" in d["class"] for d in decided)
+    feeds = random_feeds(run.output)  # at the fixed sizes
+    for want, got in zip(run_model(BERT, feeds), run_model(run.output, feeds), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
 def test_faster_decisions_fuse_and_count_as_hits(tuned: tuple[Path, Any], tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ import onnxruntime as ort
 
 from fusectl.core import logs
 from fusectl.errors import FusectlError
-from fusectl.rewrite.sites import site_class
+from fusectl.rewrite.sites import SiteClass, site_class
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -291,6 +291,41 @@ def choose_repository(repository: str | os.PathLike[str] | None, provider: str) 
     return load_repository(Path(repository))
 
 
+def _family(pass_name: Any, pattern: Any, fused: Any, attributes: Any) -> tuple | None:
+    """Site classes that differ only in their input shapes: one fusion, one set of attributes."""
+    if not all(isinstance(v, str) for v in (pass_name, pattern)) or not isinstance(fused, list):
+        return None
+    return pass_name, pattern, tuple(fused), json.dumps(attributes, sort_keys=True)
+
+
+def _fits(measured: str, site: str) -> bool:
+    """A measured input signature covers a site's: same kind and element type, the same rank,
+    each dimension equal or symbolic (``?``) in the measured one."""
+    measured_head, _, measured_dims = measured.partition("[")
+    site_head, _, site_dims = site.partition("[")
+    wanted, given = measured_dims.rstrip("]").split(","), site_dims.rstrip("]").split(",")
+    return (
+        measured_head == site_head
+        and len(wanted) == len(given)
+        and all(m in ("?", s) for m, s in zip(wanted, given, strict=True))
+    )
+
+
+def _covers(measured: Sequence[str], site: Sequence[str]) -> bool:
+    """Every input of the site fits a distinct measured input (exact ones first)."""
+    free = list(measured)
+    if len(free) != len(site):
+        return False
+    for signature in site:
+        match = (
+            signature if signature in free else next((m for m in free if _fits(m, signature)), None)
+        )
+        if match is None:
+            return False
+        free.remove(match)
+    return True
+
+
 def repository_gate(
     providers: str | Sequence[str] | None, repository: str | os.PathLike[str] | None
 ) -> RepositoryGate | None:
@@ -319,8 +354,37 @@ class RepositoryGate:
     _passes: frozenset[str] = frozenset()
     _vetoed: dict[tuple[str, ir.Node], str] = field(default_factory=dict)
 
+    _families: dict[tuple, list[tuple[list[str], str]]] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         self._passes = frozenset(key.split("/", 1)[0] for key in self.section.sites if "/" in key)
+        for key, entry in self.section.sites.items():
+            family = _family(
+                entry.get("pass"), entry.get("pattern"), entry.get("fused"), entry.get("attributes")
+            )
+            if family is not None and isinstance(entry.get("inputs"), list):
+                self._families.setdefault(family, []).append((entry["inputs"], key))
+
+    def lookup(self, found: SiteClass) -> tuple[str, dict[str, Any]] | None:
+        """The measurement that decides a site of class ``found``: its own class, else the
+        most specific measured class of the same fusion whose inputs cover the site's (a
+        dimension measured symbolic, ``?``, covers any size: a class measured for every
+        batch size holds for batch 1)."""
+        entry = self.section.sites.get(found.key)
+        if entry is not None:
+            return found.key, entry
+        family = _family(
+            found.pass_name, found.pattern, list(found.fused), json.loads(found.attributes)
+        )
+        covering = [
+            (sum(s.count("?") for s in inputs), key)
+            for inputs, key in self._families.get(family, [])
+            if _covers(inputs, found.inputs)
+        ]
+        if not covering:
+            return None
+        key = min(covering)[1]
+        return key, self.section.sites[key]
 
     def review(
         self,
@@ -341,9 +405,10 @@ class RepositoryGate:
             if earlier is not None:
                 return earlier
         found = site_class(ctx, pattern, old_nodes, new_nodes)
-        entry = self.section.sites.get(found.key) if found is not None else None
-        if entry is None:
+        measured = self.lookup(found) if found is not None else None
+        if measured is None:
             return None
+        measured_key, entry = measured
         ctx.repository_hits += 1
         decision = entry["decision"]
         fused, unfused = float(entry["fused_ms"]), float(entry["unfused_ms"])
@@ -351,7 +416,7 @@ class RepositoryGate:
             {
                 "pass": ctx.spec.name,
                 "site": site,
-                "class": found.key,  # type: ignore[union-attr]
+                "class": measured_key,
                 "decision": decision,
                 "fused_ms": fused,
                 "unfused_ms": unfused,

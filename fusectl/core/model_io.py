@@ -280,7 +280,8 @@ def _from_proto(proto: onnx.ModelProto, model_path: Path | None) -> LoadedModel:
         raise FusectlError(reason, path=where) from None
     check_text(model, Path(where))
     external_files: set[Path] = set()
-    if model_path is not None:
+    if confined:  # onnx-ir resolves external tensors' paths from here (a walk of every node)
+        assert model_path is not None
         ir.external_data.set_base_dir(model.graph, model_path.parent)
     for name, tensor in _external_tensors(model):
         data_path = Path(tensor.path)

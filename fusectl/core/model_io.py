@@ -241,20 +241,28 @@ def _deserialize(proto: onnx.ModelProto) -> ir.Model:
     inputs = {value.name for value in graph.inputs}
     values.update((name, value) for name, value in graph.initializers.items() if name not in inputs)
     outputs = {info.name: info for info in proto.graph.output}
-    shapes: dict[bytes, ir.Shape | None] = {}
+    # Per distinct type: its shape, shared, and its element type (a TensorType each value
+    # owns: Value.dtype's setter changes the type in place).
+    known: dict[bytes, tuple[ir.Shape | None, ir.TensorType | None]] = {}
     for info in {info.name: info for info in held}.values():  # the last entry of a name wins
         value = values.get(info.name)
         if value is None:
             continue
-        if info.doc_string or info.metadata_props or not info.type.HasField("tensor_type"):
+        type_proto = info.type
+        if info.doc_string or info.metadata_props or type_proto.denotation:
             ir.serde.deserialize_value_info_proto(info, value)
-        else:
-            key = info.type.SerializeToString()
-            if key not in shapes:
-                shapes[key] = ir.serde.deserialize_type_proto_for_shape(info.type)
-            value.shape = shapes[key]
-            value.type = ir.serde.deserialize_type_proto_for_type(info.type)
+        elif type_proto.HasField("tensor_type"):
+            key = type_proto.SerializeToString()
+            if key not in known:
+                tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
+                assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
+                known[key] = ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
+            shape, tensor_type = known[key]
+            value.shape = shape
+            value.type = None if tensor_type is None else ir.TensorType(tensor_type.dtype)
             value.doc_string = None
+        else:
+            ir.serde.deserialize_value_info_proto(info, value)
         if info.name in outputs:
             ir.serde.deserialize_value_info_proto(outputs[info.name], value)
     return model

@@ -163,6 +163,8 @@ class _CompiledRule:
             if (op := graph_pattern.node(index).op_identifier()) is not None
         }
         self.skeleton = _skeleton(graph_pattern.output_node)
+        # One input order only: the exact test of the single variant is the whole test.
+        self.single_order = not rule.commute or not _commutes(self.skeleton)
 
     @functools.cached_property
     def variants(self) -> list[tuple[oxs_pattern.RewriteRule, _Skeleton]]:
@@ -201,10 +203,11 @@ class _CompiledRule:
             return None
 
 
-# A pattern's op-type skeleton, for a cheap test before the full matcher: (op identifier or
-# None for any op, inputs the pattern lists, (input index, skeleton) for each input that a
-# node of the pattern produces).
-_Skeleton = tuple[Any, int, tuple[tuple[int, "_Skeleton"], ...]]
+# A pattern's op-type skeleton, for a cheap test before the full matcher: (op type and op
+# identifier, or None for any op; inputs the pattern lists; whether the node takes its two
+# inputs in either order (None: decided by the graph node's op type); (input index,
+# skeleton) for each input that a node of the pattern produces).
+_Skeleton = tuple[Any, Any, int, "bool | None", tuple[tuple[int, "_Skeleton"], ...]]
 
 _COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"})
 
@@ -215,38 +218,52 @@ def _skeleton(pattern: Any) -> _Skeleton:
         producer = value.producer() if value is not None else None
         if producer is not None:
             children.append((index, _skeleton(producer)))
-    return pattern.op_identifier(), len(pattern.inputs), tuple(children)
+    op = pattern.op_identifier()
+    count = len(pattern.inputs)
+    either_order = None if op is None else count == 2 and op[1] in _COMMUTATIVE
+    return op[1] if op is not None else None, op, count, either_order, tuple(children)
+
+
+def _commutes(skeleton: _Skeleton) -> bool:
+    """Whether some node of the skeleton may take its inputs in either order."""
+    _, _, _, either_order, children = skeleton
+    return either_order is not False or any(_commutes(child) for _, child in children)
 
 
 def _fits(skeleton: _Skeleton, node: ir.Node, commute: bool) -> bool:
     """Whether the graph above ``node`` has the skeleton's op types; with ``commute``, in
     either input order of commutative ops. A necessary test, much cheaper than the matcher:
     many patterns with many commuted variants (the GELU and layer-norm spellings) would
-    otherwise run it at every Mul or Add, and most variants fail a few nodes up."""
-    op, count, children = skeleton
-    if op is not None and (node.op_type != op[1] or node.op_identifier() != op):
+    otherwise run it at every Mul or Add, and most variants fail a few nodes up. It runs at
+    every candidate of every rule, hence written flat."""
+    op_type, op, count, either_order, children = skeleton
+    if op_type is not None and (node.op_type != op_type or node.op_identifier() != op):
         return False
     inputs = node.inputs
     if len(inputs) < count:
         return False
     if not children:
         return True
-    if commute and count == 2 and node.op_type in _COMMUTATIVE:
-        return _inputs_fit(children, inputs, True, 0) or _inputs_fit(children, inputs, True, 1)
-    return _inputs_fit(children, inputs, commute, 0)
+    if commute and (
+        either_order if op_type is not None else count == 2 and node.op_type in _COMMUTATIVE
+    ):
+        return _inputs_fit(children, inputs, 0) or _inputs_fit(children, inputs, 1)
+    for index, child in children:
+        value = inputs[index]
+        producer = value.producer() if value is not None else None
+        if producer is None or not _fits(child, producer, commute):
+            return False
+    return True
 
 
 def _inputs_fit(
-    children: tuple[tuple[int, _Skeleton], ...],
-    inputs: Sequence[ir.Value | None],
-    commute: bool,
-    swap: int,
+    children: tuple[tuple[int, _Skeleton], ...], inputs: Sequence[ir.Value | None], swap: int
 ) -> bool:
-    """The producers of ``inputs`` fit the children (``swap`` 1: the two inputs swapped)."""
+    """The producers of two commuted ``inputs`` fit the children (``swap`` 1: swapped)."""
     for index, child in children:
         value = inputs[index ^ swap]
         producer = value.producer() if value is not None else None
-        if producer is None or not _fits(child, producer, commute):
+        if producer is None or not _fits(child, producer, True):
             return False
     return True
 
@@ -317,11 +334,11 @@ class PatternPass(FusionPass):
         """Try every input order of the rule at ``node``: the new nodes if one rewrote it,
         the reason if the rule matched and declined, else nothing."""
         assert compiled.ctx is not None
-        if not _fits(compiled.skeleton, node, commute=True):
+        if not _fits(compiled.skeleton, node, commute=not compiled.single_order):
             return ()
         declined: str | None = None
         for variant, skeleton in compiled.variants:
-            if not _fits(skeleton, node, commute=False):
+            if not compiled.single_order and not _fits(skeleton, node, commute=False):
                 continue
             compiled.outcome = _Outcome()
             delta = variant.try_rewrite(model, model.graph, node)

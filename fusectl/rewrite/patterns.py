@@ -143,7 +143,7 @@ class _CompiledRule:
         self.rule = rule
         self.outcome = _Outcome()
         self.ctx: PassContext | None = None
-        self._min_opset = spec_min_opset
+        self.min_opset = spec_min_opset
         self._emits = emits
         base = oxs_pattern.RewriteRule(
             rule.pattern,
@@ -183,9 +183,9 @@ class _CompiledRule:
             bindings[name] for name in self.rule.exposes if bindings.get(name) is not None
         )
         reason = uses_outside(site.nodes, (*site.outputs, *exposed))
-        if reason is None and self.ctx.opset < self._min_opset:
+        if reason is None and self.ctx.opset < self.min_opset:
             what = "/".join(self._emits) or "the fused op"
-            reason = f"{what} needs opset >= {self._min_opset}, model has {self.ctx.opset}"
+            reason = f"{what} needs opset >= {self.min_opset}, model has {self.ctx.opset}"
         if reason is None and self.rule.check is not None:
             try:
                 reason = self.rule.check(site, **bindings) or None
@@ -364,6 +364,8 @@ class PatternPass(FusionPass):
                 return delta.new_nodes if refused is None else refused
             if compiled.outcome.reason is not None and declined is None:
                 declined = compiled.outcome.reason
+            if declined is not None and compiled.ctx.opset < compiled.min_opset:
+                break  # every other input order is declined too: the first reason stands
         if declined is not None:
             stats.decline(declined, node_label(node))
             return declined

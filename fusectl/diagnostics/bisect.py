@@ -190,7 +190,7 @@ class Bisector:
                 model,
                 self.plan,
                 target=self.target,
-                shapes=ShapeOracle(model, loaded.proto),
+                shapes=ShapeOracle(model, lambda: loaded.proto),
                 rewrites=rewrites,
             )
         except UnguardedRewrite as error:

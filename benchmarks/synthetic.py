@@ -8,11 +8,15 @@ Each block (17 nodes, opset 17, hidden 16, input ["N", 16]) is
     residual Add
 
 and blocks are chained. For each size the script generates the model, then times in fresh
-subprocesses: a plain onnx.load + onnx.save of the file (reference), ``fusectl optimize`` and
-optionally onnxscript's ``optimize_for_ort``.
+subprocesses, round-robin (one run of each tool per round, best of --repeat rounds): a plain
+onnx.load + onnx.save of the file (reference), ``fusectl optimize``, onnxruntime's offline
+optimizer (an InferenceSession with ``optimized_model_filepath``, at ORT_ENABLE_EXTENDED and/or
+ORT_ENABLE_ALL) and optionally onnxscript's ``optimize_for_ort``. Every tool is printed as a
+ratio to load+save and to onnxruntime's optimizer from the same run, so that a busy machine
+slows the reference as much as the tool.
 
     python benchmarks/synthetic.py                      # 1k, 10k, 100k
-    python benchmarks/synthetic.py --sizes 1k,10k --onnxscript
+    python benchmarks/synthetic.py --sizes 1k,10k --onnxscript --ort-level extended,all
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import gc
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import _harness as h
@@ -135,6 +140,45 @@ print({k: v for k, v in counts.items() if v})
 """
 
 
+# onnxruntime's offline optimizer: the session creation writes the optimized model; it is
+# timed on its own (session_s) besides the whole process (interpreter and import included).
+ORT_SCRIPT = r"""
+import sys, time
+import onnxruntime as ort
+source, output, level = sys.argv[1:4]
+options = ort.SessionOptions()
+options.graph_optimization_level = {
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}[level]
+options.optimized_model_filepath = output
+options.intra_op_num_threads = 1
+options.log_severity_level = 3
+began = time.perf_counter()
+ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+print(f"session_s={time.perf_counter() - began:.3f}")
+"""
+
+
+def _session_s(run: h.Measurement) -> float | None:
+    for line in run.stdout.splitlines():
+        if line.startswith("session_s="):
+            return float(line.split("=", 1)[1])
+    return None
+
+
+# The op types of the generated graph: whatever else an optimized model holds was fused.
+SOURCE_OPS = frozenset({"ReduceMean", "Sub", "Pow", "Add", "Sqrt", "Div", "Mul", "MatMul", "Erf"})
+
+
+def _fused_summary(path: Path, n_nodes: int) -> str:
+    """Nodes before -> after and the ops of an optimized model that the source does not have."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    fused = Counter(node.op_type for node in graph.node if node.op_type not in SOURCE_OPS)
+    ops = ", ".join(f"{op} {count}" for op, count in sorted(fused.items()))
+    return f"{n_nodes}->{len(graph.node)}" + (f" ({ops})" if ops else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,6 +207,12 @@ def main() -> None:
         help="only sizes up to this many nodes for onnxscript [20k]",
     )
     parser.add_argument("--onnxscript-timeout", type=float, default=300, help="seconds [300]")
+    parser.add_argument(
+        "--ort-level",
+        default="extended",
+        help="onnxruntime offline optimizer levels to time: extended, all, or both as "
+        "'extended,all'; 'none' skips it [extended]",
+    )
     parser.add_argument("--out-dir", type=Path, default=h.OUT_DIR / "synthetic")
     parser.add_argument("--keep", action="store_true", help="keep the generated models")
     args = parser.parse_args()
@@ -178,6 +228,7 @@ def main() -> None:
         f"{startup.wall_s:.2f} s, {startup.peak_rss_mb:.0f} MB peak RSS\n"
     )
 
+    ort_levels = [lv.strip() for lv in args.ort_level.split(",") if lv.strip() not in ("", "none")]
     rows = []
     for target in sizes:
         began = time.perf_counter()
@@ -193,87 +244,99 @@ def main() -> None:
             f"{h.human_bytes(h.file_size(src))}, {gen_s:.1f} s",
             flush=True,
         )
-
-        def best(cmd: list[str], timeout: float = 0) -> h.Measurement:
-            runs = [h.measure(cmd, timeout=timeout) for _ in range(max(args.repeat, 1))]
-            return min(runs, key=lambda m: (not m.ok, m.wall_s))
-
-        ref_out = args.out_dir / f"synthetic_{n_nodes}.loadsave.onnx"
-        ref = best(h.load_save_cmd(src, ref_out, external=False))
-        h.remove_model(ref_out)
-
-        out = args.out_dir / f"synthetic_{n_nodes}.fusectl.onnx"
-        report_path = args.out_dir / f"synthetic_{n_nodes}.report.json"
-        fus = best(h.fusectl_cmd(src, out, report=report_path), timeout=args.timeout)
-        summary = h.report_summary(h.read_report(report_path) if fus.ok else None)
-        if not fus.ok:
-            print(
-                f"  fusectl failed ({fus.status()}):\n{fus.stderr.strip()[-2000:]}", file=sys.stderr
+        stem = args.out_dir / f"synthetic_{n_nodes}"
+        report_path = Path(f"{stem}.report.json")
+        # tool -> (command, output, timeout); run round-robin so that load on the machine
+        # falls on every tool alike.
+        tools: dict[str, tuple[list[str], Path, float]] = {
+            "load+save": (
+                h.load_save_cmd(src, Path(f"{stem}.loadsave.onnx"), external=False),
+                Path(f"{stem}.loadsave.onnx"),
+                0,
+            ),
+            "fusectl": (
+                h.fusectl_cmd(src, Path(f"{stem}.fusectl.onnx"), report=report_path),
+                Path(f"{stem}.fusectl.onnx"),
+                args.timeout,
+            ),
+        }
+        for level in ort_levels:
+            out = Path(f"{stem}.ort_{level}.onnx")
+            tools[f"ORT {level}"] = (
+                [sys.executable, "-c", ORT_SCRIPT, str(src), str(out), level],
+                out,
+                args.timeout,
             )
-        if not args.keep:
-            h.remove_model(out)
-        report_path.unlink(missing_ok=True)
-        per_k = 1000 / n_nodes
-        rows.append(
-            [
-                "load+save",
-                n_nodes,
-                f"{ref.wall_s:.2f}",
-                f"{ref.wall_s * per_k:.3f}",
-                "-",
-                f"{ref.peak_rss_mb:.0f}",
-                ref.status(),
-                "-",
-            ]
-        )
-        rows.append(
-            [
-                "fusectl",
-                n_nodes,
-                f"{fus.wall_s:.2f}",
-                f"{fus.wall_s * per_k:.3f}",
-                f"{summary['passes_s']:.2f}" if summary["passes_s"] is not None else "-",
-                f"{fus.peak_rss_mb:.0f}",
-                fus.status(),
-                f"{summary['nodes']} {summary['fusions']}",
-            ]
-        )
-        print(
-            f"  load+save {ref.wall_s:.2f} s; fusectl {fus.wall_s:.2f} s ({fus.status()})",
-            flush=True,
-        )
-
         if args.onnxscript and n_nodes <= args.onnxscript_max_nodes:
-            oxs_out = args.out_dir / f"synthetic_{n_nodes}.onnxscript.onnx"
-            oxs = best(
-                [sys.executable, "-c", ONNXSCRIPT_SCRIPT, src, oxs_out],
-                timeout=args.onnxscript_timeout,
+            out = Path(f"{stem}.onnxscript.onnx")
+            tools["onnxscript optimize_for_ort"] = (
+                [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(src), str(out)],
+                out,
+                args.onnxscript_timeout,
             )
-            oxs_nodes = "-"
-            if oxs.ok:
-                oxs_nodes = (
-                    f"{n_nodes}->{len(onnx.load(oxs_out, load_external_data=False).graph.node)} "
-                )
-                oxs_nodes += oxs.stdout.strip().splitlines()[-1] if oxs.stdout.strip() else ""
-            else:
+        runs: dict[str, list[h.Measurement]] = {name: [] for name in tools}
+        reports: dict[int, dict] = {}  # id of a fusectl run -> its report's summary
+        for _ in range(max(args.repeat, 1)):
+            for name, (cmd, _, timeout) in tools.items():
+                run = h.measure(cmd, timeout=timeout)
+                runs[name].append(run)
+                if name == "fusectl":
+                    reports[id(run)] = h.report_summary(h.read_report(report_path))
+                    report_path.unlink(missing_ok=True)
+        best = {
+            name: min(found, key=lambda m: (not m.ok, m.wall_s)) for name, found in runs.items()
+        }
+        summary = reports[id(best["fusectl"])]
+        results: dict[str, str] = {}
+        for name, (_, out, _) in tools.items():
+            run = best[name]
+            if not run.ok:
                 print(
-                    f"  onnxscript failed ({oxs.status()}):\n{oxs.stderr.strip()[-2000:]}",
+                    f"  {name} failed ({run.status()}):\n{run.stderr.strip()[-2000:]}",
                     file=sys.stderr,
                 )
-            h.remove_model(oxs_out)
+                results[name] = "-"
+            elif name == "fusectl":
+                results[name] = f"{summary['nodes']} {summary['fusions']}"
+            elif name.startswith("ORT"):
+                results[name] = _fused_summary(out, n_nodes)
+            elif name.startswith("onnxscript"):
+                lines = run.stdout.strip().splitlines()
+                results[name] = _fused_summary(out, n_nodes) + (f" {lines[-1]}" if lines else "")
+            else:
+                results[name] = ""
+            if not args.keep or name != "fusectl":
+                h.remove_model(out)
+            out.with_suffix(".fusion_result.json").unlink(missing_ok=True)
+        reference = best["load+save"].wall_s
+        ort_ref = best[f"ORT {ort_levels[0]}"].wall_s if ort_levels else None
+        per_k = 1000 / n_nodes
+        for name, run in best.items():
+            if name == "fusectl":
+                inner = f"{summary['passes_s']:.2f}" if summary["passes_s"] is not None else "-"
+            elif name.startswith("ORT"):
+                inner = f"{_session_s(run):.2f}" if _session_s(run) is not None else "-"
+            else:
+                inner = "-"
             rows.append(
                 [
-                    "onnxscript optimize_for_ort",
+                    name,
                     n_nodes,
-                    f"{oxs.wall_s:.2f}",
-                    f"{oxs.wall_s * per_k:.3f}",
-                    "-",
-                    f"{oxs.peak_rss_mb:.0f}",
-                    oxs.status(),
-                    oxs_nodes,
+                    f"{run.wall_s:.2f}",
+                    f"{run.wall_s * per_k:.3f}",
+                    inner,
+                    f"{run.peak_rss_mb:.0f}",
+                    f"{run.peak_rss_mb * 1024 / n_nodes:.1f}",
+                    f"{run.wall_s / reference:.2f}",
+                    f"{run.wall_s / ort_ref:.2f}" if ort_ref else "-",
+                    run.status(),
+                    results[name],
                 ]
             )
-            print(f"  onnxscript {oxs.wall_s:.2f} s ({oxs.status()})", flush=True)
+        print(
+            "  " + "; ".join(f"{name} {run.wall_s:.2f} s" for name, run in best.items()),
+            flush=True,
+        )
         if not args.keep:
             src.unlink(missing_ok=True)
 
@@ -285,8 +348,11 @@ def main() -> None:
                 "nodes",
                 "wall s",
                 "s / 1k nodes",
-                "passes s",
+                "inner s",
                 "peak RSS MB",
+                "KB / node",
+                "x load+save",
+                f"x ORT {ort_levels[0]}" if ort_levels else "x ORT",
                 "status",
                 "nodes / fusions",
             ],
@@ -294,8 +360,10 @@ def main() -> None:
         )
     )
     print(
-        "\nwall s: whole subprocess (includes the fixed cost above); passes s: fusectl's own "
-        "pass time from --report; fusions: effected/matched per pass."
+        "\nwall s: whole subprocess (includes the fixed cost above), best of --repeat rounds "
+        "run round-robin; inner s: fusectl's pass time from --report, onnxruntime's session "
+        "creation (which writes the optimized model); x load+save, x ORT: wall time over that "
+        "tool's wall time on the same graph in the same run; fusions: effected/matched per pass."
     )
 
 

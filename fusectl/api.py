@@ -270,7 +270,7 @@ def optimize(
         document = _report(plan, run, before, working, layers, paths, options, None)
         if staged_report:
             assert report_path is not None
-            staged.write_text(report_path, reports.report_json(document))
+            staged.write(report_path, lambda path: reports.write_report(path, document))
         staged.commit()
 
     checked = None
@@ -342,7 +342,7 @@ def _run(
         model,
         plan,
         target=target,
-        shapes=ShapeOracle(model, loaded.proto),
+        shapes=ShapeOracle(model, lambda: loaded.proto),
         before_pass=before_pass,
         after_pass=after_pass,
         site_checker=checker,

@@ -13,7 +13,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fusectl.errors import FusectlError
@@ -147,9 +147,13 @@ class StagedOutputs:
         return staged
 
     def write_text(self, target: Path, text: str) -> None:
+        self.write(target, lambda staged: staged.write_text(text, encoding="utf-8"))
+
+    def write(self, target: Path, writer: Callable[[Path], object]) -> None:
+        """Stage ``target`` as ``writer`` writes it (given the staged file's path)."""
         staged = self.file(target)
         try:
-            staged.write_text(text, encoding="utf-8")
+            writer(staged)
         except OSError as error:
             raise FusectlError(f"cannot write: {error.strerror or error}", path=target) from None
 

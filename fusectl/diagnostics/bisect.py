@@ -195,7 +195,7 @@ class Bisector:
                 model,
                 self.plan,
                 target=self.target,
-                shapes=ShapeOracle(model, loaded.proto),
+                shapes=ShapeOracle(model, lambda: loaded.proto),
                 rewrites=rewrites,
                 site_gates=(gate,) if gate is not None else (),
             )

@@ -143,7 +143,7 @@ class _CompiledRule:
         self.rule = rule
         self.outcome = _Outcome()
         self.ctx: PassContext | None = None
-        self._min_opset = spec_min_opset
+        self.min_opset = spec_min_opset
         self._emits = emits
         base = oxs_pattern.RewriteRule(
             rule.pattern,
@@ -162,14 +162,16 @@ class _CompiledRule:
             for index in range(graph_pattern.num_nodes())
             if (op := graph_pattern.node(index).op_identifier()) is not None
         }
-        self.tree = graph_pattern.output_node
+        self.skeleton = _skeleton(graph_pattern.output_node)
+        # One input order only: the exact test of the single variant is the whole test.
+        self.single_order = not rule.commute or not _commutes(self.skeleton)
 
     @functools.cached_property
-    def variants(self) -> list[tuple[oxs_pattern.RewriteRule, tuple[tuple[int, Any], ...]]]:
+    def variants(self) -> list[tuple[oxs_pattern.RewriteRule, _Skeleton]]:
         """The rule in every commuted input order, built on first use: cloning the pattern
         for each order is the costly part of compiling, and most rules never meet their ops."""
         rules = self._base.commute() if self.rule.commute else [self._base]
-        return [(variant, _producer_ops(variant)) for variant in rules]
+        return [(variant, _skeleton(variant._target_pattern.output_node)) for variant in rules]
 
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
         assert self.ctx is not None
@@ -181,9 +183,9 @@ class _CompiledRule:
             bindings[name] for name in self.rule.exposes if bindings.get(name) is not None
         )
         reason = uses_outside(site.nodes, (*site.outputs, *exposed))
-        if reason is None and self.ctx.opset < self._min_opset:
+        if reason is None and self.ctx.opset < self.min_opset:
             what = "/".join(self._emits) or "the fused op"
-            reason = f"{what} needs opset >= {self._min_opset}, model has {self.ctx.opset}"
+            reason = f"{what} needs opset >= {self.min_opset}, model has {self.ctx.opset}"
         if reason is None and self.rule.check is not None:
             try:
                 reason = self.rule.check(site, **bindings) or None
@@ -201,57 +203,67 @@ class _CompiledRule:
             return None
 
 
-def _producer_ops(rule: oxs_pattern.RewriteRule) -> tuple[tuple[int, Any], ...]:
-    """(input index, op) for each root input the pattern requires a specific node to produce."""
-    root = rule._target_pattern.output_node
-    required = []
-    for index, value in enumerate(root.inputs):
-        producer = value.producer() if value is not None else None
-        if producer is not None and producer.op_identifier() is not None:
-            required.append((index, producer.op_identifier()))
-    return tuple(required)
-
+# A pattern's op-type skeleton, for a cheap test before the full matcher: (op type and op
+# identifier, or None for any op; inputs the pattern lists; whether the node takes its two
+# inputs in either order (None: decided by the graph node's op type); (input index,
+# skeleton) for each input that a node of the pattern produces).
+_Skeleton = tuple[Any, Any, int, "bool | None", tuple[tuple[int, "_Skeleton"], ...]]
 
 _COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"})
 
 
-def _tree_fits(pattern: Any, node: ir.Node | None) -> bool:
-    """Whether the graph above ``node`` has the pattern's op types, in either input order of
-    commutative ops. A cheap necessary test: many patterns with many commuted variants (the
-    GELU and layer-norm spellings) would otherwise run the full matcher at every Mul or Add.
-    """
-    if node is None:
+def _skeleton(pattern: Any) -> _Skeleton:
+    children = []
+    for index, value in enumerate(pattern.inputs):
+        producer = value.producer() if value is not None else None
+        if producer is not None:
+            children.append((index, _skeleton(producer)))
+    op = pattern.op_identifier()
+    count = len(pattern.inputs)
+    either_order = None if op is None else count == 2 and op[1] in _COMMUTATIVE
+    return op[1] if op is not None else None, op, count, either_order, tuple(children)
+
+
+def _commutes(skeleton: _Skeleton) -> bool:
+    """Whether some node of the skeleton may take its inputs in either order."""
+    _, _, _, either_order, children = skeleton
+    return either_order is not False or any(_commutes(child) for _, child in children)
+
+
+def _fits(skeleton: _Skeleton, node: ir.Node, commute: bool) -> bool:
+    """Whether the graph above ``node`` has the skeleton's op types; with ``commute``, in
+    either input order of commutative ops. A necessary test, much cheaper than the matcher:
+    many patterns with many commuted variants (the GELU and layer-norm spellings) would
+    otherwise run it at every Mul or Add, and most variants fail a few nodes up. It runs at
+    every candidate of every rule, hence written flat."""
+    op_type, op, count, either_order, children = skeleton
+    if op_type is not None and (node.op_type != op_type or node.op_identifier() != op):
         return False
-    wanted = pattern.op_identifier()
-    if wanted is not None and node.op_identifier() != wanted:
-        return False
-    expected = pattern.inputs
-    inputs = list(node.inputs)
-    if len(inputs) < len(expected):
-        return False
-
-    def fits(value_pattern: Any, value: ir.Value | None) -> bool:
-        producer = value_pattern.producer() if value_pattern is not None else None
-        if producer is None:
-            return True
-        return value is not None and _tree_fits(producer, value.producer())
-
-    if node.op_type in _COMMUTATIVE and len(expected) == 2:
-        first, second = expected
-        return (fits(first, inputs[0]) and fits(second, inputs[1])) or (
-            fits(first, inputs[1]) and fits(second, inputs[0])
-        )
-    return all(fits(p, v) for p, v in zip(expected, inputs, strict=False))
-
-
-def _producers_fit(node: ir.Node, producers: tuple[tuple[int, Any], ...]) -> bool:
-    """A cheap test that rules out most nodes before the full matcher runs."""
     inputs = node.inputs
-    for index, op in producers:
-        if index >= len(inputs) or inputs[index] is None:
+    if len(inputs) < count:
+        return False
+    if not children:
+        return True
+    if commute and (
+        either_order if op_type is not None else count == 2 and node.op_type in _COMMUTATIVE
+    ):
+        return _inputs_fit(children, inputs, 0) or _inputs_fit(children, inputs, 1)
+    for index, child in children:
+        value = inputs[index]
+        producer = value.producer() if value is not None else None
+        if producer is None or not _fits(child, producer, commute):
             return False
-        producer = inputs[index].producer()
-        if producer is None or producer.op_identifier() != op:
+    return True
+
+
+def _inputs_fit(
+    children: tuple[tuple[int, _Skeleton], ...], inputs: Sequence[ir.Value | None], swap: int
+) -> bool:
+    """The producers of two commuted ``inputs`` fit the children (``swap`` 1: swapped)."""
+    for index, child in children:
+        value = inputs[index ^ swap]
+        producer = value.producer() if value is not None else None
+        if producer is None or not _fits(child, producer, True):
             return False
     return True
 
@@ -272,7 +284,10 @@ class PatternPass(FusionPass):
     def could_match(self, node: ir.Node) -> bool:
         """Whether some rule's op-type skeleton fits the graph above ``node`` (a cheap test,
         necessary for a match but not sufficient: constants and shared values are not checked)."""
-        return any(_tree_fits(compiled.tree, node) for compiled in self.compiled_rules())
+        return any(
+            _fits(compiled.skeleton, node, commute=not compiled.single_order)
+            for compiled in self.compiled_rules()
+        )
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
@@ -327,11 +342,11 @@ class PatternPass(FusionPass):
         """Try every input order of the rule at ``node``: the new nodes if one rewrote it,
         the reason if the rule matched and declined, else nothing."""
         assert compiled.ctx is not None
-        if not _tree_fits(compiled.tree, node):
+        if not _fits(compiled.skeleton, node, commute=not compiled.single_order):
             return ()
         declined: str | None = None
-        for variant, producers in compiled.variants:
-            if not _producers_fit(node, producers):
+        for variant, skeleton in compiled.variants:
+            if not compiled.single_order and not _fits(skeleton, node, commute=False):
                 continue
             compiled.outcome = _Outcome()
             delta = variant.try_rewrite(model, model.graph, node)
@@ -357,6 +372,8 @@ class PatternPass(FusionPass):
                 return delta.new_nodes if refused is None else refused
             if compiled.outcome.reason is not None and declined is None:
                 declined = compiled.outcome.reason
+            if declined is not None and compiled.ctx.opset < compiled.min_opset:
+                break  # every other input order is declined too: the first reason stands
         if declined is not None:
             stats.decline(declined, node_label(node))
             return declined

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -82,7 +83,13 @@ class ShapeOracle:
     shapes inferred for the original graph stay true for every value still carrying the name.
     """
 
-    def __init__(self, model: ir.Model, proto: onnx.ModelProto | None) -> None:
+    def __init__(
+        self,
+        model: ir.Model,
+        proto: onnx.ModelProto | Callable[[], onnx.ModelProto] | None,
+    ) -> None:
+        """``proto``: the model as loaded, or a function that parses it (called only if
+        inference runs); None to infer on the IR as it is."""
         self._model = model
         self._proto = proto
         self.ran = False
@@ -120,7 +127,8 @@ class ShapeOracle:
             value.shape = None
         try:
             if self._proto is not None:
-                inferred = infer(_without_weights(self._proto, self._model))
+                loaded = self._proto() if callable(self._proto) else self._proto
+                inferred = infer(_without_weights(loaded, self._model))
             else:  # onnx-ir's helper serialises the current graph without its large weights
                 inferred = _c_api_utils.call_onnx_api(infer, self._model)
         except Exception as error:  # inference is a best effort; passes decline without it

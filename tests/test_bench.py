@@ -9,6 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from fusectl.diagnostics.bench import rotations
 from tests.conftest import FIXTURES, optimize, run_cli
 
 BERT = FIXTURES / "bert_tiny_ts17.onnx"
@@ -133,3 +134,9 @@ def test_one_model_is_not_a_comparison() -> None:
     result = run_cli("bench", BERT)
     assert result.exit_code == 2
     assert "bench takes ORIGINAL and OPTIMIZED (or more), got 1" in result.stderr
+
+
+def test_rotations_visit_every_item_each_round_and_rotate_the_lead() -> None:
+    orders = list(rotations(3, 4))
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert all(sorted(order) == [0, 1, 2] for order in orders)

@@ -19,10 +19,11 @@ Outputs per model (each tool once, in a fresh process, as transformers_peers.py 
 
 Then one ``fusectl bench`` per model over the original and every output, in a fresh process:
 the same feeds for all, ORT_ENABLE_ALL and ORT_DISABLE_ALL, 1 intra-op thread, --runs timed runs
-per model and level interleaved round-robin (the order rotating) after warm-up, session creation
-the median of 3 interleaved creations. The table gives each output's median and its ratio to
-the original's at the same level, and the cold start: its session creation under
-ORT_DISABLE_ALL over the original's under ORT_ENABLE_ALL.
+per model and level interleaved round-robin (the order rotating) after --warmup untimed runs,
+session creation the median of --session-runs interleaved creations. The table gives each
+output's median and its ratio to the original's at the same level, its session creation at both
+levels, and the cold start: its session creation under ORT_DISABLE_ALL over the original's under
+ORT_ENABLE_ALL.
 
     python benchmarks/latency.py                          # every model
     python benchmarks/latency.py --models bert,resnet50 --runs 50
@@ -121,7 +122,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         result["tools"][tool] = {"optimize_s": round(run.wall_s, 2)}
         outputs.append((tool, out))
     bench = [sys.executable, "-m", "fusectl", "bench", *(str(p) for _, p in outputs)]
-    bench += ["--runs", str(args.runs), "--warmup", "5", "--threads", "1", "--json"]
+    bench += ["--runs", str(args.runs), "--warmup", str(args.warmup), "--threads", "1"]
+    bench += ["--session_runs", str(args.session_runs), "--json"]
     bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
     for _, path in outputs:
         h.warm_page_cache(path)
@@ -144,22 +146,24 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
 
 
 def print_results(results: list[dict]) -> None:
-    headers = ["model", "output", "ALL ms", "ALL ratio", "NONE ms", "NONE ratio", "cold start"]
+    headers = ["model", "output", "ALL ms", "ALL ratio", "NONE ms", "NONE ratio"]
+    headers += ["ALL session s", "NONE session s", "cold start"]
     rows = []
     for result in results:
         if "error" in result:
-            rows.append([result["model"], "bench failed", result["error"], "", "", "", ""])
+            rows.append([result["model"], "bench failed", result["error"], *[""] * 6])
             continue
         for label in ("original", *TOOLS):
             row = result["tools"].get(label, {})
             if "error" in row:
-                rows.append([result["model"], label, row["error"][:60], "", "", "", ""])
+                rows.append([result["model"], label, row["error"][:60], *[""] * 6])
                 continue
             if "all" not in row:
                 continue
             cells = [result["model"], label]
             for level in ("all", "none"):
                 cells += [f"{row[level]['median_ms']:.2f}", f"{row[level]['ratio']:.3f}"]
+            cells += [f"{row[level]['session_s']:.3f}" for level in ("all", "none")]
             cells.append(f"{row['cold_start']:.2f}")
             rows.append(cells)
     print(h.table(headers, rows))
@@ -187,6 +191,10 @@ def main() -> int:
     )
     parser.add_argument("--models", default=",".join(MODELS), help=f"[{','.join(MODELS)}]")
     parser.add_argument("--runs", type=int, default=30, help="timed runs per model and level [30]")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs first [5]")
+    parser.add_argument(
+        "--session-runs", type=int, default=5, help="session creations per model and level [5]"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per step [1800]")
     parser.add_argument("--force-export", action="store_true", help="redo cached exports")
     parser.add_argument("--keep", action="store_true", help="keep the tools' output models")

@@ -9,6 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from fusectl.diagnostics.bench import rotations
 from tests.conftest import FIXTURES, optimize, run_cli
 
 BERT = FIXTURES / "bert_tiny_ts17.onnx"
@@ -159,3 +160,9 @@ def test_a_model_with_onnxruntime_only_ops_is_benched(tmp_path: Path) -> None:
     onnx.save(helper.make_model(rms, opset_imports=opsets), tmp_path / "rms.onnx")
     document = bench_json(tmp_path / "plain.onnx", tmp_path / "rms.onnx")
     assert [m["path"] for m in document["models"]][1] == str(tmp_path / "rms.onnx")
+
+
+def test_rotations_visit_every_item_each_round_and_rotate_the_lead() -> None:
+    orders = list(rotations(3, 4))
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert all(sorted(order) == [0, 1, 2] for order in orders)

@@ -2,8 +2,9 @@
 
 Every model runs on the same feeds (``fusectl.diagnostics.inputs``, as ``verify`` builds them),
 once per onnxruntime graph optimization level asked for: ``all`` (ORT_ENABLE_ALL, what a
-deployment gets) and ``none`` (ORT_DISABLE_ALL, fusectl's rewrite alone). Per model and level
-the session creation time is measured, then warm-up runs, then the timed runs.
+deployment gets) and ``none`` (ORT_DISABLE_ALL, fusectl's rewrite alone). Session creation is
+timed first, several times per model and level, interleaved across both; then, level by level,
+each model's session is created again for warm-up runs and the timed runs.
 
 The timed runs are interleaved: each round runs every model once, and the order rotates from
 round to round, so that clock-frequency drift, a noisy neighbour or a cache flush lands on all
@@ -15,7 +16,7 @@ model; the ratio is its median over the first model's (ORIGINAL) at the same lev
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,14 @@ class BenchResult:
         }
 
 
+def rotations(count: int, rounds: int) -> Iterator[list[int]]:
+    """Each round's order over ``count`` items: all of them, starting one further each round,
+    so that no item always goes first (or always follows the same one)."""
+    for round_ in range(rounds):
+        shift = round_ % count
+        yield [*range(shift, count), *range(shift)]
+
+
 def _failure(path: Path, error: Exception) -> FusectlError:
     message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return FusectlError(f"onnxruntime cannot run it: {message}", path=path)
@@ -216,21 +225,25 @@ def bench_models(
     feeds, plans = model_feeds(load_model(paths[0]).model, shapes, inputs, seed)
     result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans, session_runs)
 
+    # Session creations, interleaved across models and levels as the runs are across models, so
+    # the cold start (one level against the other) compares creations taken side by side. One
+    # untimed creation first pays onnxruntime's once-per-process start-up (its environment and
+    # kernel registries), which would otherwise land on the first model's first creation.
+    pairs = [(index, level) for level in levels for index in range(len(paths))]
+    for pair in pairs:
+        result.timings[pair] = Timing()
+    _session(paths[0], levels[0], chosen, threads)  # untimed, dropped at once
+    for order in rotations(len(pairs), session_runs):
+        for index, level in (pairs[k] for k in order):
+            start = time.perf_counter()
+            created = _session(paths[index], level, chosen, threads)
+            result.timings[index, level].sessions_s.append(time.perf_counter() - start)
+            del created  # one session alive at a time: creations do not compete for memory
+
     for level in levels:
-        for index in range(len(paths)):
-            result.timings[index, level] = Timing()
-        # Session creations interleaved as the runs are; the last one of each model is kept.
-        kept: dict[int, ort.InferenceSession] = {}
-        for round_ in range(session_runs):
-            shift = round_ % len(paths)
-            for index in [*range(shift, len(paths)), *range(shift)]:
-                kept.pop(index, None)
-                start = time.perf_counter()
-                kept[index] = _session(paths[index], level, chosen, threads)
-                result.timings[index, level].sessions_s.append(time.perf_counter() - start)
         sessions: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]] = []
-        for index, path in enumerate(paths):
-            session = kept[index]
+        for path in paths:
+            session = _session(path, level, chosen, threads)
             wanted = {value.name for value in session.get_inputs()}
             missing = sorted(wanted - feeds.keys())
             if missing:
@@ -245,9 +258,8 @@ def bench_models(
                     session.run(None, feed)
             except Exception as error:  # onnxruntime raises its own types for run errors
                 raise _failure(paths[index], error) from None
-        for round_ in range(runs):
-            shift = round_ % len(paths)
-            for index in [*range(shift, len(paths)), *range(shift)]:
+        for order in rotations(len(paths), runs):
+            for index in order:
                 session, feed = sessions[index]
                 try:
                     start = time.perf_counter()
@@ -256,7 +268,7 @@ def bench_models(
                 except Exception as error:
                     raise _failure(paths[index], error) from None
                 result.timings[index, level].times_ms.append(elapsed * 1e3)
-        del sessions, kept  # free one level's sessions before building the next
+        del sessions  # free one level's sessions before building the next
     return result
 
 

@@ -11,6 +11,7 @@ anchored at the Softmax instead of being a pattern per spelling:
          Reshape(Transpose(Reshape(k, 3-D), [0,2,1]), 4-D)    (dynamo), single-input Concats
     k, v = Reshape(Expand(Unsqueeze(kv, 2), ..), [B,N,L,H])  optional repeat_kv of KV heads
     p = Softmax(MatMul(q * s1, kT * s2) [+ bias ...])        scale s1*s2, or a Div of the product
+    (scores = c * Tanh(scores / c) before the biases)         optional logit soft-capping (Gemma-2)
     p = Where(IsNaN(p), 0, p)                                 optional guard
     out = Reshape(Transpose(MatMul(p, v), [0,2,1,3]), [B,S,N*H])
 
@@ -168,14 +169,38 @@ class _Attention:
     output: ir.Value
     root: ir.Node
     nodes: list[ir.Node] = field(default_factory=list)
+    softcap: float = 0.0  # the scaled scores are capped: softcap * tanh(scores / softcap)
+
+
+def _softcapped(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float] | None:
+    """(x, c) when ``value`` is c * Tanh(x / c) (or x * (1 / c)), logit soft-capping."""
+    mul = _producer(value, "Mul")
+    if mul is None:
+        return None
+    for capped, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        cap, tanh = _scalar(factor), _producer(capped, "Tanh")
+        if not cap or cap <= 0 or tanh is None:
+            continue
+        inner: list[ir.Node] = []
+        divide = _producer(tanh.inputs[0], "Div")
+        if divide is not None and _scalar(divide.inputs[1]) == cap:
+            inner.append(divide)
+            scores = divide.inputs[0]
+        else:
+            scores, inverse = _unscale(tanh.inputs[0], inner)
+            if not inner or not np.isclose(inverse * cap, 1.0, rtol=1e-6, atol=0.0):
+                continue
+        nodes += [mul, tanh, *inner]
+        return scores, cap
+    return None
 
 
 def _scores(
     value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]
-) -> tuple[ir.Node | None, float, ir.Value]:
-    """Walk Add(bias) and a scaling of the product (Div or Mul by a constant, as eager
-    attention writes it) back to the MatMul of the scores: the MatMul and that scale, and the
-    value the walk stopped at."""
+) -> tuple[ir.Node | None, float, ir.Value, float]:
+    """Walk Add(bias), a soft-capping and a scaling of the product (Div or Mul by a constant,
+    as eager attention writes it) back to the MatMul of the scores: the MatMul, that scale,
+    the value the walk stopped at and the soft cap (0: none)."""
     for _ in range(3):
         add = _producer(value, "Add")
         if add is None:
@@ -187,7 +212,11 @@ def _scores(
                 value = scores
                 break
         else:
-            return None, 1.0, value
+            return None, 1.0, value, 0.0
+    softcap = 0.0
+    capped = _softcapped(value, nodes)
+    if capped is not None:
+        value, softcap = capped
     scale = 1.0
     divide = _producer(value, "Div")
     if divide is not None and _scalar(divide.inputs[1]):
@@ -198,17 +227,18 @@ def _scores(
         product, factor = _unscale(value, nodes)
         if product is not value:
             scale, value = factor, product
-    return _producer(value, "MatMul"), scale, value
+    return _producer(value, "MatMul"), scale, value, softcap
 
 
-def _leads_to_matmul(value: ir.Value | None, depth: int = 4) -> bool:
-    """Whether a few Adds / Muls / Divs up from ``value`` there is the scores' MatMul."""
+def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
+    """Whether a few Adds / Muls / Divs (a Tanh: soft-capping) up from ``value`` there is the
+    scores' MatMul."""
     node = value.producer() if value is not None else None
     if node is None or depth == 0:
         return False
     if node.op_type == "MatMul":
         return True
-    if node.op_type not in ("Add", "Div", "Mul"):
+    if node.op_type not in ("Add", "Div", "Mul", "Tanh"):
         return False
     return any(_leads_to_matmul(v, depth - 1) for v in node.inputs)
 
@@ -218,7 +248,7 @@ def _match(softmax: ir.Node) -> _Attention | str:
     reports the reason only where the Softmax sits between two MatMuls: attention_shaped)."""
     nodes: list[ir.Node] = [softmax]
     biases: list[ir.Value] = []
-    matmul, product_scale, reached = _scores(softmax.inputs[0], nodes, biases)
+    matmul, product_scale, reached, softcap = _scores(softmax.inputs[0], nodes, biases)
     if matmul is None:
         found = reached.producer()
         return (
@@ -262,7 +292,17 @@ def _match(softmax: ir.Node) -> _Attention | str:
         return "the merged context is not reshaped back to [batch, sequence, hidden]"
     nodes += [merge, final]
     return _Attention(
-        heads, guard is not None, query, key, value, scale, biases, final.outputs[0], final, nodes
+        heads,
+        guard is not None,
+        query,
+        key,
+        value,
+        scale,
+        biases,
+        final.outputs[0],
+        final,
+        nodes,
+        softcap,
     )
 
 
@@ -520,7 +560,7 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
 # What an attention pass makes of a match: the fused op's leading inputs, its extra
 # attributes, and the matched nodes it also absorbs; or why it declines; or None when the site
 # is another pass's to take.
-_Plan = tuple[list[ir.Value | None], dict[str, int], list[ir.Node]]
+_Plan = tuple[list[ir.Value | None], dict[str, int | float], list[ir.Node]]
 # Inputs computed for the fused op, with the nodes computing them (see _prelude).
 _Prelude = tuple[list[ir.Value], list[ir.Node]]
 
@@ -533,6 +573,8 @@ class _AttentionFusion(FusionPass):
     # The kernel takes -FLT_MAX in the mask for -inf: a fully masked row then gets zero
     # weights instead of the uniform ones the written-out softmax gives it (see _clamped).
     clamps_mask: ClassVar[bool] = False
+    # The op has a softcap attribute, applied to the scaled scores before the bias is added.
+    softcaps: ClassVar[bool] = False
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern(self.op_type)
@@ -617,6 +659,13 @@ class _AttentionFusion(FusionPass):
         if plan is None or isinstance(plan, str):
             return plan
         inputs, attributes, absorbed = plan
+        if match.softcap and not self.softcaps:
+            return (
+                f"the scores are soft-capped (tanh), which {self.op_type} cannot express "
+                "(GroupQueryAttention and the opset-23 Attention have a softcap attribute)"
+            )
+        if match.softcap:
+            attributes = {**attributes, "softcap": match.softcap}
         nodes = match.nodes + absorbed
         keep = {value for value in inputs if value is not None} | set(match.biases)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
@@ -819,6 +868,7 @@ class AttentionFusionPass(_AttentionFusion):
     op_type = "Attention"
     bias_input = 3
     clamps_mask = True
+    softcaps = True
 
     def _plan(
         self,
@@ -856,7 +906,8 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         name="GroupQueryAttentionFusionPass",
         category=Category.UB,
         description="written-out attention with repeated key/value heads (LLaMA-style "
-        "grouped-query attention, no KV cache) -> com.microsoft GroupQueryAttention",
+        "grouped-query attention, no KV cache), or soft-capped scores (Gemma-2) -> "
+        "com.microsoft GroupQueryAttention",
         aliases=("group_query_attention_fusion", "GroupQueryAttentionFusion", "GQAFusion"),
         numerics=Numerics.REASSOCIATING,
         priority=4450,
@@ -866,6 +917,7 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     )
     op_type = "GroupQueryAttention"
     bias_input = 10
+    softcaps = True
 
     def _plan(
         self,
@@ -876,8 +928,9 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         shared: dict[object, tuple[ir.Value, ...]],
     ) -> _Plan | str | None:
         key, value = match.key, match.value
-        if not (key.repeated and value.repeated) and not _shared_head(ctx, match):
-            return None  # one KV head per query head: MultiHeadAttention's
+        grouped = (key.repeated and value.repeated) or _shared_head(ctx, match)
+        if not grouped and not match.softcap:
+            return None  # one KV head per query head: MultiHeadAttention's (no softcap)
         if key.projection is None or value.projection is None:
             return "the grouped key/value are not plain projections (a KV cache)"
         if head_size % _GQA_HEAD_SIZE_MULTIPLE:

@@ -567,3 +567,43 @@ def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) 
     assert run.counts(MHA) == (1, 1)
     assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
     _compare(model, run.output, _grouped_feeds(model))
+
+
+GEMMA2 = ["arch/gemma2_ts17", "arch/gemma2_dynamo"]
+
+
+@pytest.mark.parametrize("name", GEMMA2)
+def test_soft_capped_scores_become_group_query_attention_softcap(
+    name: str, tmp_path: Path
+) -> None:
+    """Gemma-2 caps the scaled scores, 50 * tanh(s / 50), before adding the mask: that is
+    GroupQueryAttention's softcap attribute (applied before attention_bias, as onnxruntime's
+    kernel does), in every layer, with the scale of the product kept apart."""
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    graph = _graph(run.output)
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 2
+    for node in fused:
+        attrs = _attributes(node)
+        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (4, 2)
+        assert attrs["softcap"] == pytest.approx(50.0)
+        assert attrs["scale"] == pytest.approx(256**-0.5, rel=1e-5)  # query_pre_attn_scalar
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["Tanh"], ops["Softmax"]) == (0, 0)
+
+
+@pytest.mark.parametrize("name", GEMMA2)
+def test_soft_capped_scores_are_a_multi_head_attention_near_miss(
+    name: str, tmp_path: Path
+) -> None:
+    """GroupQueryAttention off: MultiHeadAttention has no softcap, so every layer stays written
+    out and the report says why (never silent)."""
+    run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", GQA)
+    reason = (
+        "the scores are soft-capped (tanh), which MultiHeadAttention cannot express "
+        "(GroupQueryAttention and the opset-23 Attention have a softcap attribute)"
+    )
+    assert run.counts(MHA) == (2, 0)
+    assert reasons(run, MHA) == {reason: 2}
+    assert run.op_counts()["Softmax"] == 2

@@ -573,9 +573,7 @@ GEMMA2 = ["arch/gemma2_ts17", "arch/gemma2_dynamo"]
 
 
 @pytest.mark.parametrize("name", GEMMA2)
-def test_soft_capped_scores_become_group_query_attention_softcap(
-    name: str, tmp_path: Path
-) -> None:
+def test_soft_capped_scores_become_group_query_attention_softcap(name: str, tmp_path: Path) -> None:
     """Gemma-2 caps the scaled scores, 50 * tanh(s / 50), before adding the mask: that is
     GroupQueryAttention's softcap attribute (applied before attention_bias, as onnxruntime's
     kernel does), in every layer, with the scale of the product kept apart."""
@@ -594,9 +592,7 @@ def test_soft_capped_scores_become_group_query_attention_softcap(
 
 
 @pytest.mark.parametrize("name", GEMMA2)
-def test_soft_capped_scores_are_a_multi_head_attention_near_miss(
-    name: str, tmp_path: Path
-) -> None:
+def test_soft_capped_scores_are_a_multi_head_attention_near_miss(name: str, tmp_path: Path) -> None:
     """GroupQueryAttention off: MultiHeadAttention has no softcap, so every layer stays written
     out and the report says why (never silent)."""
     run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", GQA)

@@ -572,6 +572,56 @@ class SimplifiedLayerNormFusionPass(PatternPass):
     rules = _rms_rules("SimplifiedLayerNorm", _to_simplified_layer_norm, residual=False)
 
 
+def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    """RMSNorm(x, eps) = SkipSimplifiedLayerNormalization(x, x, epsilon=4 * eps), exactly:
+    the kernel normalises x + x = 2x, and 2x / sqrt(mean((2x)^2) + 4 eps) = x / sqrt(mean(x^2)
+    + eps) with every step scaled by a power of two, which rounds nowhere. Below opset 23 this
+    is the one fused form of an RMS norm without a residual Add that passes the checker."""
+    if normalised_axis(site, x, **bindings) != -1:
+        raise Decline("the fused kernel normalises the last axis only")
+    shape = site.shape(x)
+    if shape is None or len(shape) < 2:
+        raise Decline("the rank of the normalised input is unknown or below 2")
+    # The kernel takes 2-D or 3-D input: a 4-D one (Qwen3's per-head q/k norms, [B, S, N, H])
+    # is normalised as [B, S*N, H] and reshaped back, which needs its axes after the second.
+    inner = list(shape[2:])
+    if len(shape) > 3 and not all(isinstance(d, int) for d in inner):
+        raise Decline("the input is above 3-D with an axis after the second of unknown size")
+    _check_one(site, bindings)
+    rounded_to = _rounded_to(site, x, bindings)
+    widen = rounded_to is not None
+    site.require_kernel("SkipSimplifiedLayerNormalization", _FLOAT if widen else site.dtype(x), MS)
+    hidden = shape[-1] if isinstance(shape[-1], int) else None
+    gamma = _param(site, op, bindings["gamma"], "gamma", hidden, widen)
+    epsilon = 4 * _epsilon(site, bindings["eps"])
+    source = x
+    if len(shape) > 3:
+        source = op.Reshape(x, site.initializer(op, np.array([0, -1, hidden]), "as_3d"))
+    output = op.SkipSimplifiedLayerNormalization(source, source, gamma, _domain=MS, epsilon=epsilon)
+    if len(shape) > 3:
+        output = op.Reshape(output, site.initializer(op, np.array([0, -1, *inner]), "back"))
+    return op.Cast(output, to=rounded_to) if widen else output
+
+
+@register_pass
+class DoubledRmsNormFusionPass(PatternPass):
+    spec = PassSpec(
+        name="DoubledRmsNormFusionPass",
+        category=Category.UB,
+        description="written-out RMS norm without a residual Add (below opset 23: no "
+        "standard op) -> com.microsoft SkipSimplifiedLayerNormalization(x, x) with 4x the "
+        "epsilon, which normalises 2x to exactly what x normalises to",
+        aliases=("doubled_rms_norm_fusion",),
+        numerics=Numerics.REASSOCIATING,
+        priority=8200,  # after AddRmsNormFusionPass (residual sums) and the opt-in ONNX-domain op
+        targets=("ort",),
+        emits=("SkipSimplifiedLayerNormalization",),
+        emits_domain=MS,
+        every_layer=False,  # LLaMA's first norm is in layer 0 only
+    )
+    rules = _rms_rules("DoubledRmsNorm", _to_doubled_skip, residual=False)
+
+
 @register_pass
 class AddRmsNormFusionPass(PatternPass):
     spec = PassSpec(

@@ -57,10 +57,10 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "deit_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "falcon_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
-    "gemma2_dynamo": ((2, 4, 4, 2, 4), (2, 9, None, 2, 4)),
-    "gemma2_ts17": ((2, 4, 4, 2, 4), (2, 9, None, 2, 4)),
-    "gemma_dynamo": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "gemma_ts17": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
+    "gemma2_dynamo": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
+    "gemma2_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
+    "gemma_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "gemma_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gpt_bigcode_dynamo": ((0, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gpt_bigcode_ts17": ((0, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
@@ -69,20 +69,20 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gptj_ts17": ((2, 3, 0, 2, 0), (2, 3, None, 2, 4)),
     "levit_dynamo": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "levit_ts17": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
-    "mistral_dynamo": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "mistral_ts17": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
+    "mistral_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_dynamo": ((2, 5, 0, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
-    "phi3_dynamo": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "phi3_ts17": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
+    "phi3_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "phi3_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "phi_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
-    "qwen2_dynamo": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "qwen2_past_dynamo": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "qwen2_past_ts17": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "qwen2_ts17": ((2, 4, 4, 2, 4), (2, 5, None, 2, 4)),
-    "qwen3_dynamo": ((2, 4, 4, 2, 4), (2, 9, None, 2, 4)),
-    "qwen3_ts17": ((2, 4, 4, 2, 4), (2, 9, None, 2, 4)),
+    "qwen2_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "qwen2_past_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "qwen2_past_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "qwen2_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "qwen3_dynamo": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
+    "qwen3_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "roberta_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "roberta_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "siglip_vision_dynamo": ((2, 6, 4, 3, 0), (3, 6, None, 3, 0)),
@@ -129,12 +129,6 @@ WHY: dict[tuple[str, str], str] = {
         "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
         "additive biases and a constant scale (they come from Where)"
     ),
-    ("gemma2_dynamo", "norm"): (
-        "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18"
-    ),
-    ("gemma2_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
-    ("gemma_dynamo", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18",
-    ("gemma_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
     ("gpt_bigcode_dynamo", "attention"): (
         "AttentionFusionPass: the query projection is not 3-D [batch, sequence, hidden]; "
         "GroupQueryAttentionFusionPass: the query projection is not 3-D [batch, sequence,"
@@ -163,22 +157,6 @@ WHY: dict[tuple[str, str], str] = {
         " the query or key is unknown; MultiHeadAttentionFusionPass: the number of heads "
         "or the head size of the query or key is unknown"
     ),
-    ("mistral_dynamo", "norm"): (
-        "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18"
-    ),
-    ("mistral_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
-    ("phi3_dynamo", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18",
-    ("phi3_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
-    ("qwen2_dynamo", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18",
-    ("qwen2_past_dynamo", "norm"): (
-        "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18"
-    ),
-    ("qwen2_past_ts17", "norm"): (
-        "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17"
-    ),
-    ("qwen2_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
-    ("qwen3_dynamo", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 18",
-    ("qwen3_ts17", "norm"): "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
     ("siglip_vision_dynamo", "attention"): (
         "AttentionFusionPass: Attention needs opset >= 23, model has 18; "
         "AttentionFusionPass: the key is not transposed heads [batch, heads, head size, "

@@ -54,17 +54,13 @@ def test_phi3_torchscript_canonical_form_exposes_rotary_and_attention(tmp_path: 
     coverage = run.report["coverage"]
     assert {k: (v["fused"], v["total"]) for k, v in coverage.items()} == {
         "attention": (2, 2),
-        "norms": (4, 5),
+        "norms": (5, 5),
         "GELU": (2, 2),
         "rotary": (4, 4),
     }
-    # The first layer's input norm reads the embedding (no residual Add): below opset 23 only
-    # the ONNX-domain SimplifiedLayerNormalization expresses it, and that pass is off.
-    (unfused,) = coverage["norms"]["unfused"]
-    assert unfused == {
-        "node": "/inner/layers.0/input_layernorm/ReduceMean",
-        "reason": "RmsNormFusionPass: RMSNormalization needs opset >= 23, model has 17",
-    }
+    # The first layer's input norm reads the embedding (no residual Add): below opset 23 it is
+    # SkipSimplifiedLayerNormalization(x, x) with 4x the epsilon.
+    assert run.counts("DoubledRmsNormFusionPass") == (1, 1)
 
 
 @pytest.mark.parametrize("name", ["arch/gpt_neox_ts17", "arch/gpt_neox_dynamo"])
@@ -106,9 +102,9 @@ def test_target_onnx_reports_attention_unfused_with_reasons(tmp_path: Path) -> N
 
 
 def _scores_model(tmp_path: Path, *, softcap: bool, reread: bool) -> Path:
-    """softmax(q @ k^T) @ v on [B, 2, S, 4] heads; the scores optionally soft-capped as Gemma-2
-    does (cap * tanh(s / cap): no fused attention op computes that), the probabilities
-    optionally not read by a MatMul."""
+    """softmax(q @ k^T) @ v on [B, 2, S, 4] heads; the scores optionally capped by their sign
+    (cap * sign(s / cap): no fused attention op computes that, unlike Gemma-2's tanh, which is
+    GroupQueryAttention's softcap), the probabilities optionally not read by a MatMul."""
     f32 = TensorProto.FLOAT
     nodes = [
         helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2], name="kt"),
@@ -117,7 +113,7 @@ def _scores_model(tmp_path: Path, *, softcap: bool, reread: bool) -> Path:
     scores = "scores"
     if softcap:
         nodes.append(helper.make_node("Div", ["scores", "cap"], ["ratio"]))
-        nodes.append(helper.make_node("Tanh", ["ratio"], ["capped"]))
+        nodes.append(helper.make_node("Sign", ["ratio"], ["capped"]))
         nodes.append(helper.make_node("Mul", ["capped", "cap"], ["softcapped"]))
         scores = "softcapped"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=-1, name="softmax"))
@@ -136,7 +132,7 @@ def test_unfused_attention_shaped_softmax_is_a_near_miss(tmp_path: Path) -> None
     run = optimize_checked(_scores_model(tmp_path, softcap=True, reread=True), tmp_path)
     reason = (
         "the scores are not MatMul(query, key^T) with additive biases and a constant scale "
-        "(they come from Tanh)"
+        "(they come from Sign)"
     )
     assert reasons(run, MHA) == {reason: 1}
     attention = run.report["coverage"]["attention"]

@@ -98,7 +98,12 @@ def test_layer_norm_becomes_layer_normalization(square: str, tmp_path: Path) -> 
 def test_layer_norm_below_opset_17_says_why(tmp_path: Path) -> None:
     run = optimize_checked(_model(tmp_path / "ln14.onnx", residual=False, opset=14), tmp_path)
     assert_declined(run, LN, "LayerNormalization needs opset >= 17, model has 14", "y")
-    assert run.op_counts()["ReduceMean"] == 2
+    # A layer norm is the RMS norm of its centred input (plus beta): that core still fuses,
+    # checker-valid, as the doubled skip norm; the mean, Sub and beta Add stay.
+    assert run.counts("DoubledRmsNormFusionPass") == (1, 1)
+    assert run.op_counts() == Counter(
+        {"ReduceMean": 1, "Sub": 1, "SkipSimplifiedLayerNormalization": 1, "Add": 1}
+    )
 
 
 @pytest.mark.parametrize(
@@ -311,7 +316,9 @@ def test_residual_norms(name: str, ln: tuple[int, int], also: str, tmp_path: Pat
     counts = run.op_counts()
     assert counts["SkipLayerNormalization"] == 4
     if name.startswith("gpt2"):  # pre-LN: the final norm has no residual Add of its own
-        assert counts["LayerNormalization"] + counts["ReduceMean"] // 2 == 1
+        # below opset 17 its centred core is the doubled skip RMS norm (the mean stays)
+        core = counts["LayerNormalization"] + counts["SkipSimplifiedLayerNormalization"]
+        assert (core, counts["ReduceMean"]) == ((1, 1) if ln[0] else (1, 0))
     feeds = random_feeds(fixture_path(name), dims={"batch": 3, "sequence": 5})
     for want, got in zip(
         run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
@@ -327,9 +334,15 @@ RMS, SKIP_RMS = "RmsNormFusionPass", "AddRmsNormFusionPass"
 
 
 def _rms_model(
-    path: Path, *, inverse: str, residual: bool, opset: int = 18, one: float = 1.0
+    path: Path,
+    *,
+    inverse: str,
+    residual: bool,
+    opset: int = 18,
+    one: float = 1.0,
+    shape: list[int | str] = SHAPE,
 ) -> Path:
-    inputs = [value("a", SHAPE)]
+    inputs = [value("a", shape)]
     nodes: list[onnx.NodeProto] = []
     x = "a"
     if residual:
@@ -356,7 +369,7 @@ def _rms_model(
         const("weight", np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1])),
         const("axes", np.array([-1], np.int64), np.int64),
     ]
-    return save_model(path, nodes, inputs, [value("y", SHAPE)], inits, opset=opset)
+    return save_model(path, nodes, inputs, [value("y", shape)], inits, opset=opset)
 
 
 @pytest.mark.parametrize("inverse", ["Reciprocal", "DivOne", "Div"])
@@ -370,6 +383,48 @@ def test_rms_norm_forms(inverse: str, tmp_path: Path) -> None:
     assert_declined(run, RMS, "RMSNormalization needs opset >= 23, model has 18", "y")
     assert run.counts(SKIP_RMS) == (1, 1)
     assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+
+
+DOUBLED = "DoubledRmsNormFusionPass"
+
+
+@pytest.mark.parametrize("inverse", ["Reciprocal", "DivOne", "Div"])
+@pytest.mark.parametrize("shape", [SHAPE, SHAPE[1:], [2, 5, 3, SHAPE[-1]]])
+def test_rms_norm_without_residual_is_a_doubled_skip_norm(
+    inverse: str, shape: list[int], tmp_path: Path
+) -> None:
+    """Below opset 23 an RMS norm with no residual Add in front becomes
+    SkipSimplifiedLayerNormalization(x, x) with 4x the epsilon (rms(2x) = 2 rms(x), scaled by
+    powers of two only); 4-D input is normalised as [B, S*N, H] between two Reshapes."""
+    model = _rms_model(tmp_path / "rms.onnx", inverse=inverse, residual=False, shape=shape)
+    run = optimize_checked(model, tmp_path, atol=1e-6)
+    assert run.counts(DOUBLED) == (1, 1)
+    reshapes = 2 if len(shape) == 4 else 0
+    assert (
+        run.op_counts()
+        == Counter({"SkipSimplifiedLayerNormalization": 1, "Reshape": reshapes}) - Counter()
+    )
+    graph = onnx.load(str(run.output)).graph
+    (norm,) = [n for n in graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert norm.domain == "com.microsoft" and norm.input[0] == norm.input[1]
+    (epsilon,) = [helper.get_attribute_value(a) for a in norm.attribute]
+    assert epsilon == pytest.approx(4e-6, rel=1e-6)
+
+
+def test_doubled_skip_norm_declines_unknown_inner_axes(tmp_path: Path) -> None:
+    model = _rms_model(
+        tmp_path / "rms4d.onnx", inverse="Div", residual=False, shape=[2, 5, "heads", SHAPE[-1]]
+    )
+    run = optimize_checked(model, tmp_path)
+    reason = "the input is above 3-D with an axis after the second of unknown size"
+    assert_declined(run, DOUBLED, reason, "y")
+
+
+def test_doubled_skip_norm_not_for_other_targets(tmp_path: Path) -> None:
+    model = _rms_model(tmp_path / "rms.onnx", inverse="Div", residual=False)
+    run = optimize_checked(model, tmp_path, "--target", "onnx")
+    assert run.passed(DOUBLED)["state"] == "off"
+    assert run.op_counts()["ReduceMean"] == 1
 
 
 def test_rms_norm_wrong_numerator(tmp_path: Path) -> None:
@@ -400,7 +455,9 @@ def test_llama_and_t5_residual_rms_norms(name: str, casts: int, tmp_path: Path) 
     )
     assert run.counts(RMS) == (5, 0)
     assert run.counts(SKIP_RMS) == (4, 4)
-    assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 4
+    assert run.counts(DOUBLED) == (1, 1)  # the first norm, over the embeddings: x + x
+    counts = run.op_counts()
+    assert (counts["SkipSimplifiedLayerNormalization"], counts["ReduceMean"]) == (5, 0)
 
 
 SIMPLIFIED = "SimplifiedLayerNormFusionPass"
@@ -454,9 +511,11 @@ def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
         "/inner/layers.0/input_layernorm/Mul_1",
         count=5,
     )
+    # the first layer's input norm, no residual Add in front: x + x, float32 + Cast
+    assert run.counts(DOUBLED) == (1, 1)
+    assert run.passed(DOUBLED)["patterns"]["DoubledRmsNormCast"] == {"matched": 1, "effected": 1}
     counts = run.op_counts()
-    assert counts["SkipSimplifiedLayerNormalization"] == 4
-    assert counts["ReduceMean"] == 1  # the first layer's input norm: no residual Add in front
+    assert (counts["SkipSimplifiedLayerNormalization"], counts["ReduceMean"]) == (5, 0)
     graph = onnx.load(str(run.output)).graph
     floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
     for node in graph.node:

@@ -171,7 +171,8 @@ def layer_coverage(run: PassRun, layers: set[str]) -> dict[str, Any] | None:
     """For a pass that fuses into new ops in some layers of the model but not in all of them:
     how many, and which layers it missed."""
     ctx = run.ctx
-    if ctx is None or not run.decision.fusion_pass.spec.emits or not layers:
+    spec = run.decision.fusion_pass.spec
+    if ctx is None or not spec.emits or not spec.every_layer or not layers:
         return None
     fused = {site.layer for site in ctx.sites if site.layer is not None}
     if not fused or fused >= layers:

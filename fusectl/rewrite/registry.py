@@ -81,6 +81,9 @@ class PassSpec:
     # them changes the graph, since each can expose work for another (a folded dimension
     # makes a Slice whole; a removed Slice makes the next Shape static).
     canonical: bool = False
+    # Whether what the pass fuses is in every layer of a model that has it: when not (the one
+    # norm with no residual Add in front), the per-layer coverage does not flag the others.
+    every_layer: bool = True
 
     def __post_init__(self) -> None:
         for label in (self.name, *self.aliases):

@@ -33,6 +33,8 @@ from fusectl.rewrite.axes import axis_size, shape_element
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.coverage import attention_shaped
 from fusectl.rewrite.graph import (
+    INDEX_TYPES,
+    absorb_shape_arithmetic,
     constant_value,
     new_constant,
     replace_subgraph,
@@ -316,30 +318,6 @@ def _producer_user(value: ir.Value, op_type: str) -> ir.Node | None:
 
 
 _SHAPE_READERS = frozenset({"Shape", "Size"})
-# Shape arithmetic: sizes, and the Equal(-1) tests of the Where(Equal(s, -1), 1, s) idiom.
-_INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
-
-
-def _absorb_shape_arithmetic(ctx: PassContext, nodes: list[ir.Node], keep: set[ir.Value]) -> None:
-    """Add the integer side computations (Shape -> Gather -> Concat ... -> a Reshape's target)
-    that exist only for the matched nodes: they die with them. Values in ``keep`` (what the
-    fused op reads) are never absorbed."""
-    members = set(nodes)
-    changed = True
-    while changed:
-        changed = False
-        for node in list(nodes):  # the list, not the set: lineage follows a stable order
-            for value in node.inputs:
-                producer = value.producer() if value is not None else None
-                if producer is None or producer in members or value in keep:
-                    continue
-                outputs = producer.outputs
-                if any(ctx.dtype(v) not in _INDEX_TYPES or v.is_graph_output() for v in outputs):
-                    continue
-                if all(user in members for v in outputs for user, _ in v.uses()):
-                    members.add(producer)
-                    nodes.append(producer)
-                    changed = True
 
 
 def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | None]:
@@ -549,7 +527,7 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
         node = pending.pop()
         if node in staying:
             continue
-        integer = all(ctx.dtype(value) in _INDEX_TYPES for value in node.outputs)
+        integer = all(ctx.dtype(value) in INDEX_TYPES for value in node.outputs)
         if not integer and (node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx")):
             return None
         staying.add(node)
@@ -673,7 +651,7 @@ class _AttentionFusion(FusionPass):
         flatten = len(replaced) != 3
         if flatten:
             keep.add(match.root.inputs[1])
-        _absorb_shape_arithmetic(ctx, nodes, keep)
+        absorb_shape_arithmetic(ctx, nodes, keep)
         staying = _still_read(ctx, nodes, match.output)
         if staying is None:
             return uses_outside(nodes, [match.output])

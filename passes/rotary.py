@@ -12,6 +12,15 @@ flattened to [S, H/2], is a per-row cache: RotaryEmbedding with position offset 
 for query row s, whatever positions the model computed the angles from (a KV-cache offset
 included). The rotation is applied to the [B, S, N*H] projection, before the head split, so
 the attention fusions still find their Transpose(Reshape(X)) head split above it.
+
+GPT-J rotates every two elements instead (``interleaved``), on heads [B, S, N, R] not yet
+transposed, with cos / sin [1, S, 1, R] repeated element-wise (repeat_interleave):
+
+    rotated = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., 0::2], -1), -1), x)
+    out = x * repeat_interleave(cos_t, 2) + rotated * repeat_interleave(sin_t, 2)
+
+which is RotaryEmbedding(interleaved=1) on x merged to [B, S, N*R], with cos_t / sin_t
+[1, S, 1, R/2] as the per-row caches.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import onnx_ir as ir
 from fusectl.rewrite import runtime
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    absorb_shape_arithmetic,
     constant_value,
     new_constant,
     replace_subgraph,
@@ -59,18 +69,89 @@ class _Rotary:
     sin: ir.Value
     nodes: list[ir.Node]
     root: ir.Node
+    interleaved: bool = False  # rotate every two (GPT-J), not rotate_half
 
 
-def _last_axis_slice(node: ir.Node, rank: int) -> tuple[int, int] | None:
-    """(start, end) of a step-1 Slice along the last axis."""
+def _last_axis_slice(node: ir.Node, rank: int, step: int = 1) -> tuple[int, int] | None:
+    """(start, end) of a Slice with this step along the last axis."""
     starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
     axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
     steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
-    if starts is None or ends is None or axes is None or steps != [1] or len(starts) != 1:
+    if starts is None or ends is None or axes is None or steps != [step] or len(starts) != 1:
         return None
     if axes[0] % rank != rank - 1:
         return None
     return starts[0], ends[0]
+
+
+def _last_axis_unsqueeze(value: ir.Value, rank: int, alone: bool = True) -> ir.Value | None:
+    """x from Unsqueeze(x, axes) whose rank-``rank`` output's last axis is a new one (the only
+    new one unless not ``alone``)."""
+    node = _producer(value, "Unsqueeze")
+    axes = _ints(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
+    if axes is None or (alone and len(axes) != 1):
+        return None
+    return node.inputs[0] if rank - 1 in [a % rank for a in axes] else None
+
+
+def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list] | None:
+    """x [..., R] from Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., 0::2],
+    -1), axis=-1), [..., R]) (GPT-J's rotate_every_two), and the nodes doing it."""
+    reshape = _producer(value, "Reshape")
+    concat = _producer(reshape.inputs[0], "Concat") if reshape is not None else None
+    if concat is None or len(concat.inputs) != 2:
+        return None
+    if concat.attributes.get_int("axis") not in (-1, 4):
+        return None
+    negated, even_value = (_last_axis_unsqueeze(v, 5) for v in concat.inputs)
+    negate = _producer(negated, "Neg")
+    odd = _producer(negate.inputs[0], "Slice") if negate is not None else None
+    even = _producer(even_value, "Slice")
+    if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
+        return None
+    x = even.inputs[0]
+    shape, pairs, rotated = ctx.shape(x), ctx.shape(concat.outputs[0]), ctx.shape(value)
+    if shape is None or len(shape) != 4 or not isinstance(shape[3], int) or shape[3] % 2:
+        return None
+    # The Reshape merges the pairs back: it keeps the leading axes, so (the element count
+    # being kept) the last one is R whatever its inferred size.
+    if pairs is None or rotated is None or len(pairs) != 5 or len(rotated) != 4:
+        return None
+    if list(pairs[3:]) != [shape[3] // 2, 2]:
+        return None
+    if not all(_same_dim(a, b) for a, b in zip(pairs[:3], rotated[:3], strict=True)):
+        return None
+    odd_range, even_range = _last_axis_slice(odd, 4, 2), _last_axis_slice(even, 4, 2)
+    if odd_range is None or even_range is None:
+        return None
+    if odd_range[0] != 1 or even_range[0] != 0 or min(odd_range[1], even_range[1]) < shape[3]:
+        return None
+    nodes = [reshape, concat, negate, odd, even]
+    return x, nodes + [v.producer() for v in concat.inputs]
+
+
+def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Shape] | None:
+    """(t, the shape of ``value``) when ``value`` [..., R] repeats each element of t [..., R/2]
+    twice along the last axis (repeat_interleave: Reshape(Tile(Unsqueeze(t, -1), [1, .., 2]))
+    or Expand to [.., 2])."""
+    reshape = _producer(value, "Reshape")
+    if reshape is None:
+        return None
+    copies = reshape.inputs[0].producer()
+    if copies is None or copies.op_type not in ("Tile", "Expand") or copies.domain != "":
+        return None
+    table_shape = ctx.shape(copies.inputs[0])
+    pairs, merged = ctx.shape(copies.outputs[0]), ctx.shape(value)
+    if table_shape is None or pairs is None or merged is None or len(pairs) != len(merged) + 1:
+        return None
+    if pairs[-1] != 2 or table_shape[-1] != 1 or not isinstance(pairs[-2], int):
+        return None
+    # Leading axes kept (and the element count), so the last one is the pairs merged.
+    if not all(_same_dim(a, b) for a, b in zip(pairs[:-2], merged[:-1], strict=True)):
+        return None
+    # The table's other new axes (heads, of size 1) leave its S x R/2 elements in row order.
+    table = _last_axis_unsqueeze(copies.inputs[0], len(pairs), alone=False)
+    return None if table is None else (table, ir.Shape([*pairs[:-2], 2 * pairs[-2]]))
 
 
 def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
@@ -113,6 +194,9 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
                     slices = [negate.inputs[0].producer(), concat.inputs[1].producer()]
                     nodes = [add, direct, rotated, concat, negate, *slices]
                     return _Rotary(x, cos, sin, nodes, add)
+                pairs = _rotate_every_two_of(ctx, half_turn)
+                if pairs is not None and pairs[0] is x:
+                    return _Rotary(x, cos, sin, [add, direct, rotated, *pairs[1]], add, True)
     return None
 
 
@@ -181,7 +265,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
         name="RotaryEmbeddingFusionPass",
         category=Category.UB,
         description="rotate_half rotary position embedding (LLaMA-style q/k) -> com.microsoft "
-        "RotaryEmbedding on the projection, before the head split",
+        "RotaryEmbedding on the projection, before the head split; GPT-J's rotate_every_two "
+        "-> RotaryEmbedding(interleaved=1)",
         aliases=("rotary_embedding_fusion", "RotaryEmbeddingFusion"),
         numerics=Numerics.REASSOCIATING,
         priority=4400,
@@ -204,25 +289,38 @@ class RotaryEmbeddingFusionPass(FusionPass):
 
     @staticmethod
     def _cache(
-        ctx: PassContext, angles: ir.Value, half: int, label: str
+        ctx: PassContext, angles: ir.Value, half: int, label: str, interleaved: bool
     ) -> tuple[list[ir.Node], ir.Value]:
-        """[S, H/2] rows of cos or sin: the first half of the last axis, flattened."""
+        """[S, H/2] rows of cos or sin: the first half of the last axis, flattened; for the
+        interleaved form the table before repeat_interleave, flattened."""
         graph = angles.graph
         assert graph is not None
+        if interleaved:
+            repeated = _repeated_pairs(ctx, angles)
+            assert repeated is not None
+            angles = repeated[0]
         table = constant_value(angles)
         if table is not None:  # a constant table: its cache is a constant too
-            rows = np.ascontiguousarray(table[..., :half].reshape(-1, half))
+            rows = table if interleaved else table[..., :half]
+            rows = np.ascontiguousarray(rows.reshape(-1, half))
             return [], new_constant(graph, f"{label}/cache", rows)
-        bounds = {
-            "starts": [0],
-            "ends": [half],
-            "axes": [-1],
-            "rows": [-1, half],
-        }
+        bounds = (
+            {"rows": [-1, half]}
+            if interleaved
+            else {
+                "starts": [0],
+                "ends": [half],
+                "axes": [-1],
+                "rows": [-1, half],
+            }
+        )
         constants = {
             suffix: new_constant(graph, f"{label}/{suffix}", np.array(numbers, np.int64))
             for suffix, numbers in bounds.items()
         }
+        if interleaved:  # the table's rank varies; shape inference gives the rows
+            flat = ir.node("Reshape", [angles, constants["rows"]])
+            return [flat], flat.outputs[0]
         first_half = ir.node(
             "Slice", [angles, constants["starts"], constants["ends"], constants["axes"]]
         )
@@ -243,22 +341,37 @@ class RotaryEmbeddingFusionPass(FusionPass):
         shape = ctx.shape(match.x)
         assert shape is not None
         head_size = int(shape[3])
+        # The position axis: x [B, N, S, H] after the head transpose; GPT-J's [B, S, N, R].
+        sequence = 1 if match.interleaved else 2
         for angles in (match.cos, match.sin):
-            if not _duplicated_halves(ctx, angles):
-                return "cos / sin are not the same angles repeated in both halves (Concat(f, f))"
             angle_shape = ctx.shape(angles)
+            if match.interleaved:
+                repeated = _repeated_pairs(ctx, angles)
+                if repeated is None:
+                    return (
+                        "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
+                    )
+                angle_shape = repeated[1]
+            elif not _duplicated_halves(ctx, angles):
+                return "cos / sin are not the same angles repeated in both halves (Concat(f, f))"
             if angle_shape is None or len(angle_shape) < 2 or angle_shape[-1] != head_size:
                 return "cos / sin do not have the head size as their last axis"
-            if any(d != 1 for d in angle_shape[:-2]):
+            rows_axis = len(angle_shape) - 4 + sequence
+            others = [d for i, d in enumerate(angle_shape[:-1]) if i != rows_axis]
+            if rows_axis < 0 or any(d != 1 for d in others):
                 return "cos / sin differ per batch row or head (position ids per row)"
-            rows, positions = angle_shape[-2], shape[2]
+            rows, positions = angle_shape[rows_axis], shape[sequence]
             if rows != positions and (rows == 1 or isinstance(positions, int)):
                 return "cos / sin do not have one row per query position"
+        if match.interleaved and not isinstance(shape[2], int):
+            return "the number of heads of the interleaved rotary's input is unknown"
         dtype = ctx.dtype(match.x)
         if ctx.target == "ort" and not runtime.has_kernel("RotaryEmbedding", MS, 1, dtype):
             return f"onnxruntime has no com.microsoft.RotaryEmbedding kernel for {dtype}"
-        split = _head_split(ctx, match.x)
+        split = None if match.interleaved else _head_split(ctx, match.x)
         old_nodes = list(match.nodes)
+        if match.interleaved:  # TorchScript's Reshape back reads Shape(Concat): dies with it
+            absorb_shape_arithmetic(ctx, old_nodes, {match.x, match.cos, match.sin})
         if (
             split is not None
             and uses_outside([*old_nodes, *split], [match.root.outputs[0]]) is None
@@ -273,21 +386,44 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if new_cache:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
             half = head_size // 2
-            cos_nodes, cos_cache = cls._cache(ctx, match.cos, half, f"{label}/cos")
-            sin_nodes, sin_cache = cls._cache(ctx, match.sin, half, f"{label}/sin")
+            pairs = match.interleaved
+            cos_nodes, cos_cache = cls._cache(ctx, match.cos, half, f"{label}/cos", pairs)
+            sin_nodes, sin_cache = cls._cache(ctx, match.sin, half, f"{label}/sin", pairs)
             new_nodes += cos_nodes + sin_nodes
             caches[key] = (cos_cache, sin_cache)
         cos_cache, sin_cache = caches[key]
         offset = _position_offset(match.root.graph)
         source = split[0].inputs[0] if split is not None else match.x
+        attributes = {"interleaved": 0}
+        if match.interleaved:  # [B, S, N, R] -> [B, S, N*R], as the kernel's 3-D input
+            graph = match.root.graph
+            assert graph is not None
+            heads = int(shape[2])
+            targets = {
+                "merged": [0, 0, heads * head_size],
+                "split": [0, 0, heads, head_size],
+            }
+            merge, back = (
+                _shared_constant(graph, f"{ctx.spec.name}/{name}_{heads}x{head_size}", t)
+                for name, t in targets.items()
+            )
+            merged = ir.node("Reshape", [match.x, merge])
+            new_nodes.append(merged)
+            merged_shape = ir.Shape([shape[0], shape[1], heads * head_size])
+            source = typed(merged.outputs[0], ctx.dtype(match.x), merged_shape)
+            attributes = {"interleaved": 1, "num_heads": heads}
         rotary = ir.node(
             "RotaryEmbedding",
             [source, offset, cos_cache, sin_cache],
-            attributes={"interleaved": 0},
+            attributes=attributes,
             domain=MS,
         )
         new_nodes.append(rotary)
         result = typed(rotary.outputs[0], ctx.dtype(source), ctx.shape(source))
+        if match.interleaved:
+            unmerged = ir.node("Reshape", [result, back])
+            new_nodes.append(unmerged)
+            result = typed(unmerged.outputs[0], ctx.dtype(match.x), shape)
         if split is not None:
             reshape = split[0]
             heads = ir.node(
@@ -319,6 +455,11 @@ _OFFSET_NAME = "RotaryEmbeddingFusionPass/position_offset"
 def _position_offset(graph: ir.Graph | None) -> ir.Value:
     """The shared position_ids input [0]: row s of the per-row cache for query row s."""
     assert graph is not None
-    if _OFFSET_NAME not in graph.initializers:
-        new_constant(graph, _OFFSET_NAME, np.array([0], np.int64))
-    return graph.initializers[_OFFSET_NAME]
+    return _shared_constant(graph, _OFFSET_NAME, [0])
+
+
+def _shared_constant(graph: ir.Graph, name: str, numbers: list[int]) -> ir.Value:
+    """An int64 initializer this pass names and every site reading those numbers shares."""
+    if name not in graph.initializers:
+        new_constant(graph, name, np.array(numbers, np.int64))
+    return graph.initializers[name]

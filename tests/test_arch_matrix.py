@@ -65,8 +65,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gpt_bigcode_ts17": ((0, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
-    "gptj_dynamo": ((2, 3, 2, 2, 0), (2, 3, None, 2, 4)),
-    "gptj_ts17": ((2, 3, 0, 2, 0), (2, 3, None, 2, 4)),
+    "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
+    "gptj_ts17": ((2, 3, 0, 2, 4), (2, 3, None, 2, 4)),
     "levit_dynamo": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "levit_ts17": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "mistral_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
@@ -141,8 +141,6 @@ WHY: dict[tuple[str, str], str] = {
         " hidden]; MultiHeadAttentionFusionPass: the query projection is not 3-D [batch, "
         "sequence, hidden]"
     ),
-    ("gptj_dynamo", "rotary"): "no near-miss reported",
-    ("gptj_ts17", "rotary"): "no near-miss reported",
     ("levit_dynamo", "attention"): (
         "AttentionFusionPass: Attention needs opset >= 23, model has 18; "
         "AttentionFusionPass: the query projection is not 3-D [batch, sequence, hidden]; "

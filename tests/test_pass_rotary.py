@@ -591,3 +591,95 @@ def test_symbolic_head_size_is_not_matched(tmp_path: Path) -> None:
     assert run.counts(ROTARY) == (0, 0)
     assert run.op_counts()["Neg"] == 1
     _compare(model, run, batch=2, seq=3, head=HEAD)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-J's interleaved rotary: rotate_every_two on [B, S, N, R] heads (R: the rotated part of
+# each head), cos / sin repeat_interleave'd: RotaryEmbedding(interleaved=1) on x merged to
+# [B, S, N*R], between two constant-target Reshapes.
+# ---------------------------------------------------------------------------------------------
+
+GPTJ = ["arch/gptj_ts17", "arch/gptj_dynamo"]
+
+
+@pytest.mark.parametrize("name", GPTJ)
+def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Path) -> None:
+    """q and k of both layers: the rotated quarter of each head (R = 4 of 8) goes through
+    RotaryEmbedding(interleaved=1, num_heads=4); no rotate_every_two is left (TorchScript's
+    Shape arithmetic for its Reshape back dies with it)."""
+    assert Counter(n.op_type for n in _graph(fixture_path(name)).node)["Neg"] == 4
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(ROTARY) == (4, 4)
+    assert reasons(run, ROTARY) == {}
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
+    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    for node in rotaries:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"interleaved": 1, "num_heads": 4}
+    # GPT-J computes its angles in every layer; merged as common subexpressions, one cos / sin
+    # cache pair serves all four
+    assert len({(n.input[2], n.input[3]) for n in rotaries}) == 1
+    _compare(fixture_path(name), run, batch=3, sequence=5)
+
+
+def _interleaved_model(path: Path, *, repeated_sin: bool = True) -> Path:
+    """x [B, S, 2, 8] rotated every two with cos_t / sin_t [1, S, 1, 4] repeat_interleave'd
+    (Unsqueeze, Tile by 2, Reshape); without ``repeated_sin``, sin [1, S, 1, 8] is fed as is."""
+    nodes = [
+        _n("Slice", ["x", "zero", "max", "axis_last", "two_step"], "x_even"),
+        _n("Slice", ["x", "one", "max", "axis_last", "two_step"], "x_odd"),
+        _n("Neg", ["x_odd"], "x_neg"),
+        _n("Unsqueeze", ["x_neg", "axis_last"], "x_neg_5"),
+        _n("Unsqueeze", ["x_even", "axis_last"], "x_even_5"),
+        _n("Concat", ["x_neg_5", "x_even_5"], "x_pairs", axis=-1),
+        _n("Reshape", ["x_pairs", "merge_pairs"], "x_rot"),
+    ]
+    tables = ["cos", "sin"] if repeated_sin else ["cos"]
+    for table in tables:
+        nodes += [
+            _n("Unsqueeze", [f"{table}_t", "axis_last"], f"{table}_5"),
+            _n("Tile", [f"{table}_5", "twice"], f"{table}_pairs"),
+            _n("Reshape", [f"{table}_pairs", "merge_pairs"], table),
+        ]
+    nodes += [
+        _n("Mul", ["x", "cos"], "x_cos"),
+        _n("Mul", ["x_rot", "sin" if repeated_sin else "sin_t"], "x_sin"),
+        _n("Add", ["x_cos", "x_sin"], "y"),
+    ]
+    shape = ["batch", "seq", HEADS, HEAD]
+    sin = ("sin_t", [1, "seq", 1, HALF if repeated_sin else HEAD])
+    inputs = [value("x", shape), value("cos_t", [1, "seq", 1, HALF]), value(*sin)]
+    ints = {
+        "zero": [0],
+        "one": [1],
+        "max": [INT64_MAX],
+        "axis_last": [-1],
+        "two_step": [2],
+        "twice": [1, 1, 1, 1, 2],
+        "merge_pairs": [0, 0, 0, -1],
+    }
+    constants = [const(name, numbers, np.int64) for name, numbers in ints.items()]
+    return save_model(path, nodes, inputs, [value("y", shape)], constants)
+
+
+def test_interleaved_rotary_synthetic(tmp_path: Path) -> None:
+    model = _interleaved_model(tmp_path / "interleaved.onnx")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts() == Counter({"RotaryEmbedding": 1, "Reshape": 4})  # x and 2 caches
+    _compare(model, run, batch=2, seq=5)
+
+
+def test_interleaved_rotary_needs_repeated_angles(tmp_path: Path) -> None:
+    model = _interleaved_model(tmp_path / "unrepeated.onnx", repeated_sin=False)
+    run = optimize_checked(model, tmp_path)
+    reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
+    assert_declined(run, ROTARY, reason, "y")
+    assert run.op_counts()["Neg"] == 1
+    assert run.report["coverage"]["rotary"] == {
+        "fused": 0,
+        "total": 1,
+        "unfused": [{"node": "x_pairs", "reason": f"{ROTARY}: {reason}"}],
+    }

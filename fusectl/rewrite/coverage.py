@@ -5,8 +5,9 @@ A written-out computation is recognized by what makes it that computation, whate
 spelling: attention is a Softmax between two MatMuls; a normalization divides by the square root
 of a mean (one variance ReduceMean per norm, or the ReduceMean of a Pow(x, 2) for RMS); an exact
 GELU has an Erf, a tanh GELU a Tanh fed by x**3 terms; rotary has the rotate-half Concat of a
-negated half. The report lists every written-out site with the near-miss reason a pass gave for
-it, or says that no pass recognized it: nothing stays unfused silently.
+negated half (or of the negated odd elements: rotate-every-two). The report lists every
+written-out site with the near-miss reason a pass gave for it, or says that no pass recognized
+it: nothing stays unfused silently.
 """
 
 from __future__ import annotations
@@ -138,9 +139,18 @@ def _written_out(node: ir.Node) -> str | None:
     if node.op_type == "Tanh":
         return "GELU" if _has_cube(node.inputs[0]) else None
     if node.op_type == "Concat":
-        halves = len(node.inputs) == 2 and any(_producer_type(v) == "Neg" for v in node.inputs)
+        halves = len(node.inputs) == 2 and any(_negated(v) for v in node.inputs)
         return "rotary" if halves else None
     return None
+
+
+def _negated(value: ir.Value | None) -> bool:
+    """A negated half (rotate_half) or negated odd elements, unsqueezed to pair them up
+    again (GPT-J's rotate_every_two)."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Unsqueeze":
+        return _producer_type(node.inputs[0]) == "Neg"
+    return node is not None and node.op_type == "Neg"
 
 
 def _producer_type(value: ir.Value | None) -> str | None:

@@ -278,3 +278,29 @@ def bypass_refusal(node: ir.Node) -> str | None:
         if source.is_graph_output():
             return "it copies one graph output to another"
     return None
+
+
+# Shape arithmetic: sizes, and the Equal(-1) tests of the Where(Equal(s, -1), 1, s) idiom.
+INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
+
+
+def absorb_shape_arithmetic(ctx: PassContext, nodes: list[ir.Node], keep: set[ir.Value]) -> None:
+    """Add the integer side computations (Shape -> Gather -> Concat ... -> a Reshape's target)
+    that exist only for the matched nodes: they die with them. Values in ``keep`` (what the
+    fused op reads) are never absorbed."""
+    members = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(nodes):  # the list, not the set: lineage follows a stable order
+            for value in node.inputs:
+                producer = value.producer() if value is not None else None
+                if producer is None or producer in members or value in keep:
+                    continue
+                outputs = producer.outputs
+                if any(ctx.dtype(v) not in INDEX_TYPES or v.is_graph_output() for v in outputs):
+                    continue
+                if all(user in members for v in outputs for user, _ in v.uses()):
+                    members.add(producer)
+                    nodes.append(producer)
+                    changed = True

@@ -783,6 +783,98 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
 
 
+def _projection(
+    ctx: PassContext, value: ir.Value
+) -> tuple[ir.Value, np.ndarray, np.ndarray | None, list[ir.Node]] | None:
+    """(x, W, b, nodes) when ``value`` is MatMul(x, W) + b or MatMul(x, W), with W a constant
+    [in, out] matrix and b a constant [out] vector; the MatMul and Add in ``nodes``."""
+    nodes: list[ir.Node] = []
+    bias = None
+    add = _producer(value, "Add")
+    if add is not None:
+        for product, vector in (add.inputs, reversed(add.inputs)):
+            array = constant_value(vector)
+            if _producer(product, "MatMul") is not None and array is not None:
+                nodes.append(add)
+                value, bias = product, array
+                break
+        else:
+            return None
+    matmul = _producer(value, "MatMul")
+    weight = constant_value(matmul.inputs[1]) if matmul is not None else None
+    if matmul is None or weight is None or weight.ndim != 2:
+        return None
+    if bias is not None and bias.shape != (weight.shape[1],):
+        return None
+    return matmul.inputs[0], weight, bias, [*nodes, matmul]
+
+
+@register_pass
+class QkvAttentionFusionPass(_AttentionFusion):
+    spec = PassSpec(
+        name="QkvAttentionFusionPass",
+        category=Category.UB,
+        description="written-out self-attention whose query, key and value are projections of "
+        "one input by constant weights (BERT, ViT, Whisper's self-attention) -> com.microsoft "
+        "Attention, the three projections packed into one [in, 3*hidden] weight",
+        aliases=("packed_qkv_attention_fusion",),
+        numerics=Numerics.REASSOCIATING,
+        priority=4480,  # after GroupQueryAttention, before MultiHeadAttention takes the rest
+        targets=("ort",),
+        emits=("Attention",),
+        emits_domain=MS,
+    )
+    op_type = "Attention"
+    bias_input = 5
+
+    def _plan(
+        self,
+        ctx: PassContext,
+        match: _Attention,
+        heads: int,
+        head_size: int,
+        shared: dict[object, tuple[ir.Value, ...]],
+    ) -> _Plan | str | None:
+        """None (MultiHeadAttention's) unless all three are plain projections of one input,
+        read by nothing else, with weights of one shape."""
+        key, value = match.key, match.value
+        if not (_plain(key) and _plain(value)) or match.softcap:
+            return None
+        operands = [match.query, key.projection, value.projection]
+        found = [_projection(ctx, v) for v in operands if v is not None]
+        if len(found) != 3 or any(f is None for f in found):
+            return None
+        projections = [f for f in found if f is not None]
+        source = projections[0][0]
+        if any(p[0] is not source for p in projections):
+            return None  # cross-attention: the key and value read another input
+        shapes = {p[1].shape for p in projections}
+        if len(shapes) != 1 or shapes.pop()[1] != heads * head_size:
+            return None
+        # Read elsewhere (T5's key split, whose shape its position bias takes), a projection
+        # or its split would stay beside the op: MultiHeadAttention reads them instead.
+        members = set(match.nodes + key.nodes + value.nodes)
+        split = [v for node in key.nodes + value.nodes for v in node.outputs]
+        for read in [*operands, *split]:
+            assert read is not None
+            if read.is_graph_output() or any(
+                user not in members and user.op_type not in _SHAPE_READERS
+                for user, _ in read.uses()
+            ):
+                return None
+        graph = match.root.graph
+        assert graph is not None
+        dtype = projections[0][1].dtype
+        weight = np.concatenate([p[1] for p in projections], axis=1)
+        zeros = np.zeros(heads * head_size, dtype)
+        bias = np.concatenate([p[2] if p[2] is not None else zeros for p in projections])
+        base = f"{ctx.spec.name}/{match.root.name}"
+        packed = [new_constant(graph, f"{base}/qkv_weight", weight.astype(dtype))]
+        packed.append(new_constant(graph, f"{base}/qkv_bias", bias.astype(dtype)))
+        absorbed = key.nodes + value.nodes + [n for p in projections for n in p[3]]
+        return [source, *packed], {"num_heads": heads}, absorbed
+
+
 def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
     """How many key/value heads the plain key and value projections hold (their width over the
     head size), or why that is unknown or does not divide the query heads."""

@@ -27,7 +27,10 @@ from tests.pass_helpers import (
 
 MHA = "MultiHeadAttentionFusionPass"
 GQA = "GroupQueryAttentionFusionPass"
+QKV = "QkvAttentionFusionPass"
 MS = "com.microsoft"
+# MultiHeadAttention's own recognition, on self-attention the packed-QKV Attention would take.
+MHA_ONLY = ("--disable_pass", QKV)
 
 # name: (matched, effected, heads, scale) — two layers each.
 EXPECTED = {
@@ -53,7 +56,7 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_attention_fused_in_every_layer(name: str, tmp_path: Path) -> None:
     matched, effected, heads, scale = EXPECTED[name]
-    run = optimize_checked(fixture_path(name), tmp_path)
+    run = optimize_checked(fixture_path(name), tmp_path, *MHA_ONLY)
     assert run.counts(MHA) == (matched, effected)
     assert reasons(run, MHA) == {}
     nodes = onnx.load(str(run.output)).graph.node
@@ -123,7 +126,7 @@ def test_probabilities_read_outside_keep_the_attention_written_out(tmp_path: Pat
     )
     path = tmp_path / "t5_probabilities.onnx"
     onnx.save(model, str(path))
-    run = optimize_checked(path, tmp_path)
+    run = optimize_checked(path, tmp_path, *MHA_ONLY)
     assert run.counts(MHA) == (2, 1)
     assert reasons(run, MHA) == {"an intermediate value (Softmax output) is a graph output": 1}
 
@@ -603,3 +606,51 @@ def test_soft_capped_scores_are_a_multi_head_attention_near_miss(name: str, tmp_
     assert run.counts(MHA) == (2, 0)
     assert reasons(run, MHA) == {reason: 2}
     assert run.op_counts()["Softmax"] == 2
+
+
+# Self-attention whose query, key and value are projections of one input by constant weights:
+# the packed-QKV com.microsoft Attention, one [hidden, 3 * hidden] GEMM in the op.
+# name: (heads, hidden, scale, biased projections)
+PACKED = {
+    "bert_tiny_dynamo": (4, 32, 8**-0.5, True),
+    "vit_tiny_ts17": (4, 32, 8**-0.5, True),
+    "t5_tiny_dynamo": (4, 32, 1.0, False),  # no projection biases: zeros in the packed bias
+}
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_self_attention_becomes_packed_qkv_attention(name: str, tmp_path: Path) -> None:
+    heads, hidden, scale, biased = PACKED[name]
+    original = onnx.load(str(fixture_path(name))).graph
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(QKV) == (2, 2)
+    assert reasons(run, QKV) == {}
+    assert run.counts(MHA) == (0, 0)
+    graph = _graph(run.output)
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    fused = [n for n in graph.node if n.op_type == "Attention"]
+    assert len(fused) == 2 and {n.domain for n in fused} == {MS}
+    for node in fused:
+        assert _attributes(node)["num_heads"] == heads
+        assert _attributes(node)["scale"] == pytest.approx(scale, rel=1e-5)
+        assert weights[node.input[1]].shape == (hidden, 3 * hidden)
+        assert weights[node.input[2]].shape == (3 * hidden,)
+        assert bool(np.any(weights[node.input[2]])) == biased
+    # the three projection GEMMs of each layer are one inside the op
+    matmuls = Counter(n.op_type for n in original.node)["MatMul"]
+    assert Counter(n.op_type for n in graph.node)["MatMul"] == matmuls - 2 * (3 + 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "mha"),
+    [("gpt2_tiny_ts17", 2), ("arch/bart_dynamo", 2), ("llama_tiny_past_dynamo", 2)],
+)
+def test_unpackable_attention_is_left_to_multi_head_attention(
+    name: str, mha: int, tmp_path: Path
+) -> None:
+    """GPT-2's one fused c_attn projection split three ways, BART's cross-attention (key and
+    value from the encoder) and a KV cache are no three projections of one input: the packed
+    pass leaves them silently (no near-miss) to MultiHeadAttention."""
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert reasons(run, QKV) == {}
+    assert run.counts(MHA) == (mha, mha)

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import random_feeds, run_model
 from tests.pass_helpers import IR_VERSION, fixture_path, optimize_checked, reasons
 
+MS = "com.microsoft"
 ATTENTION = "AttentionFusionPass"
 MHA = "MultiHeadAttentionFusionPass"
 
@@ -56,16 +57,21 @@ def test_standard_attention_at_opset_23(target: str, tmp_path: Path) -> None:
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
-# Below opset 23 the standard op does not exist: the pass matches, says why, and the contrib
-# MultiHeadAttention takes every layer.
-@pytest.mark.parametrize("name", ["bert_tiny_ts17", "bert_tiny_eager_dynamo", "gpt2_tiny_ts14"])
-def test_below_opset_23_left_to_multi_head_attention(name: str, tmp_path: Path) -> None:
+# Below opset 23 the standard op does not exist: the pass matches, says why, and onnxruntime's
+# ops take every layer: BERT's self-attention on three biased projections of one input the
+# packed-QKV com.microsoft Attention, GPT-2's (one fused projection, split) MultiHeadAttention.
+@pytest.mark.parametrize(
+    ("name", "packed"),
+    [("bert_tiny_ts17", True), ("bert_tiny_eager_dynamo", True), ("gpt2_tiny_ts14", False)],
+)
+def test_below_opset_23_left_to_the_contrib_ops(name: str, packed: bool, tmp_path: Path) -> None:
     run = optimize_checked(fixture_path(name), tmp_path)
     opset = next(o.version for o in onnx.load(str(fixture_path(name))).opset_import if not o.domain)
     assert run.counts(ATTENTION) == (2, 0)
     assert reasons(run, ATTENTION) == {f"Attention needs opset >= 23, model has {opset}": 2}
-    assert run.counts(MHA) == (2, 2)
-    assert _attention_nodes(run.output) == []
+    assert run.counts(MHA) == ((0, 0) if packed else (2, 2))
+    assert run.counts("QkvAttentionFusionPass") == ((2, 2) if packed else (0, 0))
+    assert {n.domain for n in _attention_nodes(run.output)} == ({MS} if packed else set())
 
 
 # A KV cache joined with Concat(past, new) is not a plain projection: at opset 23 the standard

@@ -110,10 +110,10 @@ def test_shared_scaled_input_and_missing_kernel_decline(tmp_path: Path) -> None:
     ],
 )
 def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) -> None:
-    # With attention fusion on, MultiHeadAttention (GroupQueryAttention for LLaMA's shared
-    # key/value heads) takes these MatMuls first (it runs earlier); here both are off to see
-    # the scale fusion on its own.
-    attention = "MultiHeadAttentionFusionPass,GroupQueryAttentionFusionPass"
+    # With attention fusion on, the packed-QKV Attention or MultiHeadAttention
+    # (GroupQueryAttention for LLaMA's shared key/value heads) takes these MatMuls first (it
+    # runs earlier); here all are off to see the scale fusion on its own.
+    attention = "MultiHeadAttentionFusionPass,GroupQueryAttentionFusionPass,QkvAttentionFusionPass"
     run = optimize_checked(fixture_path(name), tmp_path, "--disable_pass", attention)
     assert run.counts(SCALE) == (2, 2)
     assert run.passed(SCALE)["patterns"]["ScaleBoth"] == {"matched": 2, "effected": 2}
@@ -130,7 +130,7 @@ def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) ->
 
 def test_attention_fusion_runs_first(tmp_path: Path) -> None:
     run = optimize_checked(fixture_path("bert_tiny_dynamo"), tmp_path)
-    assert run.counts("MultiHeadAttentionFusionPass") == (2, 2)
+    assert run.counts("QkvAttentionFusionPass") == (2, 2)
     assert run.counts(SCALE) == (0, 0)
 
 

@@ -40,7 +40,7 @@ SHAPES = "input_ids:1,16;attention_mask:1,16"
 SKIP_LN = "AddLayerNormFusionPass"
 # Sites of tuned passes in the tiny BERT (`fusectl optimize` fuses each of them).
 TUNED_SITES = {
-    "MultiHeadAttentionFusionPass": 2,
+    "QkvAttentionFusionPass": 2,
     "AddLayerNormFusionPass": 4,
     "BiasGeluFusionPass": 2,
     "GemmActivationFusionPass": 1,

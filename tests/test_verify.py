@@ -212,8 +212,8 @@ def test_per_pass_shows_where_error_enters(optimized: dict[str, Path]) -> None:
     rows = document["per_pass"]
     names = [row["pass"] for row in rows]
     assert names[0] == "ConstantFoldingPass"
-    assert {"MultiHeadAttentionFusionPass", "AddLayerNormFusionPass"} <= set(names)
-    assert names.index("MultiHeadAttentionFusionPass") < names.index("AddLayerNormFusionPass")
+    assert {"QkvAttentionFusionPass", "AddLayerNormFusionPass"} <= set(names)
+    assert names.index("QkvAttentionFusionPass") < names.index("AddLayerNormFusionPass")
     assert all(row["passed"] and row["rewrites"] > 0 for row in rows)
     assert rows[0]["max_abs"] == 0.0  # constant folding is exact
     assert rows[-1]["max_abs"] == pytest.approx(

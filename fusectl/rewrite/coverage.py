@@ -192,6 +192,11 @@ def attention_shaped(softmax: ir.Node) -> bool:
     )
 
 
+def same_class(ops: Sequence[str], others: Sequence[str]) -> bool:
+    """Whether two passes emit fused ops of one class (attention, norms, ...)."""
+    return any(set(ops) & members and set(others) & members for members in FUSED_OPS.values())
+
+
 def to_json(classes: dict[str, ClassCoverage]) -> dict[str, dict]:
     return {
         name: {"fused": found.fused, "total": found.total, "unfused": found.unfused}

@@ -784,7 +784,7 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
 
 
 def _projection(
-    ctx: PassContext, value: ir.Value
+    value: ir.Value,
 ) -> tuple[ir.Value, np.ndarray, np.ndarray | None, list[ir.Node]] | None:
     """(x, W, b, nodes) when ``value`` is MatMul(x, W) + b or MatMul(x, W), with W a constant
     [in, out] matrix and b a constant [out] vector; the MatMul and Add in ``nodes``."""
@@ -841,7 +841,7 @@ class QkvAttentionFusionPass(_AttentionFusion):
         if not (_plain(key) and _plain(value)) or match.softcap:
             return None
         operands = [match.query, key.projection, value.projection]
-        found = [_projection(ctx, v) for v in operands if v is not None]
+        found = [_projection(v) for v in operands if v is not None]
         if len(found) != 3 or any(f is None for f in found):
             return None
         projections = [f for f in found if f is not None]

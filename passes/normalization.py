@@ -211,9 +211,11 @@ def _shape_elements(site: Site, value: ir.Value | None, depth: int = 0) -> list[
     return None
 
 
-def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
-    """Per axis, every size known for the value: the inferred one, and for a Reshape output
-    the one its computed target spells out.
+def _proven_dims(site: Site, value: ir.Value, depth: int = 0) -> list[list[_Dim]] | None:
+    """Per axis, every size known for the value: the inferred one, for a Reshape output the
+    one its computed target spells out, and for a projection (MatMul by a constant matrix,
+    plus a constant bias vector) its input's leading ones (inferred shapes there can be stale
+    once an attention op was fused upstream).
 
     onnx gives a dim a fresh symbol whenever it cannot prove two dims equal, e.g. a batch
     broadcast against a mask's: TorchScript GPT-2 reshapes a projection back to
@@ -223,7 +225,11 @@ def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
     shape = site.shape(value)
     dims = None if shape is None else [[d] for d in shape]
     node = value.producer()
-    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return dims
+    if node.op_type in ("MatMul", "Add"):
+        return _merged_dims(dims, _projected_dims(site, node, depth))
+    if node.op_type != "Reshape":
         return dims
     target = _shape_elements(site, node.inputs[1])
     if target is None or (dims is not None and len(dims) != len(target)):
@@ -239,12 +245,52 @@ def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
     return dims
 
 
+def _projected_dims(site: Site, node: ir.Node, depth: int) -> list[list[_Dim]] | None:
+    """The dims of MatMul(x, W) for a constant [in, out] W, or of x + b for a constant
+    scalar or [out] b, from x's proven ones."""
+    if depth >= _SHAPE_DEPTH:
+        return None
+    if node.op_type == "MatMul":
+        weight = site.constant(node.inputs[1])
+        inner = _proven_dims(site, node.inputs[0], depth + 1)
+        if weight is None or weight.ndim != 2 or inner is None or len(inner) < 2:
+            return None
+        return [*inner[:-1], [int(weight.shape[1])]]
+    for data, vector in (node.inputs, node.inputs[::-1]):
+        bias = site.constant(vector)
+        if bias is None or bias.ndim > 1:
+            continue
+        inner = _proven_dims(site, data, depth + 1)
+        if inner and (bias.size == 1 or bias.shape[0] in inner[-1]):
+            return inner
+    return None
+
+
+def _merged_dims(
+    dims: list[list[_Dim]] | None, more: list[list[_Dim]] | None
+) -> list[list[_Dim]] | None:
+    if dims is None or more is None:
+        return dims or more
+    if len(dims) != len(more):
+        return dims
+    return [a + b for a, b in zip(dims, more, strict=True)]
+
+
 def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
     """Whether both are provably one shape, so that adding them broadcasts nothing."""
     if len(a) != len(b):
         return False
     axes = zip(a, b, strict=True)
     return all(any(_same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
+
+
+def _batch_broadcast(full: list[list[_Dim]], skip: list[list[_Dim]]) -> bool:
+    """Whether ``full`` is [B, S, H] and ``skip`` [1, S, H] or [S, H] of the same S and H."""
+    if len(full) != 3 or len(skip) not in (2, 3):
+        return False
+    if len(skip) == 3 and 1 not in skip[0]:
+        return False
+    return _same_shape(full[1:], skip[-2:])
 
 
 def _skip(
@@ -268,7 +314,12 @@ def _skip(
     dims_a, dims_b = _proven_dims(site, a), _proven_dims(site, b)
     if dims_a is None or dims_b is None:
         raise Decline("the shapes of the residual Add's inputs are unknown")
-    if len(dims_a) != 3 or not _same_shape(dims_a, dims_b):
+    # The kernel also broadcasts a skip of [1, S, H] or [S, H] (a position table) over the
+    # batch of a [B, S, H] input.
+    broadcast = len(dims_a) != 3 or not _same_shape(dims_a, dims_b)
+    if broadcast and _batch_broadcast(dims_b, dims_a):
+        a, b, dims_a, dims_b = b, a, dims_b, dims_a
+    if broadcast and not _batch_broadcast(dims_a, dims_b):
         raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
     op_type = "SkipLayerNormalization" if beta is not None else "SkipSimplifiedLayerNormalization"
     site.require_kernel(op_type, site.dtype(a) if rounded_to is None else _FLOAT, MS)
@@ -279,7 +330,7 @@ def _skip(
         params.append(_param(site, op, beta, "beta", hidden, widen))
     # The bias variant: a projection's bias Add in front of the residual goes into the kernel.
     projected = None if widen else _projection_bias(site, a, hidden)
-    if projected is None and not widen:
+    if projected is None and not widen and not broadcast:
         projected = _projection_bias(site, b, hidden)
         if projected is not None:
             a, b = b, a
@@ -766,6 +817,7 @@ class EmbedLayerNormFusionPass(PatternPass):
         "com.microsoft EmbedLayerNormalization",
         aliases=("embed_layer_norm_fusion", "EmbedLayerNormFusion"),
         numerics=Numerics.REASSOCIATING,
+        priority=7900,  # before AddLayerNormFusionPass, which would take the position Add
         targets=("ort",),
         emits=("EmbedLayerNormalization",),
         emits_domain=MS,

@@ -145,11 +145,12 @@ def test_a_slower_decision_declines_with_the_measured_reason(
     kept = optimize(BERT, tmp_path, "--repository", repository)
     assert kept.op_counts()["SkipLayerNormalization"] == 0
     entry = kept.passed(SKIP_LN)
-    assert (entry["matched"], entry["effected"], entry["repository_hits"]) == (5, 0, 4)
+    # 4: the embeddings' norm is EmbedLayerNormalization's (that pass runs first)
+    assert (entry["matched"], entry["effected"], entry["repository_hits"]) == (4, 0, 4)
     reasons = {miss["reason"]: miss["count"] for miss in entry["near_misses"]}
     assert reasons["slower on CPUExecutionProvider: 0.49 vs 0.06 ms"] == 4
     ub = kept.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
-    assert ub[SKIP_LN] == {"effect_times": "0", "match_times": "5", "repository_hit_times": "4"}
+    assert ub[SKIP_LN] == {"effect_times": "0", "match_times": "4", "repository_hit_times": "4"}
     report = kept.report["repository"]
     assert report["provider"] == "CPUExecutionProvider" and report["declined"] == 4
     assert "left unfused as slower on CPUExecutionProvider" in kept.stderr
@@ -170,7 +171,7 @@ def test_a_slower_decision_declines_with_the_measured_reason(
     assert fused.op_counts()["SkipLayerNormalization"] == 4
     assert fused.fusion_result["session_and_graph_id_0_0"]["ub_fusion"][SKIP_LN] == {
         "effect_times": "4",
-        "match_times": "5",
+        "match_times": "4",
         "repository_hit_times": "0",
     }
     assert "repository" not in fused.report

@@ -809,6 +809,21 @@ def _projection(
     return matmul.inputs[0], weight, bias, [*nodes, matmul]
 
 
+def _sizes_for(node: ir.Node, members: set[ir.Node], depth: int = 6) -> bool:
+    """Whether ``node`` is shape arithmetic (a Shape, then integer ops) that only the matched
+    nodes read, so that it dies with them (absorb_shape_arithmetic); not one that also feeds
+    a mask."""
+    if depth == 0 or (depth == 6 and node.op_type not in _SHAPE_READERS):
+        return False
+    for value in node.outputs:
+        if value.is_graph_output() or value.dtype not in INDEX_TYPES:
+            return False
+        for user, _ in value.uses():
+            if user not in members and not _sizes_for(user, members, depth - 1):
+                return False
+    return True
+
+
 @register_pass
 class QkvAttentionFusionPass(_AttentionFusion):
     spec = PassSpec(
@@ -838,9 +853,12 @@ class QkvAttentionFusionPass(_AttentionFusion):
         """None (MultiHeadAttention's) unless all three are plain projections of one input,
         read by nothing else, with weights of one shape."""
         key, value = match.key, match.value
-        if not (_plain(key) and _plain(value)) or match.softcap:
+        if not (_plain(key) and _plain(value)) or match.softcap or match.query is None:
             return None
-        operands = [match.query, key.projection, value.projection]
+        # OPT, BART, Whisper scale the query projection before the split: into the op's scale.
+        scaled: list[ir.Node] = []
+        query, factor = _unscale(match.query, scaled)
+        operands = [query, key.projection, value.projection]
         found = [_projection(v) for v in operands if v is not None]
         if len(found) != 3 or any(f is None for f in found):
             return None
@@ -853,13 +871,12 @@ class QkvAttentionFusionPass(_AttentionFusion):
             return None
         # Read elsewhere (T5's key split, whose shape its position bias takes), a projection
         # or its split would stay beside the op: MultiHeadAttention reads them instead.
-        members = set(match.nodes + key.nodes + value.nodes)
-        split = [v for node in key.nodes + value.nodes for v in node.outputs]
+        members = set(match.nodes + key.nodes + value.nodes + scaled)
+        split = [v for node in key.nodes + value.nodes + scaled for v in node.outputs]
         for read in [*operands, *split]:
             assert read is not None
             if read.is_graph_output() or any(
-                user not in members and user.op_type not in _SHAPE_READERS
-                for user, _ in read.uses()
+                user not in members and not _sizes_for(user, members) for user, _ in read.uses()
             ):
                 return None
         graph = match.root.graph
@@ -871,7 +888,8 @@ class QkvAttentionFusionPass(_AttentionFusion):
         base = f"{ctx.spec.name}/{match.root.name}"
         packed = [new_constant(graph, f"{base}/qkv_weight", weight.astype(dtype))]
         packed.append(new_constant(graph, f"{base}/qkv_bias", bias.astype(dtype)))
-        absorbed = key.nodes + value.nodes + [n for p in projections for n in p[3]]
+        absorbed = key.nodes + value.nodes + scaled + [n for p in projections for n in p[3]]
+        match.scale *= factor
         return [source, *packed], {"num_heads": heads}, absorbed
 
 

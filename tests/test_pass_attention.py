@@ -654,3 +654,23 @@ def test_unpackable_attention_is_left_to_multi_head_attention(
     run = optimize_checked(fixture_path(name), tmp_path, compare=False)
     assert reasons(run, QKV) == {}
     assert run.counts(MHA) == (mha, mha)
+
+
+@pytest.mark.parametrize(("name", "packed"), [("arch/bart_dynamo", 4), ("arch/whisper_ts17", 2)])
+def test_query_scaled_before_the_split_goes_into_the_scale(
+    name: str, packed: int, tmp_path: Path
+) -> None:
+    """BART and Whisper multiply the query projection by head_size ** -0.5 before the head
+    split: the packed Attention reads the unscaled projection's weights and takes the factor
+    as its scale, in the self-attentions; the two cross-attentions stay MultiHeadAttention, and
+    so do Whisper TorchScript's decoder self-attentions, whose key split's Shape feeds the
+    causal mask (the split stays, reading the projection)."""
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(QKV) == (packed, packed)
+    assert reasons(run, QKV) == {}
+    assert run.counts(MHA) == (6 - packed, 6 - packed)
+    graph = _graph(run.output)
+    fused = [n for n in graph.node if n.op_type == "Attention"]
+    assert len(fused) == packed
+    for node in fused:
+        assert _attributes(node)["scale"] == pytest.approx(8**-0.5, rel=1e-6)

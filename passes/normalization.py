@@ -211,6 +211,21 @@ def _shape_elements(site: Site, value: ir.Value | None, depth: int = 0) -> list[
     return None
 
 
+def _linear_input(site: Site, node: ir.Node) -> tuple[ir.Value, int | None] | None:
+    """For a MatMul by 2-D constant weights, its input and output width; for a bias Add (a
+    constant of at most one axis), its other input and None (the width is kept)."""
+    if node.op_type == "MatMul" and len(node.inputs) == 2 and node.inputs[0] is not None:
+        weights = site.constant(node.inputs[1]) if node.inputs[1] is not None else None
+        if weights is not None and weights.ndim == 2:
+            return node.inputs[0], int(weights.shape[1])
+    if node.op_type == "Add" and len(node.inputs) == 2 and None not in node.inputs:
+        for data, bias in (node.inputs, reversed(node.inputs)):
+            array = site.constant(bias)
+            if array is not None and array.ndim <= 1 and site.constant(data) is None:
+                return data, None
+    return None
+
+
 def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
     """Per axis, every size known for the value: the inferred one, and for a Reshape output
     the one its computed target spells out.
@@ -223,7 +238,17 @@ def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
     shape = site.shape(value)
     dims = None if shape is None else [[d] for d in shape]
     node = value.producer()
-    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return dims
+    through = _linear_input(site, node)
+    if through is not None:  # a linear layer keeps its input's leading sizes
+        data, outputs = through
+        inner = _proven_dims(site, data)
+        if inner is None or (dims is not None and len(dims) != len(inner)):
+            return dims
+        inner = [*inner[:-1], [outputs]] if outputs is not None else inner
+        return inner if dims is None else [a + b for a, b in zip(dims, inner, strict=True)]
+    if node.op_type != "Reshape":
         return dims
     target = _shape_elements(site, node.inputs[1])
     if target is None or (dims is not None and len(dims) != len(target)):

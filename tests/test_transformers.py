@@ -27,10 +27,11 @@ SKIP, SKIP_RMS, LN = (
     "LayerNormalization",
 )
 # Skip norms that also add the projection's bias in the kernel (the bias variant): BERT's and
-# ViT's dense layers have one; GPT-2's Conv1D keeps it in its Gemm, LLaMA and T5 have none.
+# ViT's dense layers have one, and so has GPT-2's Conv1D once it is MatMul + Add on the 3-D
+# input (FlattenedGemmCanonicalizationPass); LLaMA and T5 have none.
 SKIP_BIAS = "SkipLayerNormalization with bias"
 BERT = {MHA: 2, SKIP: 4, SKIP_BIAS: 4, "EmbedLayerNormalization": 1, "BiasGelu": 2}
-GPT2 = {MHA: 2, SKIP: 4, LN: 1, "FastGelu": 2}
+GPT2 = {MHA: 2, SKIP: 4, SKIP_BIAS: 4, LN: 1, "FastGelu": 2}
 WRITTEN_RMS = {"ReduceMean": 1, "Pow": 1, "Sqrt": 1}
 LLAMA = {GQA: 2, ROPE: 4, SKIP_RMS: 4, "QuickGelu": 2} | WRITTEN_RMS
 T5 = {MHA: 2, SKIP_RMS: 4} | WRITTEN_RMS

@@ -555,12 +555,17 @@ class TbeEltwiseFusionPass(FusionPass):
         )
         shared: dict[tuple, ir.Function] = {}
         expanded: set[ir.OperatorIdentifier] = set()
+        # Run on a model-local function's body (fusectl.core.graphs), a cluster of the whole
+        # body would only wrap the function in another: it is one op already.
+        function_body = any(f.graph is graph for f in model.functions.values())
         for members in groups:
             if len(members) < 2:
                 continue  # one op, or a lone composite call: already one op
             body = _Body(members, composites)
             if len(body.ops) < 2:
                 continue  # an op and a composite of Constants only
+            if function_body and len(members) + len(body.absorbed) == len(graph):
+                continue
             if self._fuse(model, ctx, members, body, shared, position):
                 expanded.update(m.op_identifier() for m in members if not _is_onnx(m))
         if ctx.changed:

@@ -127,6 +127,17 @@ def within(
     return False
 
 
+def attribute_graphs(attribute: ir.Attr) -> list[ir.Graph]:
+    """The graphs an attribute holds: an If branch or Loop/Scan body, or a list of them."""
+    if attribute.is_ref():
+        return []
+    if attribute.type == ir.AttributeType.GRAPH:
+        return [attribute.as_graph()]
+    if attribute.type == ir.AttributeType.GRAPHS:
+        return list(attribute.as_graphs())
+    return []
+
+
 def node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 
@@ -144,9 +155,13 @@ def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | No
                 return f"an intermediate value ({node.op_type} output) is a graph output"
             for consumer, _ in value.uses():
                 if consumer not in members:
+                    where = "outside the match"
+                    if consumer.graph is not node.graph:  # an If/Loop/Scan body reads it
+                        body = consumer.graph.name if consumer.graph is not None else None
+                        where = f"in the subgraph '{body}'" if body else "in a subgraph"
                     return (
                         f"an intermediate value ({node.op_type} output) is also used by "
-                        f"{consumer.op_type} outside the match"
+                        f"{consumer.op_type} {where}"
                     )
     return None
 
@@ -273,6 +288,8 @@ def bypass_refusal(node: ir.Node) -> str | None:
     if source is None:
         return "it has no input"
     if result.is_graph_output():
+        if source.graph is not node.graph:  # a subgraph output must be made in the subgraph
+            return "it copies a value of an enclosing graph to a subgraph output"
         if source.is_graph_input() or source.is_initializer():
             return "it links a graph input or initializer straight to a graph output"
         if source.is_graph_output():

@@ -190,6 +190,8 @@ def unshadow(scopes: list[GraphScope], original: set[ir.Value]) -> int:
     one of the two (passes name what they make after the site, and two graphs may hold sites
     of one name): ONNX wants a name defined once across a graph and its subgraphs. Values
     are referred to by object, so a new name changes nothing else. Returns how many."""
+    if len(scopes) < 2:
+        return 0
     taken = {value.name for scope in scopes for value in defined_values(scope.graph)}
     outer: dict[int, dict[str, ir.Value]] = {}  # per scope: the names its enclosing graphs define
     renamed = 0

@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite.context import PassContext, PatternStats
-from fusectl.rewrite.graph import constant_tensor, replace_subgraph
+from fusectl.rewrite.graph import attribute_reference, constant_tensor, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"
@@ -228,6 +228,8 @@ def _fits(node: ir.Node, function: ir.Function) -> bool:
 def _clusterable(node: ir.Node, config: ClusterConfig, composites: _Composites) -> bool:
     if _is_constant_node(node):
         return False  # absorbed into a body when small, else passed in
+    if attribute_reference([node]) is not None:
+        return False  # in a function body, an attribute known only per call
     if _is_onnx(node):
         return node.op_type in config.ops and not _has_subgraph(node)
     return composites.function(node) is not None

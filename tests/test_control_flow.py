@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 
 from fusectl import optimize as optimize_api
 from fusectl.core.graphs import graph_scopes
+from fusectl.core.repository import UNFUSED
 from tests.conftest import Run, optimize, run_cli, run_model
 from tests.pass_helpers import (
     IR_VERSION,
@@ -33,6 +34,7 @@ from tests.pass_helpers import (
     value,
 )
 from tests.test_bisect import MARKED_ROOT2, wrong_pass  # noqa: F401 (a fixture)
+from tests.test_tune import with_decision
 
 BN = "ConvBatchnormFusionPass"
 ACT = "ConvActivationFusionPass"
@@ -43,6 +45,7 @@ MATMUL_BIAS = "MatMulBiasAddFusionPass"
 LAYER_NORM = "LayerNormFusionPass"
 ADD_LAYER_NORM = "AddLayerNormFusionPass"
 FOLD = "ConstantFoldingPass"
+ELTWISE = ("--enable_pass", "TbeEltwiseFusionPass")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,11 +682,45 @@ def test_a_removed_body_reports_no_size(tmp_path: Path) -> None:
     check_output(run)
 
 
+def test_attributes_a_function_takes_from_its_caller_are_not_read(tmp_path: Path) -> None:
+    """A body node whose attribute is the function's (``alpha = @alpha``) has no value until
+    the call: a match holding one is a near miss, and it joins no element-wise cluster."""
+    conv = helper.make_node("Conv", ["fx", "f_w"], ["fc"], name="f_Conv")
+    leaky = helper.make_node("LeakyRelu", ["fc"], ["fl"], name="f_Leaky")
+    conv.attribute.append(helper.make_attribute_ref("pads", onnx.AttributeProto.INTS))
+    leaky.attribute.append(helper.make_attribute_ref("alpha", onnx.AttributeProto.FLOAT))
+    weights = [_weight("f_w", 3, 3), const("f_s", 2.0)]
+    nodes = [
+        *(helper.make_node("Constant", [], [t.name], value=t) for t in weights),
+        conv,
+        leaky,
+        helper.make_node("Mul", ["fl", "f_s"], ["fy"], name="f_Mul"),
+    ]
+    onnx17 = [helper.make_opsetid("", 17)]
+    act = helper.make_function(
+        "local", "Act", ["fx"], ["fy"], nodes, onnx17, attributes=["alpha", "pads"]
+    )
+    calls = [
+        helper.make_node("Act", [x], [y], domain="local", name=y, alpha=a, pads=[1] * 4)
+        for x, y, a in (("x", "a", 0.1), ("a", "y", 0.2))
+    ]
+    graph = helper.make_graph(calls, "refs", [value("x", IMAGE)], [value("y", IMAGE)])
+    model = _save(tmp_path / "refs.onnx", graph, [act])
+    run = optimize(model, tmp_path, *ELTWISE)
+    assert run.fusion_result == {
+        "session_and_graph_id_0_1": {"ub_fusion": {ACT: _entry(0, 1, ub=True)}}
+    }
+    assert _near_misses(run, "0_1", ACT) == {
+        "LeakyRelu 'f_Leaky' takes its attribute 'alpha' from the function's 'alpha'": ["f_Leaky"]
+    }
+    check_output(run)
+    _same_outputs(model, run.output)
+    _idempotent(run, tmp_path, *ELTWISE)
+
+
 # ---------------------------------------------------------------------------------------------
 # Element-wise clustering, bisect, the library API
 # ---------------------------------------------------------------------------------------------
-
-ELTWISE = ("--enable_pass", "TbeEltwiseFusionPass")
 
 
 def test_eltwise_clusters_in_a_body_and_keeps_its_functions(tmp_path: Path) -> None:
@@ -737,6 +774,33 @@ def test_bisect_finds_a_wrong_rewrite_in_a_body(tmp_path: Path) -> None:
     assert (culprit["pass"], culprit["graph"]) == ("WrongGeluPass", "0_1")
     assert culprit["original_nodes"][0] == "body_Div"
     assert "(graph 0_1)" in result.stderr
+
+
+def test_tune_measures_body_sites_and_the_repository_gates_them(tmp_path: Path) -> None:
+    """The Loop body's sites are tuned; a verdict that one is slower declines it there."""
+    model = fixture_path("decoder_loop_ts17")
+    repository = tmp_path / "repository.json"
+    tuned = run_cli("tune", model, "--repository", repository, "--budget", "0.2")
+    assert tuned.exit_code == 0, tuned.stderr
+    assert "2 site(s) in 2 class(es) to measure" in tuned.stderr
+    slow = with_decision(
+        repository,
+        tmp_path / "slow.json",
+        ADD_LAYER_NORM,
+        decision=UNFUSED,
+        fused_ms=0.5,
+        unfused_ms=0.1,
+    )
+    run = optimize(model, tmp_path, "--repository", slow)
+    assert run.fusion_result["session_and_graph_id_0_1"]["ub_fusion"] == {
+        ADD_LAYER_NORM: {"effect_times": "0", "match_times": "1", "repository_hit_times": "1"},
+        BIAS_GELU: {"effect_times": "1", "match_times": "1", "repository_hit_times": "1"},
+    }
+    assert _near_misses(run, "0_1", ADD_LAYER_NORM) == {
+        "slower on CPUExecutionProvider: 0.5 vs 0.1 ms": ["/step/norm/LayerNormalization"]
+    }
+    check_output(run)
+    _same_outputs(model, run.output, {"n": 3})
 
 
 def test_library_result_has_the_graphs(tmp_path: Path) -> None:

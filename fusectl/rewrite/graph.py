@@ -166,6 +166,19 @@ def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | No
     return None
 
 
+def attribute_reference(nodes: Sequence[ir.Node]) -> str | None:
+    """Why ``nodes`` cannot be rewritten, if one of them takes an attribute from the function
+    it is in (``pads = @pads``): the value is known only per call, so no pass can read it."""
+    for node in nodes:
+        for attribute in node.attributes.values():
+            if attribute.is_ref():
+                return (
+                    f"{node.op_type} '{node_label(node)}' takes its attribute "
+                    f"'{attribute.name}' from the function's '{attribute.ref_attr_name}'"
+                )
+    return None
+
+
 def replace_subgraph(
     ctx: PassContext,
     pattern: str,
@@ -186,6 +199,10 @@ def replace_subgraph(
     recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
+    referenced = attribute_reference(old_nodes)
+    if referenced is not None:
+        ctx.pattern(pattern).decline(referenced, node_label(root))
+        return referenced
     for gate in ctx.site_gates:
         declined = gate.review(
             ctx, pattern, node_label(root), old_nodes, new_nodes, old_outputs, new_outputs

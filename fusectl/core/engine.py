@@ -179,8 +179,7 @@ def run_plan(
         _run_pass(decision, scope.model, ctx)
         if scope.kind == "function":
             initializers_to_constants(scope.graph)
-        seconds = time.perf_counter() - began
-        run.seconds += seconds
+        run.seconds += time.perf_counter() - began
         run.nodes_after = len(scope.graph)
         # Only a pattern pass that changed nothing leaves the index as it found it; other
         # passes may reorder or retype nodes without counting a rewrite.

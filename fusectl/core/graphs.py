@@ -71,7 +71,7 @@ class GraphView(ir.Model):
         return self._owner.metadata_props
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphScope:
     """One graph the plan runs on: its id, where it is, and the model its passes see."""
 

@@ -347,7 +347,37 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
             ir.serde.deserialize_value_info_proto(info, value)
         if info.name in outputs:
             ir.serde.deserialize_value_info_proto(outputs[info.name], value)
+    if model.functions and model.ir_version < _FUNCTION_VALUE_INFO_IR:
+        _function_value_info(model, held)
     return model
+
+
+# From IR version 10 a function keeps its own value_info; before, onnx-ir writes it into the
+# main graph's as ``<domain>::<function>/<value>``.
+_FUNCTION_VALUE_INFO_IR = 10
+
+
+def _function_value_info(model: ir.Model, held: list[onnx.ValueInfoProto]) -> None:
+    """The types of function body values, from the main graph's value_info: onnx-ir reads
+    back only value names without a '/' (exporters' and fusectl's names have them), so that
+    types written by one run would be lost to the next (which would then differ)."""
+    bodies = {
+        f"{domain}::{name}": function
+        for (domain, name, overload), function in model.functions.items()
+        if not overload
+    }
+    found: dict[str, dict[str, onnx.ValueInfoProto]] = {}
+    for info in held:
+        function, slash, name = info.name.partition("/")
+        if slash and function in bodies:
+            found.setdefault(function, {})[name] = info
+    for function, infos in found.items():
+        body = bodies[function]
+        values = [*body.inputs, *(value for node in body for value in node.outputs)]
+        for value in values:
+            info = infos.get(value.name or "")
+            if info is not None:
+                ir.serde.deserialize_value_info_proto(info, value)
 
 
 def _from_proto(

@@ -12,30 +12,25 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.table import Table
 
-from fusectl.core.engine import PassRun, RunResult
+from fusectl.core.engine import GraphRun, PassRun, RunResult
 from fusectl.core.repository import UNFUSED, Repository, RepositoryGate, ms
 from fusectl.core.switches import Plan, Source
 from fusectl.rewrite import coverage, runtime
-from fusectl.rewrite.context import layer_of
+from fusectl.rewrite.context import MAIN_GRAPH, PassContext, layer_of
 from fusectl.rewrite.registry import Category, PassSpec
 from fusectl.version import __version__
 
 FUSION_RESULT_FORMATS = ("v3", "list", "object")
-GRAPH_ID = "0_0"
 
 
-def _counted_runs(result: RunResult) -> list[PassRun]:
-    return [
-        run
-        for run in result.runs
-        if run.ctx is not None and run.ctx.spec.counted and run.ctx.matched > 0
-    ]
+def _counted_runs(runs: list[PassRun]) -> list[PassRun]:
+    return [run for run in runs if run.ctx is not None and run.ctx.spec.counted and run.ctx.matched]
 
 
-def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
-    """The Ascend fusion_result.json content: counts as strings, matched passes only."""
+def _sections(runs: list[PassRun], fmt: str) -> dict[str, dict[str, dict[str, str]]]:
+    """One graph's graph_fusion / ub_fusion maps: counts as strings, matched passes only."""
     sections: dict[str, dict[str, dict[str, str]]] = {}
-    for run in _counted_runs(result):
+    for run in _counted_runs(runs):
         assert run.ctx is not None
         spec = run.ctx.spec
         entry = {"effect_times": str(run.ctx.effected), "match_times": str(run.ctx.matched)}
@@ -43,12 +38,20 @@ def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
             entry["repository_hit_times"] = str(run.ctx.repository_hits)
         key = "ub_fusion" if spec.category is Category.UB else "graph_fusion"
         sections.setdefault(key, {})[spec.name] = entry
+    return sections
+
+
+def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
+    """The Ascend fusion_result.json content: one member per graph with a match, as ATC writes
+    one per graph (ids: fusectl.core.graphs). The CANN 5 ``object`` layout holds one graph:
+    there the counts are summed over all graphs, under the main graph's id."""
+    if fmt == "object":
+        sections = _sections(result.runs, fmt)
+        return {**sections, "session_and_graph_id": MAIN_GRAPH} if sections else {}
+    graphs = [(graph.scope.graph_id, _sections(graph.runs, fmt)) for graph in result.graphs]
     if fmt == "v3":
-        return {f"session_and_graph_id_{GRAPH_ID}": sections} if sections else {}
-    graph = {**sections, "session_and_graph_id": GRAPH_ID}
-    if fmt == "list":
-        return [graph] if sections else []
-    return graph if sections else {}
+        return {f"session_and_graph_id_{key}": found for key, found in graphs if found}
+    return [{**found, "session_and_graph_id": key} for key, found in graphs if found]
 
 
 def render_fusion_result(result: RunResult, fmt: str = "v3") -> str:
@@ -200,23 +203,8 @@ def _run_document(run: PassRun, order: int, layers: set[str] = frozenset()) -> d
     ctx = run.ctx
     if ctx is None:
         return entry
-    declines = ctx.declines()
     entry.update(
-        matched=ctx.matched,
-        effected=ctx.effected,
-        declined=sum(declines.values()),
-        near_misses=[
-            {
-                "reason": reason,
-                "count": count,
-                "examples": [
-                    site
-                    for stats in ctx.patterns.values()
-                    for site in stats.decline_examples.get(reason, [])
-                ][:3],
-            }
-            for reason, count in declines.most_common()
-        ],
+        _counts(ctx),
         patterns={
             stats.name: {"matched": stats.matched, "effected": stats.effected}
             for stats in ctx.patterns.values()
@@ -232,11 +220,48 @@ def _run_document(run: PassRun, order: int, layers: set[str] = frozenset()) -> d
                 "original_nodes": site.original_names,
                 "original_types": site.original_types,
                 "new_nodes": site.new_names,
+                "graph": site.graph,
             }
             for site in ctx.sites
         ],
     )
     return entry
+
+
+def _counts(ctx: PassContext) -> dict[str, Any]:
+    """matched / effected / declined and the near-miss reasons with example sites."""
+    declines = ctx.declines()
+    return {
+        "matched": ctx.matched,
+        "effected": ctx.effected,
+        "declined": sum(declines.values()),
+        "near_misses": [
+            {
+                "reason": reason,
+                "count": count,
+                "examples": [
+                    site
+                    for stats in ctx.patterns.values()
+                    for site in stats.decline_examples.get(reason, [])
+                ][:3],
+            }
+            for reason, count in declines.most_common()
+        ],
+    }
+
+
+def _graph_document(graph: GraphRun) -> dict[str, Any]:
+    """One graph's part of the run: where it is, its size, and the passes that matched in it."""
+    return {
+        **graph.scope.to_json(),
+        "nodes_before": graph.nodes_before,
+        "nodes_after": None if graph.removed else graph.nodes_after,
+        "passes": {
+            run.decision.name: _counts(run.ctx)
+            for run in graph.runs
+            if run.ctx is not None and (run.ctx.matched or run.ctx.effected)
+        },
+    }
 
 
 def model_stats(model: ir.Model) -> dict[str, Any]:
@@ -271,6 +296,7 @@ def report_document(
         "warnings": plan.warnings,
         "notes": plan.notes,
         "passes": [_run_document(run, order, layers) for order, run in enumerate(result.runs)],
+        "graphs": [_graph_document(graph) for graph in result.graphs],
         "coverage": coverage.to_json(result.coverage),
         "fusion_result": fusion_result_document(result),
     }
@@ -297,6 +323,24 @@ def repository_line(gate: RepositoryGate) -> str:
         f"knowledge repository ({gate.section.provenance}): {len(gate.decisions)} site(s) "
         f"decided, {declined} left unfused as slower on {gate.section.provider}"
     )
+
+
+def graph_lines(result: RunResult) -> list[str]:
+    """For a model with subgraphs or functions, one line per graph where a pass matched."""
+    if len(result.graphs) < 2:
+        return []
+    lines = []
+    for graph in result.graphs:
+        runs = _counted_runs(graph.runs)
+        if not runs:
+            continue
+        matched = sum(run.ctx.matched for run in runs if run.ctx)
+        effected = sum(run.ctx.effected for run in runs if run.ctx)
+        lines.append(
+            f"graph {graph.scope.graph_id} ({graph.scope.label}): {matched} matched, "
+            f"{effected} effected, nodes {graph.nodes_before} -> {graph.nodes_after}"
+        )
+    return lines
 
 
 def print_summary(console: Console, result: RunResult, layers: set[str] = frozenset()) -> None:
@@ -327,6 +371,8 @@ def print_summary(console: Console, result: RunResult, layers: set[str] = frozen
             f"{delta:+d}" if ctx else "-",
         )
     console.print(table)
+    for line in graph_lines(result):
+        console.print(line, soft_wrap=True, markup=False)
     line = coverage.summary_line(result.coverage)
     if line:
         console.print(line)

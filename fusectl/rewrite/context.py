@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     import onnx_ir as ir
 
@@ -22,6 +23,8 @@ LINEAGE_TYPES = "fusectl.original_op_types"
 
 # How many example sites a decline reason keeps for the report.
 DECLINE_EXAMPLES = 3
+# The main graph's id in fusion_result.json (see fusectl.core.graphs for the others).
+MAIN_GRAPH = "0_0"
 
 
 @dataclass
@@ -71,6 +74,7 @@ class FusionSite:
     new_names: list[str]
     layer: str | None = None
     index: int | None = None  # the run-wide rewrite number (see Rewrites)
+    graph: str = MAIN_GRAPH  # the id of the graph it is in
 
 
 # A model layer in exporters' node names and dynamo's namespace metadata: "/inner/h.0/attn/..",
@@ -88,15 +92,18 @@ def layer_of(node: ir.Node) -> str | None:
 
 
 class NodeNames:
-    """The node names in use, collected from the graph on first need, so that the names
-    passes give new nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``)."""
+    """The node names in use, collected on first need, so that the names passes give new
+    nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``). With ``graphs`` (every
+    graph of the model) they are unique model-wide: the value names derived from them then
+    never shadow a name of an enclosing graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: Sequence[ir.Graph] = ()) -> None:
         self._taken: set[str] | None = None
+        self._graphs = graphs
 
     def claim(self, graph: ir.Graph, name: str) -> str:
         if self._taken is None:
-            self._taken = {node.name for node in graph if node.name}
+            self._taken = {node.name for g in self._graphs or (graph,) for node in g if node.name}
         candidate, suffix = name, 0
         while candidate in self._taken:
             suffix += 1
@@ -189,7 +196,32 @@ class PassContext:
     # The pass's FusionPass.keep_unfused, for a site the repository keeps unfused.
     keep_unfused: Callable[[Sequence[ir.Node]], bool] | None = None
     op_index: OpIndex = field(default_factory=OpIndex)
+    # The graph the pass works on (see fusectl.core.graphs): a subgraph or function body has
+    # its own context, its counts reported under its id.
+    graph_id: str = MAIN_GRAPH
     _granted: int | None = None
+
+    @classmethod
+    def total(cls, parts: Sequence[PassContext]) -> PassContext:
+        """One pass's counts over every graph it ran on: the per-graph contexts summed (the
+        context itself when there is one), sites in graph order."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        total = cls(first.spec, first.target, first.opset, first.shapes, options=first.options)
+        for part in parts:
+            for stats in part.patterns.values():
+                mine = total.pattern(stats.name)
+                mine.matched += stats.matched
+                mine.effected += stats.effected
+                mine.declines.update(stats.declines)
+                for reason, sites in stats.decline_examples.items():
+                    examples = mine.decline_examples.setdefault(reason, [])
+                    examples += sites[: DECLINE_EXAMPLES - len(examples)]
+            total.sites += part.sites
+            total.changed = total.changed or part.changed
+            total.repository_hits += part.repository_hits
+        return total
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
@@ -271,5 +303,13 @@ class PassContext:
             node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
         layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
-            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer, index)
+            FusionSite(
+                pattern,
+                names,
+                types,
+                [node.name or "" for node in new_nodes],
+                layer,
+                index,
+                self.graph_id,
+            )
         )

@@ -127,6 +127,17 @@ def within(
     return False
 
 
+def attribute_graphs(attribute: ir.Attr) -> list[ir.Graph]:
+    """The graphs an attribute holds: an If branch or Loop/Scan body, or a list of them."""
+    if attribute.is_ref():
+        return []
+    if attribute.type == ir.AttributeType.GRAPH:
+        return [attribute.as_graph()]
+    if attribute.type == ir.AttributeType.GRAPHS:
+        return list(attribute.as_graphs())
+    return []
+
+
 def node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 
@@ -144,10 +155,27 @@ def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | No
                 return f"an intermediate value ({node.op_type} output) is a graph output"
             for consumer, _ in value.uses():
                 if consumer not in members:
+                    where = "outside the match"
+                    if consumer.graph is not node.graph:  # an If/Loop/Scan body reads it
+                        body = consumer.graph.name if consumer.graph is not None else None
+                        where = f"in the subgraph '{body}'" if body else "in a subgraph"
                     return (
                         f"an intermediate value ({node.op_type} output) is also used by "
-                        f"{consumer.op_type} outside the match"
+                        f"{consumer.op_type} {where}"
                     )
+    return None
+
+
+def attribute_reference(nodes: Sequence[ir.Node]) -> str | None:
+    """Why ``nodes`` cannot be rewritten, if one of them takes an attribute from the function
+    it is in (``pads = @pads``): the value is known only per call, so no pass can read it."""
+    for node in nodes:
+        for attribute in node.attributes.values():
+            if attribute.is_ref():
+                return (
+                    f"{node.op_type} '{node_label(node)}' takes its attribute "
+                    f"'{attribute.name}' from the function's '{attribute.ref_attr_name}'"
+                )
     return None
 
 
@@ -171,6 +199,10 @@ def replace_subgraph(
     recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
+    referenced = attribute_reference(old_nodes)
+    if referenced is not None:
+        ctx.pattern(pattern).decline(referenced, node_label(root))
+        return referenced
     for gate in ctx.site_gates:
         declined = gate.review(
             ctx, pattern, node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
@@ -273,6 +305,8 @@ def bypass_refusal(node: ir.Node) -> str | None:
     if source is None:
         return "it has no input"
     if result.is_graph_output():
+        if source.graph is not node.graph:  # a subgraph output must be made in the subgraph
+            return "it copies a value of an enclosing graph to a subgraph output"
         if source.is_graph_input() or source.is_initializer():
             return "it links a graph input or initializer straight to a graph output"
         if source.is_graph_output():

@@ -13,7 +13,8 @@ from fusectl.core import logs
 from fusectl.core.switches import Decision, Plan
 from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
-from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate
+from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
+from fusectl.rewrite.graph import reading_constants
 from fusectl.rewrite.patterns import PatternPass
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def run_plan(
         changed = ctx.changed or run.nodes_after != nodes
         if changed or not isinstance(decision.fusion_pass, PatternPass):
             op_index.invalidate()
+        release(ctx.removed)
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
         if after_pass is not None:  # sees whether this round changed the graph
             after_pass(run, model)
@@ -146,17 +148,18 @@ def run_plan(
     decisions = plan.decisions
     runs.extend(PassRun(decision) for decision in decisions)
     position = 0
-    while position < len(decisions):
-        group = _canonical_group(decisions, position)
-        for index in group:
-            if not decisions[index].enabled:
-                logs.skipped(decisions[index])
-        enabled = [index for index in group if decisions[index].enabled]
-        for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
-            changed = [run_one(index, decisions[index]) for index in enabled]
-            if not any(changed):
-                break
-        position += len(group)
+    with reading_constants():
+        while position < len(decisions):
+            group = _canonical_group(decisions, position)
+            for index in group:
+                if not decisions[index].enabled:
+                    logs.skipped(decisions[index])
+            enabled = [index for index in group if decisions[index].enabled]
+            for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
+                changed = [run_one(index, decisions[index]) for index in enabled]
+                if not any(changed):
+                    break
+            position += len(group)
     return RunResult(
         runs,
         nodes_before,

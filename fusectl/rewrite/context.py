@@ -81,7 +81,7 @@ _LAYER = re.compile(r"(?<!\w)(?:layers?|h|blocks?)\.\d+(?!\d)")
 def layer_of(node: ir.Node) -> str | None:
     """The layer a node belongs to, by its name or its namespace metadata, if either says."""
     for text in (node.name, node.metadata_props.get("namespace")):
-        found = _LAYER.search(text) if text else None
+        found = _LAYER.search(text) if text and "." in text else None
         if found is not None:
             return found.group(0)
     return None
@@ -164,6 +164,17 @@ class SiteGate(Protocol):
     ) -> str | None: ...
 
 
+def release(nodes: list[ir.Node]) -> None:
+    """Detach the outputs of nodes taken out of the graph (and of every use), then forget
+    them. A node and its output values point at each other: without this the cycle outlives
+    the node, and a run, which turns the cyclic garbage collector off, would keep every
+    replaced node of a large graph in memory to the end."""
+    for node in nodes:
+        if node.graph is None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            node.resize_outputs(0)
+    nodes.clear()
+
+
 class UnguardedRewrite(RuntimeError):
     """A pass changed the graph without asking ``ctx.may_rewrite`` while a bisection ran."""
 
@@ -189,6 +200,8 @@ class PassContext:
     # The pass's FusionPass.keep_unfused, for a site the repository keeps unfused.
     keep_unfused: Callable[[Sequence[ir.Node]], bool] | None = None
     op_index: OpIndex = field(default_factory=OpIndex)
+    # Nodes replace_subgraph took out of the graph, released once the pass is over.
+    removed: list[ir.Node] = field(default_factory=list)
     _granted: int | None = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
@@ -265,10 +278,14 @@ class PassContext:
                 types.append(node.op_type)
         if self.spec.name not in passes:
             passes.append(self.spec.name)
-        for node in new_nodes:
-            node.metadata_props[LINEAGE_PASSES] = json.dumps(passes)
-            node.metadata_props[LINEAGE_NAMES] = json.dumps(names)
-            node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
+        if new_nodes:
+            lineage = {
+                LINEAGE_PASSES: json.dumps(passes),
+                LINEAGE_NAMES: json.dumps(names),
+                LINEAGE_TYPES: json.dumps(types),
+            }
+            for node in new_nodes:
+                node.metadata_props.update(lineage)
         layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
             FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer, index)

@@ -365,6 +365,7 @@ class ActivationRecognitionPass(FusionPass):
         numerics=Numerics.REASSOCIATING,
         priority=4300,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph

@@ -15,7 +15,6 @@ from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
 from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
 from fusectl.rewrite.graph import reading_constants
-from fusectl.rewrite.patterns import PatternPass
 
 if TYPE_CHECKING:
     from fusectl.diagnostics.sitecheck import SiteChecker
@@ -133,10 +132,10 @@ def run_plan(
         run.seconds += time.perf_counter() - began
         run.nodes_after = len(model.graph)
         run.ctx = ctx
-        # Only a pattern pass that changed nothing leaves the index as it found it; other
-        # passes may reorder or retype nodes without counting a rewrite.
+        # Only a pass that counts its changes and changed nothing leaves the index as it
+        # found it; others may reorder or retype nodes without counting a rewrite.
         changed = ctx.changed or run.nodes_after != nodes
-        if changed or not isinstance(decision.fusion_pass, PatternPass):
+        if changed or not decision.fusion_pass.counts_changes:
             op_index.invalidate()
         release(ctx.removed)
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)

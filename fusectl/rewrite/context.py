@@ -107,9 +107,10 @@ class NodeNames:
 
 class OpIndex:
     """The graph's nodes by op identifier, in graph order. One scan of a 100k-node graph costs
-    30 ms, and most pattern passes match nothing, so consecutive pattern passes share one index
-    until a pass changes the graph (the engine then drops it). A pass that rewrites extends the
-    lists it is given with the nodes it adds."""
+    50 ms, and most passes match nothing, so consecutive passes share one index until a pass
+    changes the graph or may have changed it uncounted (the engine then drops it; see
+    FusionPass.counts_changes). A pass that rewrites extends the lists it is given with the
+    nodes it adds."""
 
     def __init__(self) -> None:
         self._by_op: dict[ir.OperatorIdentifier, list[ir.Node]] | None = None
@@ -120,6 +121,17 @@ class OpIndex:
             for node in graph:
                 self._by_op.setdefault(node.op_identifier(), []).append(node)
         return self._by_op
+
+    def of_type(
+        self, graph: ir.Graph, op_type: str, domains: tuple[str, ...] = ("",)
+    ) -> list[ir.Node]:
+        """The graph's nodes of one op type in these domains, any overload, in graph order: a
+        snapshot, which a pass may walk while it rewrites (removed nodes then have no graph)."""
+        by_op = self.nodes(graph)
+        keys = [key for key in by_op if key[0] in domains and key[1] == op_type]
+        if len(keys) > 1:  # domains or overloads: their lists cannot be merged in graph order
+            return [n for n in graph if n.op_type == op_type and n.domain in domains]
+        return list(by_op[keys[0]]) if keys else []
 
     def invalidate(self) -> None:
         self._by_op = None

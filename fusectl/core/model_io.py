@@ -322,31 +322,57 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
     inputs = {value.name for value in graph.inputs}
     values.update((name, value) for name, value in graph.initializers.items() if name not in inputs)
     outputs = {info.name: info for info in proto.graph.output}
-    # Per distinct type: its shape, shared, and its element type (a TensorType each value
-    # owns: Value.dtype's setter changes the type in place).
-    known: dict[bytes, tuple[ir.Shape | None, ir.TensorType | None]] = {}
-    for info in {info.name: info for info in held}.values():  # the last entry of a name wins
-        value = values.get(info.name)
+    # Per distinct entry, but for its name: the shape, shared, and the element type (a
+    # TensorType each value owns: Value.dtype's setter changes the type in place), or None
+    # for an entry onnx-ir must read itself (doc string, metadata, denotation, not a tensor).
+    known: dict[bytes, tuple[ir.Shape | None, ir.TensorType | None] | None] = {}
+    for name, info in {info.name: info for info in held}.items():  # the last entry wins
+        value = values.get(name)
         if value is None:
             continue
-        type_proto = info.type
-        if info.doc_string or info.metadata_props or type_proto.denotation:
+        key = _without_name(info.SerializeToString())
+        if key not in known:
+            known[key] = _plain_tensor_type(info)
+        found = known[key]
+        if found is None:
             ir.serde.deserialize_value_info_proto(info, value)
-        elif type_proto.HasField("tensor_type"):
-            key = type_proto.SerializeToString()
-            if key not in known:
-                tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
-                assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
-                known[key] = ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
-            shape, tensor_type = known[key]
-            value.shape = shape
+        else:
+            value.shape, tensor_type = found
             value.type = None if tensor_type is None else ir.TensorType(tensor_type.dtype)
             value.doc_string = None
-        else:
-            ir.serde.deserialize_value_info_proto(info, value)
-        if info.name in outputs:
-            ir.serde.deserialize_value_info_proto(outputs[info.name], value)
+        if name in outputs:
+            ir.serde.deserialize_value_info_proto(outputs[name], value)
     return model
+
+
+def _without_name(entry: bytes) -> bytes:
+    """A serialized ValueInfoProto without its name (field 1, written first), so that entries
+    that differ only by name are one key."""
+    if not entry.startswith(b"\x0a"):
+        return entry
+    length, shift, position = 0, 0, 1
+    while True:  # the name's length, a varint
+        byte = entry[position]
+        length |= (byte & 0x7F) << shift
+        position += 1
+        shift += 7
+        if byte < 0x80:
+            return entry[position + length :]
+
+
+def _plain_tensor_type(
+    info: onnx.ValueInfoProto,
+) -> tuple[ir.Shape | None, ir.TensorType | None] | None:
+    """The shape and element type of a value_info entry that is a tensor type and nothing
+    else; None for any other entry."""
+    type_proto = info.type
+    if info.doc_string or info.metadata_props or type_proto.denotation:
+        return None
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
+    assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
+    return ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
 
 
 def _from_proto(

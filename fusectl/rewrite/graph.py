@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 _FOLD_DEPTH = 4
 # The ops a constant is seen through (see constant_value).
-_SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
+SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
 
 
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
@@ -107,7 +107,7 @@ def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
         return None if tensor is None else _array(tensor)
     if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
         return None
-    if producer.op_type not in _SEEN_THROUGH:
+    if producer.op_type not in SEEN_THROUGH:
         return None
     inputs = producer.inputs
     data = _fold_constant(inputs[0], depth + 1) if inputs else None

@@ -283,12 +283,12 @@ def _repeats(graph: ir.Graph) -> list[tuple[ir.Node, ir.Node]]:
     found: list[tuple[ir.Node, ir.Node]] = []
     merged: dict[ir.Value, ir.Value] = {}
     for node in graph:
-        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
-            continue
         constant = node.op_type == "Constant" and node.domain == ""
         # Types as known (declared, or inferred for an earlier pass): asking here would run
-        # shape inference on graphs no pass needed it for.
+        # shape inference on graphs no pass needed it for. (First: it turns most nodes down.)
         if not constant and not all(v.dtype in _SHAPE_TYPES for v in node.outputs):
+            continue
+        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
             continue
         key = _key(node, merged)
         if key is None:

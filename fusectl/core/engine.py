@@ -20,8 +20,8 @@ from fusectl.core.graphs import (
 from fusectl.core.switches import Decision, Plan
 from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
-from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate
-from fusectl.rewrite.patterns import PatternPass
+from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
+from fusectl.rewrite.graph import reading_constants
 
 if TYPE_CHECKING:
     from fusectl.diagnostics.sitecheck import SiteChecker
@@ -181,11 +181,12 @@ def run_plan(
             initializers_to_constants(scope.graph)
         run.seconds += time.perf_counter() - began
         run.nodes_after = len(scope.graph)
-        # Only a pattern pass that changed nothing leaves the index as it found it; other
-        # passes may reorder or retype nodes without counting a rewrite.
+        # Only a pass that counts its changes and changed nothing leaves the index as it
+        # found it; others may reorder or retype nodes without counting a rewrite.
         changed = ctx.changed or run.nodes_after != nodes
-        if changed or not isinstance(decision.fusion_pass, PatternPass):
+        if changed or not decision.fusion_pass.counts_changes:
             graph.op_index.invalidate()
+        release(ctx.removed)
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
         return changed
 
@@ -210,17 +211,18 @@ def run_plan(
         return changed
 
     position = 0
-    while position < len(decisions):
-        group = _canonical_group(decisions, position)
-        for index in group:
-            if not decisions[index].enabled:
-                logs.skipped(decisions[index])
-        enabled = [index for index in group if decisions[index].enabled]
-        for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
-            changed = [run_one(index, decisions[index]) for index in enabled]
-            if not any(changed):
-                break
-        position += len(group)
+    with reading_constants():
+        while position < len(decisions):
+            group = _canonical_group(decisions, position)
+            for index in group:
+                if not decisions[index].enabled:
+                    logs.skipped(decisions[index])
+            enabled = [index for index in group if decisions[index].enabled]
+            for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
+                changed = [run_one(index, decisions[index]) for index in enabled]
+                if not any(changed):
+                    break
+            position += len(group)
     for graph in graphs:
         graph.removed = not graph.scope.alive(model)
         graph.nodes_after = 0 if graph.removed else len(graph.scope.graph)

@@ -85,7 +85,7 @@ _LAYER = re.compile(r"(?<!\w)(?:layers?|h|blocks?)\.\d+(?!\d)")
 def layer_of(node: ir.Node) -> str | None:
     """The layer a node belongs to, by its name or its namespace metadata, if either says."""
     for text in (node.name, node.metadata_props.get("namespace")):
-        found = _LAYER.search(text) if text else None
+        found = _LAYER.search(text) if text and "." in text else None
         if found is not None:
             return found.group(0)
     return None
@@ -114,9 +114,10 @@ class NodeNames:
 
 class OpIndex:
     """The graph's nodes by op identifier, in graph order. One scan of a 100k-node graph costs
-    30 ms, and most pattern passes match nothing, so consecutive pattern passes share one index
-    until a pass changes the graph (the engine then drops it). A pass that rewrites extends the
-    lists it is given with the nodes it adds."""
+    50 ms, and most passes match nothing, so consecutive passes share one index until a pass
+    changes the graph or may have changed it uncounted (the engine then drops it; see
+    FusionPass.counts_changes). A pass that rewrites extends the lists it is given with the
+    nodes it adds."""
 
     def __init__(self) -> None:
         self._by_op: dict[ir.OperatorIdentifier, list[ir.Node]] | None = None
@@ -127,6 +128,17 @@ class OpIndex:
             for node in graph:
                 self._by_op.setdefault(node.op_identifier(), []).append(node)
         return self._by_op
+
+    def of_type(
+        self, graph: ir.Graph, op_type: str, domains: tuple[str, ...] = ("",)
+    ) -> list[ir.Node]:
+        """The graph's nodes of one op type in these domains, any overload, in graph order: a
+        snapshot, which a pass may walk while it rewrites (removed nodes then have no graph)."""
+        by_op = self.nodes(graph)
+        keys = [key for key in by_op if key[0] in domains and key[1] == op_type]
+        if len(keys) > 1:  # domains or overloads: their lists cannot be merged in graph order
+            return [n for n in graph if n.op_type == op_type and n.domain in domains]
+        return list(by_op[keys[0]]) if keys else []
 
     def invalidate(self) -> None:
         self._by_op = None
@@ -171,6 +183,17 @@ class SiteGate(Protocol):
     ) -> str | None: ...
 
 
+def release(nodes: list[ir.Node]) -> None:
+    """Detach the outputs of nodes taken out of the graph (and of every use), then forget
+    them. A node and its output values point at each other: without this the cycle outlives
+    the node, and a run, which turns the cyclic garbage collector off, would keep every
+    replaced node of a large graph in memory to the end."""
+    for node in nodes:
+        if node.graph is None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            node.resize_outputs(0)
+    nodes.clear()
+
+
 class UnguardedRewrite(RuntimeError):
     """A pass changed the graph without asking ``ctx.may_rewrite`` while a bisection ran."""
 
@@ -199,6 +222,8 @@ class PassContext:
     # The graph the pass works on (see fusectl.core.graphs): a subgraph or function body has
     # its own context, its counts reported under its id.
     graph_id: str = MAIN_GRAPH
+    # Nodes replace_subgraph took out of the graph, released once the pass is over.
+    removed: list[ir.Node] = field(default_factory=list)
     _granted: int | None = None
 
     @classmethod
@@ -297,10 +322,14 @@ class PassContext:
                 types.append(node.op_type)
         if self.spec.name not in passes:
             passes.append(self.spec.name)
-        for node in new_nodes:
-            node.metadata_props[LINEAGE_PASSES] = json.dumps(passes)
-            node.metadata_props[LINEAGE_NAMES] = json.dumps(names)
-            node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
+        if new_nodes:
+            lineage = {
+                LINEAGE_PASSES: json.dumps(passes),
+                LINEAGE_NAMES: json.dumps(names),
+                LINEAGE_TYPES: json.dumps(types),
+            }
+            for node in new_nodes:
+                node.metadata_props.update(lineage)
         layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
             FusionSite(

@@ -9,7 +9,8 @@ than match patterns (constant folding, concatenation, attention) use them as wel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 _FOLD_DEPTH = 4
 # The ops a constant is seen through (see constant_value).
-_SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
+SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
 
 
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
@@ -65,16 +66,48 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     return None if dtype is None else ir.tensor(np.array(attr.value, dtype=dtype))
 
 
+# The arrays of the file's small tensors read during a run (see reading_constants), by
+# tensor: scalars and vectors; a weight is converted each time it is read, not kept.
+_CACHED_BYTES = 256
+_ARRAYS: dict[int, tuple[ir.TensorProtocol, np.ndarray]] | None = None
+
+
+@contextlib.contextmanager
+def reading_constants() -> Iterator[None]:
+    """Within the block, a tensor of the file is converted to an array once: checks read the
+    same small constants (eps, 0.5, a bias) again and again, and each conversion copies the
+    tensor out of its protobuf message. Only read-only arrays are kept, so no caller sees a
+    change another made; they go when the block ends."""
+    global _ARRAYS
+    outer, _ARRAYS = _ARRAYS, {} if _ARRAYS is None else _ARRAYS
+    try:
+        yield
+    finally:
+        _ARRAYS = outer
+
+
+def _array(tensor: ir.TensorProtocol) -> np.ndarray:
+    if _ARRAYS is None or not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return tensor.numpy()
+    found = _ARRAYS.get(id(tensor))
+    if found is not None:
+        return found[1]
+    array = tensor.numpy()
+    if not array.flags.writeable and array.nbytes <= _CACHED_BYTES:
+        _ARRAYS[id(tensor)] = (tensor, array)  # the tensor is held: its id stays its own
+    return array
+
+
 def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None or value.is_graph_input():
         return None
     producer = value.producer()
     if producer is None or producer.op_type == "Constant":
         tensor = constant_tensor(value)
-        return None if tensor is None else tensor.numpy()
+        return None if tensor is None else _array(tensor)
     if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
         return None
-    if producer.op_type not in _SEEN_THROUGH:
+    if producer.op_type not in SEEN_THROUGH:
         return None
     inputs = producer.inputs
     data = _fold_constant(inputs[0], depth + 1) if inputs else None
@@ -230,6 +263,7 @@ def replace_subgraph(
     ir.convenience.replace_nodes_and_values(
         graph, root, old_nodes, new_nodes, old_outputs, new_outputs
     )
+    ctx.removed.extend(old_nodes)
     ctx.record_fusion(pattern, old_nodes, new_nodes)
     for node in new_nodes:
         if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):

@@ -281,6 +281,7 @@ class PatternPass(FusionPass):
     """A pass made of onnxscript-style rules, each tried at every node in graph order."""
 
     rules: ClassVar[tuple[Rule, ...]]
+    counts_changes: ClassVar[bool] = True
     _compiled: list[_CompiledRule] | None = None
 
     def compiled_rules(self) -> list[_CompiledRule]:

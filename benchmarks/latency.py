@@ -105,7 +105,12 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     out_dir = LATENCY_DIR / name
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    outputs: list[tuple[str, Path]] = [("original", model)]
+    # A byte copy of the original beside it (it reads the same external data) is benched as
+    # one more model: its ratio is the run's noise floor, what a ratio of 1.01 can be read
+    # against on a shared machine.
+    control = model.with_name(f"{model.stem}.control.onnx")
+    shutil.copyfile(model, control)
+    outputs: list[tuple[str, Path]] = [("original", model), ("control", control)]
     result: dict = {"model": name, "tools": {}}
     for tool in TOOLS:
         out = out_dir / f"{tool}.onnx"
@@ -128,6 +133,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     for _, path in outputs:
         h.warm_page_cache(path)
     timed = h.measure(bench, timeout=args.timeout)
+    control.unlink()  # only the copied .onnx: the external data is the original's
     if not timed.ok:
         result["error"] = one_line(timed.stderr)
         return result
@@ -140,7 +146,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
                 key: timing[key] for key in ("median_ms", "ratio", "session_s", "session_ratio")
             }
     if not args.keep:
-        for _, path in outputs[1:]:
+        for _, path in outputs[2:]:
             remove_outputs(path)
     return result
 
@@ -153,7 +159,7 @@ def print_results(results: list[dict]) -> None:
         if "error" in result:
             rows.append([result["model"], "bench failed", result["error"], *[""] * 6])
             continue
-        for label in ("original", *TOOLS):
+        for label in ("original", "control", *TOOLS):
             row = result["tools"].get(label, {})
             if "error" in row:
                 rows.append([result["model"], label, row["error"][:60], *[""] * 6])
@@ -168,7 +174,8 @@ def print_results(results: list[dict]) -> None:
             rows.append(cells)
     print(h.table(headers, rows))
     print(
-        "ratio: median over the original's at the same level (<= 1.01: no slower); "
+        "ratio: median over the original's at the same level (<= 1.01: no slower); control: a "
+        "byte copy of the original, benched as one more model (its ratio is the noise floor); "
         "cold start: session creation under ORT_DISABLE_ALL over the original's under "
         "ORT_ENABLE_ALL (<= 0.5: offline fusion halves start-up)."
     )

@@ -365,10 +365,11 @@ class ActivationRecognitionPass(FusionPass):
         numerics=Numerics.REASSOCIATING,
         priority=4300,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
-        seeds = [node for node in graph if _elementwise(node) and node.op_type in _SEEDS]
+        seeds = [node for node in graph if node.op_type in _SEEDS and _elementwise(node)]
         recognized: dict[tuple, _Canonical | None] = {}
         # Neighbourhoods of seeds whose cluster was already in canonical spelling: a model
         # repeats its activation in every layer, and growing each again costs more than all

@@ -546,6 +546,8 @@ _Prelude = tuple[list[ir.Value], list[ir.Node]]
 class _AttentionFusion(FusionPass):
     """Match at every Softmax, let the subclass map the operands, replace and count."""
 
+    counts_changes = True
+
     op_type: ClassVar[str]
     bias_input: ClassVar[int]  # position of attention_bias among the op's inputs
     # The kernel takes -FLT_MAX in the mask for -inf: a fully masked row then gets zero
@@ -557,7 +559,7 @@ class _AttentionFusion(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern(self.op_type)
         shared: dict[object, tuple[ir.Value, ...]] = {}
-        for softmax in [n for n in model.graph if n.op_type == "Softmax" and n.domain == ""]:
+        for softmax in ctx.op_index.of_type(model.graph, "Softmax"):
             if softmax.graph is not model.graph:
                 continue
             found = _match(softmax)

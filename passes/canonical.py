@@ -20,7 +20,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import axis_size, kept_length, slice_operands, target_parts
+from fusectl.rewrite.axes import (
+    axis_size,
+    kept_length,
+    same_dimension,
+    slice_operands,
+    target_parts,
+)
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     bypass,
@@ -197,7 +203,7 @@ def _constant_target(
         elif (
             copying_zero
             and position < len(source)
-            and _same_dimension((value, axis), size, data, position, source)
+            and same_dimension((value, axis), size, data, position, source)
         ):
             resolved.append(0)
         else:
@@ -226,23 +232,6 @@ def _keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None])
             for new, old in zip(dims, shape, strict=True)
         ]
     )
-
-
-def _same_dimension(
-    copied: tuple[ir.Value, int],
-    size: int | ir.SymbolicDim | None,
-    data: ir.Value,
-    position: int,
-    source: ir.Shape,
-) -> bool:
-    """Whether a size read from ``copied`` is, at run time, the data's size at ``position``:
-    read from that very axis, or named alike (a name onnx shape inference did not make up)."""
-    value, axis = copied
-    if value is data and axis % len(source) == position:
-        return True
-    mine = source[position]
-    named = isinstance(size, ir.SymbolicDim) and size.value and not size.value.startswith("unk__")
-    return bool(named) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value
 
 
 @register_pass
@@ -294,12 +283,12 @@ def _repeats(graph: ir.Graph) -> list[tuple[ir.Node, ir.Node]]:
     found: list[tuple[ir.Node, ir.Node]] = []
     merged: dict[ir.Value, ir.Value] = {}
     for node in graph:
-        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
-            continue
         constant = node.op_type == "Constant" and node.domain == ""
         # Types as known (declared, or inferred for an earlier pass): asking here would run
-        # shape inference on graphs no pass needed it for.
+        # shape inference on graphs no pass needed it for. (First: it turns most nodes down.)
         if not constant and not all(v.dtype in _SHAPE_TYPES for v in node.outputs):
+            continue
+        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
             continue
         key = _key(node, merged)
         if key is None:

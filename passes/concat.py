@@ -9,9 +9,11 @@ from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import replace_subgraph, uses_outside
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
 
 def _is_default_domain(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
+    return node.domain in _DEFAULT_DOMAINS
 
 
 def _axis(ctx: PassContext, node: ir.Node, attribute: str, default: int | None) -> int | None:
@@ -39,11 +41,12 @@ class SplitConcatFusionPass(FusionPass):
         aliases=("split_concat_fusion",),
         emits=("Identity",),
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("SplitConcat")
-        for concat in model.graph:
-            if concat.op_type != "Concat" or not _is_default_domain(concat):
+        for concat in ctx.op_index.of_type(model.graph, "Concat", _DEFAULT_DOMAINS):
+            if concat.graph is not model.graph:
                 continue
             split = concat.inputs[0].producer() if concat.inputs[0] is not None else None
             if split is None or split.op_type != "Split" or not _is_default_domain(split):
@@ -85,12 +88,13 @@ class ZConcatv2dFusionPass(FusionPass):
         priority=5900,
         emits=("Concat",),
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("ConcatConcat")
         created: set[ir.Node] = set()
-        for outer in model.graph:
-            if outer.op_type != "Concat" or not _is_default_domain(outer) or outer in created:
+        for outer in ctx.op_index.of_type(model.graph, "Concat", _DEFAULT_DOMAINS):
+            if outer.graph is not model.graph or outer in created:
                 continue
             inner_nodes = {
                 producer: None
@@ -156,12 +160,11 @@ class FusionVirtualOpSetSwitch(FusionPass):
         counted=False,
         emits=(),
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("SplitVirtualOp")
-        for split in model.graph:
-            if split.op_type != "Split" or not _is_default_domain(split):
-                continue
+        for split in ctx.op_index.of_type(model.graph, "Split", _DEFAULT_DOMAINS):
             if NO_TASK in split.metadata_props:
                 continue
             reason = _virtual_split_reason(ctx, split)

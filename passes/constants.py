@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx.reference.ops import load_op
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, remove_dead
+from fusectl.rewrite.graph import SEEN_THROUGH, constant_value, remove_dead
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")
@@ -41,6 +41,25 @@ _NEVER = frozenset(
 )
 # A folded value bigger than this is only kept when it frees its inputs (no net growth).
 _GROWTH_LIMIT_BYTES = 1 << 20
+# The ops _evaluate folds without every input constant: they read shapes or element types.
+_READS_SHAPES = frozenset({"Gather", "Slice", "Shape", "Size", "CastLike"})
+# What produces a value constant_value may see as constant.
+_CONSTANT_SOURCES = SEEN_THROUGH | {"Constant"}
+
+
+def _may_be_constant(node: ir.Node) -> bool:
+    """False when an input is surely not a constant (a graph input, or computed by an op
+    constant_value does not look through): most nodes of a graph, turned down before the
+    full evaluation is set up."""
+    for value in node.inputs:
+        if value is None:
+            continue
+        if value.is_graph_input():
+            return False
+        producer = value.producer()
+        if producer is not None and producer.op_type not in _CONSTANT_SOURCES:
+            return False
+    return True
 
 
 def _static_shape(ctx: PassContext, value: ir.Value | None) -> list[int] | None:
@@ -177,6 +196,8 @@ class ConstantFoldingPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
         for node in graph:
+            if node.op_type not in _READS_SHAPES and not _may_be_constant(node):
+                continue
             if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER:
                 continue
             if not _yields_tensors(node.op_type, ctx.opset):

@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite.context import PassContext, PatternStats
-from fusectl.rewrite.graph import constant_tensor, replace_subgraph
+from fusectl.rewrite.graph import attribute_reference, constant_tensor, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"
@@ -228,6 +228,8 @@ def _fits(node: ir.Node, function: ir.Function) -> bool:
 def _clusterable(node: ir.Node, config: ClusterConfig, composites: _Composites) -> bool:
     if _is_constant_node(node):
         return False  # absorbed into a body when small, else passed in
+    if attribute_reference([node]) is not None:
+        return False  # in a function body, an attribute known only per call
     if _is_onnx(node):
         return node.op_type in config.ops and not _has_subgraph(node)
     return composites.function(node) is not None
@@ -555,12 +557,17 @@ class TbeEltwiseFusionPass(FusionPass):
         )
         shared: dict[tuple, ir.Function] = {}
         expanded: set[ir.OperatorIdentifier] = set()
+        # Run on a model-local function's body (fusectl.core.graphs), a cluster of the whole
+        # body would only wrap the function in another: it is one op already.
+        function_body = any(f.graph is graph for f in model.functions.values())
         for members in groups:
             if len(members) < 2:
                 continue  # one op, or a lone composite call: already one op
             body = _Body(members, composites)
             if len(body.ops) < 2:
                 continue  # an op and a composite of Constants only
+            if function_body and len(members) + len(body.absorbed) == len(graph):
+                continue
             if self._fuse(model, ctx, members, body, shared, position):
                 expanded.update(m.op_identifier() for m in members if not _is_onnx(m))
         if ctx.changed:

@@ -6,10 +6,13 @@ fusion_result.json (they are not fusions).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
 from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import attribute_graphs
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 # Versions of the non-default domains fused ops are emitted in.
@@ -55,15 +58,26 @@ class TopologicalSortPass(FusionPass):
 
 
 def _is_sorted(graph: ir.Graph) -> bool:
-    produced = {id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
+    """Whether every value a node reads (its subgraphs included) that this graph computes is
+    computed before it; values of enclosing graphs and of the subgraphs themselves are not
+    this graph's to order."""
+    produced: set[ir.Value] = set()
     for node in graph:
-        for value in node.inputs:
-            if value is not None and value.producer() is not None and id(value) not in produced:
+        for value in _reads(node):
+            producer = value.producer()
+            if producer is not None and producer.graph is graph and value not in produced:
                 return False
-        produced.update(id(v) for v in node.outputs)
-        if any(attr.type == ir.AttributeType.GRAPH for attr in node.attributes.values()):
-            return False  # subgraphs may capture outer values; let the full sort decide
+        produced.update(node.outputs)
     return True
+
+
+def _reads(node: ir.Node) -> Iterator[ir.Value]:
+    """The node's inputs, and the inputs of every node in its subgraphs."""
+    yield from (value for value in node.inputs if value is not None)
+    for attribute in node.attributes.values():
+        for body in attribute_graphs(attribute):
+            for inner in ir.traversal.RecursiveGraphIterator(body):
+                yield from (value for value in inner.inputs if value is not None)
 
 
 @register_pass

@@ -211,11 +211,24 @@ def _shape_elements(site: Site, value: ir.Value | None, depth: int = 0) -> list[
     return None
 
 
-def _proven_dims(site: Site, value: ir.Value, depth: int = 0) -> list[list[_Dim]] | None:
-    """Per axis, every size known for the value: the inferred one, for a Reshape output the
-    one its computed target spells out, and for a projection (MatMul by a constant matrix,
-    plus a constant bias vector) its input's leading ones (inferred shapes there can be stale
-    once an attention op was fused upstream).
+def _linear_input(site: Site, node: ir.Node) -> tuple[ir.Value, int | None] | None:
+    """For a MatMul by 2-D constant weights, its input and output width; for a bias Add (a
+    constant of at most one axis), its other input and None (the width is kept)."""
+    if node.op_type == "MatMul" and len(node.inputs) == 2 and node.inputs[0] is not None:
+        weights = site.constant(node.inputs[1]) if node.inputs[1] is not None else None
+        if weights is not None and weights.ndim == 2:
+            return node.inputs[0], int(weights.shape[1])
+    if node.op_type == "Add" and len(node.inputs) == 2 and None not in node.inputs:
+        for data, bias in (node.inputs, reversed(node.inputs)):
+            array = site.constant(bias)
+            if array is not None and array.ndim <= 1 and site.constant(data) is None:
+                return data, None
+    return None
+
+
+def _proven_dims(site: Site, value: ir.Value) -> list[list[_Dim]] | None:
+    """Per axis, every size known for the value: the inferred one, and for a Reshape output
+    the one its computed target spells out.
 
     onnx gives a dim a fresh symbol whenever it cannot prove two dims equal, e.g. a batch
     broadcast against a mask's: TorchScript GPT-2 reshapes a projection back to
@@ -227,8 +240,14 @@ def _proven_dims(site: Site, value: ir.Value, depth: int = 0) -> list[list[_Dim]
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx"):
         return dims
-    if node.op_type in ("MatMul", "Add"):
-        return _merged_dims(dims, _projected_dims(site, node, depth))
+    through = _linear_input(site, node)
+    if through is not None:  # a linear layer keeps its input's leading sizes
+        data, outputs = through
+        inner = _proven_dims(site, data)
+        if inner is None or (dims is not None and len(dims) != len(inner)):
+            return dims
+        inner = [*inner[:-1], [outputs]] if outputs is not None else inner
+        return inner if dims is None else [a + b for a, b in zip(dims, inner, strict=True)]
     if node.op_type != "Reshape":
         return dims
     target = _shape_elements(site, node.inputs[1])
@@ -243,37 +262,6 @@ def _proven_dims(site: Site, value: ir.Value, depth: int = 0) -> list[list[_Dim]
         if dim is not None and not (isinstance(dim, int) and dim < 0):  # -1: the rest
             dims[axis].append(dim)
     return dims
-
-
-def _projected_dims(site: Site, node: ir.Node, depth: int) -> list[list[_Dim]] | None:
-    """The dims of MatMul(x, W) for a constant [in, out] W, or of x + b for a constant
-    scalar or [out] b, from x's proven ones."""
-    if depth >= _SHAPE_DEPTH:
-        return None
-    if node.op_type == "MatMul":
-        weight = site.constant(node.inputs[1])
-        inner = _proven_dims(site, node.inputs[0], depth + 1)
-        if weight is None or weight.ndim != 2 or inner is None or len(inner) < 2:
-            return None
-        return [*inner[:-1], [int(weight.shape[1])]]
-    for data, vector in (node.inputs, node.inputs[::-1]):
-        bias = site.constant(vector)
-        if bias is None or bias.ndim > 1:
-            continue
-        inner = _proven_dims(site, data, depth + 1)
-        if inner and (bias.size == 1 or bias.shape[0] in inner[-1]):
-            return inner
-    return None
-
-
-def _merged_dims(
-    dims: list[list[_Dim]] | None, more: list[list[_Dim]] | None
-) -> list[list[_Dim]] | None:
-    if dims is None or more is None:
-        return dims or more
-    if len(dims) != len(more):
-        return dims
-    return [a + b for a, b in zip(dims, more, strict=True)]
 
 
 def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:

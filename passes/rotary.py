@@ -274,11 +274,12 @@ class RotaryEmbeddingFusionPass(FusionPass):
         emits=("RotaryEmbedding",),
         emits_domain=MS,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("RotaryEmbedding")
         caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]] = {}
-        for add in [n for n in model.graph if n.op_type == "Add" and n.domain == ""]:
+        for add in ctx.op_index.of_type(model.graph, "Add"):
             if add.graph is not model.graph:
                 continue
             found = _match(add, ctx)

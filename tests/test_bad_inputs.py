@@ -232,24 +232,52 @@ def _undefined_attribute_type() -> onnx.ModelProto:
     return _model([node])
 
 
-def _non_utf8_name() -> bytes:
+def non_utf8_case(model: onnx.ModelProto, marker: bytes) -> Builder:
+    """The model with the text ``marker`` (8 ASCII bytes) made invalid UTF-8 in the file."""
+    broken = marker[:3] + b"\xff\xfe" + marker[5:]
+
+    def build(folder: Path, out: Path) -> Case:
+        path = folder / "model.onnx"
+        path.write_bytes(model.SerializeToString().replace(marker, broken))
+        return Case(_optimize(path, out), ["model.onnx: ", "not valid UTF-8"])
+
+    return build
+
+
+def _named_relu() -> onnx.ModelProto:
     model = _relu()
     model.graph.node[0].name = "RELUNAME"
-    return model.SerializeToString().replace(b"RELUNAME", b"RELU\xff\xfeME")
+    return model
 
 
-def _non_utf8_case(folder: Path, out: Path) -> Case:
-    path = folder / "model.onnx"
-    path.write_bytes(_non_utf8_name())
-    return Case(_optimize(path, out), ["model.onnx: ", "not valid UTF-8"])
-
-
-def _non_utf8_producer(folder: Path, out: Path) -> Case:
+def _versioned_relu() -> onnx.ModelProto:
     model = _relu()
     model.producer_version = "VERSION1"
-    path = folder / "model.onnx"
-    path.write_bytes(model.SerializeToString().replace(b"VERSION1", b"VER\xc3\x28ON1"))
-    return Case(_optimize(path, out), ["model.onnx: ", "not valid UTF-8"])
+    return model
+
+
+def _input_metadata() -> onnx.ModelProto:
+    model = _relu()
+    onnx.helper.set_metadata_props(model.graph.input[0], {"METAKEY1": "value"})
+    return model
+
+
+def _named_branch() -> onnx.ModelProto:
+    """An If whose then-branch graph has a name of its own."""
+    branches = {
+        name: helper.make_graph(
+            [helper.make_node(op, ["x"], [f"{op}_y"])],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{op}_y", TensorProto.FLOAT, [2])],
+        )
+        for name, op in (("BRANCH01", "Neg"), ("other", "Relu"))
+    }
+    condition = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
+    node = helper.make_node(
+        "If", ["cond"], ["y"], then_branch=branches["BRANCH01"], else_branch=branches["other"]
+    )
+    return _model([node], initializers=(condition,))
 
 
 def _type_conflict() -> onnx.ModelProto:
@@ -484,8 +512,10 @@ CASES: dict[str, Builder] = {
     "wrong_attribute_type": model_case(_wrong_attribute_type(), "'alpha' is INTS", "FLOAT"),
     "unknown_attribute": model_case(_unknown_attribute(), "has no attribute 'slope'"),
     "undefined_attribute_type": model_case(_undefined_attribute_type(), "no valid type"),
-    "non_utf8_name": _non_utf8_case,
-    "non_utf8_producer_version": _non_utf8_producer,
+    "non_utf8_name": non_utf8_case(_named_relu(), b"RELUNAME"),
+    "non_utf8_producer_version": non_utf8_case(_versioned_relu(), b"VERSION1"),
+    "non_utf8_value_metadata": non_utf8_case(_input_metadata(), b"METAKEY1"),
+    "non_utf8_branch_name": non_utf8_case(_named_branch(), b"BRANCH01"),
     **_EXTERNAL_CASES,
     # switch files, plugins, options
     "switch_bad_json": switch_case('{"Switch": {"GraphFusion": {"A": "on",}}}', "invalid JSON"),

@@ -25,6 +25,9 @@ SEEDS = {
     "mlp": ROOT / "tests" / "fixtures" / "mlp_torchscript.onnx",
     "softmax": ROOT / "tests" / "fixtures" / "hand_softmax_torchscript.onnx",
     "sequences": DATA / "simple" / "test_sequence_model2" / "model.onnx",
+    # Control flow: a Loop body and If branches (their names and metadata are mutated too).
+    "decoder_loop_ts17": ROOT / "tests" / "fixtures" / "decoder_loop_ts17.onnx",
+    "decoder_cond_dynamo": ROOT / "tests" / "fixtures" / "decoder_cond_dynamo.onnx",
 }
 CASES_PER_SEED = 75
 

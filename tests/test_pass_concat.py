@@ -70,6 +70,7 @@ def test_exported_split_cat(exported: dict[str, Path], tmp_path: Path) -> None:
             "original_types": ["Split", "Concat"],
             # The Identity that replaced the pair, bypassed at once.
             "new_nodes": [f"{SPLIT_CONCAT}//Concat"],
+            "graph": "0_0",
         }
     ]
     assert run.counts(CONCAT) == (0, 0)

@@ -110,6 +110,7 @@ def test_exported_fixture_fully_connected_lineage(tmp_path: Path) -> None:
         "original_nodes": originals,
         "original_types": ["Conv", "BatchNormalization"],
         "new_nodes": [base, f"{base}_1", f"{base}_2"],
+        "graph": "0_0",
     }
     stamped = lineage(run)
     for name in site["new_nodes"]:

@@ -83,6 +83,7 @@ def test_seed_example_1_site_and_lineage(tmp_path: Path) -> None:
             "original_nodes": ["/Constant", "/Mul", "/Constant_1", "/Add"],
             "original_types": ["Constant", "Mul", "Constant", "Add"],
             "new_nodes": [f"{ELTWISE}//Add"],
+            "graph": "0_0",
         }
     ]
     graph = _load(run).graph

@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import helper
 
+from fusectl.core import reports
 from tests.conftest import Run, optimize
 from tests.pass_helpers import const, optimize_checked, save_model, value
 
@@ -139,3 +140,32 @@ def test_log_null_prints_no_coverage(tmp_path: Path) -> None:
     assert run.passed(GELU)["layers"] == {"fused": 1, "total": 2, "missing": ["layers.1"]}
     assert run.stderr == ""
     assert onnx.load(str(run.output)).graph.node  # the model is written all the same
+
+
+def test_report_file_is_what_json_writes(tmp_path: Path) -> None:
+    """The report is written by fusectl's own indenting writer (json's is several times
+    slower at 100k nodes); its text must be json.dumps(document, indent=2) to the byte,
+    for a real report and for the values json treats specially."""
+    model = _gelu_layers(tmp_path / "gelu.onnx", [0.5, 0.5, 0.25])
+    run = optimize(model, tmp_path)
+    report = tmp_path / f"{model.stem}_report.json"
+    assert run.exit_code == 0 and run.report is not None and run.report["passes"]
+    assert report.read_text() == json.dumps(run.report, indent=2) + "\n"
+    special = {
+        "empty": [{}, [], ()],
+        "nested": [[[]], {"a": {"b": ("c", 1)}}],
+        "text": ["é", '"quoted"\n', "\u2028"],
+        "numbers": [0, -1, 2**70, 1.5, -0.0, 1e100, float("nan"), float("inf"), -float("inf")],
+        "constants": [None, True, False],
+        3: "int key",
+        2.5: "float key",
+        None: "None key",
+        True: "bool key",
+    }
+    written = tmp_path / "special.json"
+    reports.write_report(written, special)
+    assert written.read_text() == json.dumps(special, indent=2) + "\n"
+    with pytest.raises(TypeError):
+        reports.write_report(tmp_path / "bad.json", {"x": object()})
+    with pytest.raises(TypeError):
+        reports.write_report(tmp_path / "bad.json", {(1, 2): 0})

@@ -28,14 +28,15 @@ SKIP, SKIP_RMS, LN = (
     "LayerNormalization",
 )
 # Skip norms that also add the projection's bias in the kernel (the bias variant): BERT's and
-# ViT's dense layers have one; GPT-2's Conv1D keeps it in its Gemm, LLaMA and T5 have none.
+# ViT's dense layers have one, and so has GPT-2's Conv1D once it is MatMul + Add on the 3-D
+# input (FlattenedGemmCanonicalizationPass); LLaMA and T5 have none.
 SKIP_BIAS = "SkipLayerNormalization with bias"
 # Self-attention on three projections of one input: the packed-QKV com.microsoft Attention
 # (counted with the standard Attention: the op type); GPT-2's fused c_attn and LLaMA's rotary
 # leave no three projections to pack.
 QKV = "Attention"
 BERT = {QKV: 2, SKIP: 4, SKIP_BIAS: 4, "EmbedLayerNormalization": 1, "BiasGelu": 2}
-GPT2 = {MHA: 2, SKIP: 4, LN: 1, "FastGelu": 2}
+GPT2 = {MHA: 2, SKIP: 4, SKIP_BIAS: 4, LN: 1, "FastGelu": 2}
 LLAMA = {GQA: 2, ROPE: 4, SKIP_RMS: 5, "QuickGelu": 2, "ReduceMean": 0}
 T5 = {QKV: 2, SKIP_RMS: 5, "ReduceMean": 0}
 VIT = {QKV: 2, SKIP: 4, SKIP_BIAS: 4, LN: 1, "BiasGelu": 2}

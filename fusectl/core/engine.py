@@ -10,11 +10,18 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from fusectl.core import logs
+from fusectl.core.graphs import (
+    GraphScope,
+    defined_values,
+    graph_scopes,
+    initializers_to_constants,
+    unshadow,
+)
 from fusectl.core.switches import Decision, Plan
 from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
-from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate
-from fusectl.rewrite.patterns import PatternPass
+from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
+from fusectl.rewrite.graph import reading_constants
 
 if TYPE_CHECKING:
     from fusectl.diagnostics.sitecheck import SiteChecker
@@ -23,7 +30,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class PassRun:
-    """One entry of the plan after the run: its decision, and what it did if it ran."""
+    """One entry of the plan after the run: its decision, and what it did if it ran (on one
+    graph, or summed over all of them)."""
 
     decision: Decision
     ctx: PassContext | None = None
@@ -33,13 +41,29 @@ class PassRun:
 
 
 @dataclass
+class GraphRun:
+    """The plan's run on one graph of the model: one PassRun per decision."""
+
+    scope: GraphScope
+    runs: list[PassRun]
+    nodes_before: int
+    nodes_after: int = 0
+    # Whether a pass removed the graph (the node holding it, or the function, went away).
+    removed: bool = False
+    op_index: OpIndex = field(default_factory=OpIndex)
+
+
+@dataclass
 class RunResult:
+    # Per decision, summed over every graph; node counts are over every graph too.
     runs: list[PassRun]
     nodes_before: int
     nodes_after: int
     seconds: float
     # Fused and written-out computations per op class in the optimized graph.
     coverage: dict[str, coverage.ClassCoverage] = field(default_factory=dict)
+    # Per graph (fusectl.core.graphs), the main graph first.
+    graphs: list[GraphRun] = field(default_factory=list)
 
 
 AfterPass = Callable[[PassRun, ir.Model], None]
@@ -78,6 +102,20 @@ def _run_pass(decision: Decision, model: ir.Model, ctx: PassContext) -> None:
         ) from error
 
 
+def _total(decision: Decision, parts: list[PassRun]) -> PassRun:
+    """A decision's run summed over the graphs it ran on."""
+    ran = [part for part in parts if part.ctx is not None]
+    if not ran:
+        return PassRun(decision)
+    return PassRun(
+        decision,
+        PassContext.total([part.ctx for part in ran if part.ctx is not None]),
+        sum(part.seconds for part in ran),
+        sum(part.nodes_before for part in ran),
+        sum(part.nodes_after for part in ran),
+    )
+
+
 def run_plan(
     model: ir.Model,
     plan: Plan,
@@ -92,75 +130,113 @@ def run_plan(
 ) -> RunResult:
     """Apply every enabled pass of the plan to ``model`` in place, in plan order.
 
-    ``rewrites`` numbers the rewrites across all passes and may leave some out (fusectl
-    bisect); by default every rewrite happens. ``site_checker`` checks every rewrite of the
-    custom passes before it lands (--check_custom); ``site_gates`` review every pass's
+    Each pass runs on every graph of the model (fusectl.core.graphs: the main graph, then
+    If/Loop/Scan bodies and model-local functions) before the next pass runs, so that a pass
+    sees the constants an earlier pass folded in an enclosing graph; each graph keeps its own
+    counts. ``before_pass`` and ``after_pass`` are called once per pass run (over all graphs).
+
+    ``rewrites`` numbers the rewrites across all passes and graphs and may leave some out
+    (fusectl bisect); by default every rewrite happens. ``site_checker`` checks every rewrite
+    of the custom passes before it lands (--check_custom); ``site_gates`` review every pass's
     rewrites (the knowledge repository, tune's recorder)."""
     start = time.perf_counter()
-    nodes_before = len(model.graph)
-    runs: list[PassRun] = []
-    names = NodeNames()
-    op_index = OpIndex()
+    decisions = plan.decisions
+    graphs = [
+        GraphRun(scope, [PassRun(decision) for decision in decisions], len(scope.graph))
+        for scope in graph_scopes(model)
+    ]
+    names = NodeNames([graph.scope.graph for graph in graphs])
+    # The values the model came with, when it has subgraphs (see unshadow).
+    original = (
+        {v for g in graphs for v in defined_values(g.scope.graph)} if len(graphs) > 1 else set()
+    )
     rewrites = rewrites if rewrites is not None else Rewrites()
-    contexts: dict[int, PassContext] = {}
 
-    def run_one(index: int, decision: Decision) -> bool:
-        """Run one pass; a canonical pass run again keeps counting on its first context."""
-        run = runs[index]
-        if before_pass is not None:
-            before_pass(decision)
-        ctx = contexts.get(index)
+    def run_on(graph: GraphRun, index: int, decision: Decision) -> bool:
+        """Run one pass on one graph; a canonical pass run again keeps counting on its first
+        context. Leaves ``ctx.changed`` saying whether this run changed the graph."""
+        scope, run = graph.scope, graph.runs[index]
+        ctx = run.ctx
         if ctx is None:
             custom = decision.fusion_pass.spec.custom and site_checker is not None
-            ctx = contexts[index] = PassContext(
+            ctx = run.ctx = PassContext(
                 decision.fusion_pass.spec,
                 target,
-                model_opset(model),
+                model_opset(scope.model),
                 shapes,
                 names=names,
                 rewrites=rewrites,
                 options=plan.options,
                 site_gates=(*((site_checker,) if custom else ()), *site_gates),
                 keep_unfused=decision.fusion_pass.keep_unfused,
-                op_index=op_index,
+                op_index=graph.op_index,
+                graph_id=scope.graph_id,
             )
-            run.nodes_before = len(model.graph)
-        was_changed, ctx.changed = ctx.changed, False
-        nodes = len(model.graph)
+            run.nodes_before = len(scope.graph)
+        ctx.changed = False
+        nodes = len(scope.graph)
         began = time.perf_counter()
-        _run_pass(decision, model, ctx)
+        _run_pass(decision, scope.model, ctx)
+        if scope.kind == "function":
+            initializers_to_constants(scope.graph)
         run.seconds += time.perf_counter() - began
-        run.nodes_after = len(model.graph)
-        run.ctx = ctx
-        # Only a pattern pass that changed nothing leaves the index as it found it; other
-        # passes may reorder or retype nodes without counting a rewrite.
+        run.nodes_after = len(scope.graph)
+        # Only a pass that counts its changes and changed nothing leaves the index as it
+        # found it; others may reorder or retype nodes without counting a rewrite.
         changed = ctx.changed or run.nodes_after != nodes
-        if changed or not isinstance(decision.fusion_pass, PatternPass):
-            op_index.invalidate()
+        if changed or not decision.fusion_pass.counts_changes:
+            graph.op_index.invalidate()
+        release(ctx.removed)
         logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
-        if after_pass is not None:  # sees whether this round changed the graph
-            after_pass(run, model)
-        ctx.changed = ctx.changed or was_changed
         return changed
 
-    decisions = plan.decisions
-    runs.extend(PassRun(decision) for decision in decisions)
+    def run_one(index: int, decision: Decision) -> bool:
+        """Run one pass on every graph still in the model."""
+        if before_pass is not None:
+            before_pass(decision)
+        ran: list[tuple[GraphRun, bool]] = []
+        changed = False
+        for graph in graphs:
+            if not graph.scope.alive(model):  # checked as late as possible: the pass itself
+                continue  # may have just removed it from the main graph
+            ctx = graph.runs[index].ctx
+            ran.append((graph, ctx is not None and ctx.changed))
+            changed = run_on(graph, index, decision) or changed
+        if after_pass is not None:  # sees whether this round changed a graph
+            after_pass(_total(decision, [graph.runs[index] for graph, _ in ran]), model)
+        for graph, earlier in ran:
+            ctx = graph.runs[index].ctx
+            assert ctx is not None
+            ctx.changed = ctx.changed or earlier
+        return changed
+
     position = 0
-    while position < len(decisions):
-        group = _canonical_group(decisions, position)
-        for index in group:
-            if not decisions[index].enabled:
-                logs.skipped(decisions[index])
-        enabled = [index for index in group if decisions[index].enabled]
-        for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
-            changed = [run_one(index, decisions[index]) for index in enabled]
-            if not any(changed):
-                break
-        position += len(group)
+    with reading_constants():
+        while position < len(decisions):
+            group = _canonical_group(decisions, position)
+            for index in group:
+                if not decisions[index].enabled:
+                    logs.skipped(decisions[index])
+            enabled = [index for index in group if decisions[index].enabled]
+            for _ in range(_CANONICAL_ROUNDS if len(group) > 1 else 1):
+                changed = [run_one(index, decisions[index]) for index in enabled]
+                if not any(changed):
+                    break
+            position += len(group)
+    for graph in graphs:
+        graph.removed = not graph.scope.alive(model)
+        graph.nodes_after = 0 if graph.removed else len(graph.scope.graph)
+    live = [graph for graph in graphs if not graph.removed]
+    unshadow([graph.scope for graph in live], original)
+    totals = [
+        _total(decision, [graph.runs[index] for graph in graphs])
+        for index, decision in enumerate(decisions)
+    ]
     return RunResult(
-        runs,
-        nodes_before,
-        len(model.graph),
+        totals,
+        sum(graph.nodes_before for graph in graphs),
+        sum(graph.nodes_after for graph in live),
         time.perf_counter() - start,
-        coverage.measure(model.graph, runs),
+        coverage.measure([graph.scope.graph for graph in live], totals),
+        graphs,
     )

@@ -7,7 +7,7 @@ import os
 import sys
 
 from fusectl.core.switches import Decision
-from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.context import MAIN_GRAPH, PassContext
 from fusectl.rewrite.registry import Category
 
 logger = logging.getLogger("fusectl")
@@ -49,7 +49,10 @@ def skipped(decision: Decision) -> None:
 
 
 def pass_finished(ctx: PassContext, seconds: float, nodes_before: int, nodes_after: int) -> None:
+    """The Ascend lines for one pass on one graph: ``GraphId[N]`` is the graph's number (the
+    N of its id ``0_N``); the timing line names a graph other than the main one."""
     spec = ctx.spec
+    graph = ctx.graph_id.rpartition("_")[2]
     if spec.category is Category.UB:
         for stats in ctx.patterns.values():
             logger.debug(
@@ -66,15 +69,17 @@ def pass_finished(ctx: PassContext, seconds: float, nodes_before: int, nodes_aft
                 f"matched_times={stats.matched}, effected_times={stats.effected}."
             )
             if stats.matched:
-                logger.info("GraphId[0], %s", line)
+                logger.info("GraphId[%s], %s", graph, line)
             else:
                 logger.debug("%s", line)
     for reason, count in ctx.declines().items():
         logger.debug("Pass [%s] declined %d candidate(s): %s.", spec.name, count, reason)
+    where = "" if ctx.graph_id == MAIN_GRAPH else f" in graph {ctx.graph_id}"
     logger.info(
-        "Pass [%s] took %.3f ms, nodes %d -> %d.",
+        "Pass [%s] took %.3f ms, nodes %d -> %d%s.",
         spec.name,
         seconds * 1e3,
         nodes_before,
         nodes_after,
+        where,
     )

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,45 +202,34 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
         ) from None
     except OSError as error:
         raise FusectlError(f"cannot read: {error.strerror}", path=model_path) from None
-    return _from_proto(proto, model_path, data)
+    # The file's bytes go before the IR is built (the peak of a run). Their digest is kept
+    # when the parsed file is let go once the IR is built (_detach), which copies the weights
+    # held in it: worth it while they are the smaller part of the file.
+    inline = sum(tensor.ByteSize() for tensor in proto.graph.initializer)
+    digest = _digest(data) if 2 * inline <= len(data) else None
+    del data
+    return _from_proto(proto, model_path, digest)
 
 
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
-_Put = Callable[[ir.TensorProtocol], None]
+# Where a tensor of the IR sits: an initializer's value, or (node, attribute name, index in
+# a TENSORS attribute or None).
+_Place = ir.Value | tuple[ir.Node, str, int | None]
 
 
-def _in_memory_tensors(model: ir.Model) -> list[tuple[ir.serde.TensorProtoTensor, _Put]]:
-    """Every tensor of the IR that is a view of the parsed file, with a function that puts a
-    replacement in its place: initializers, and the tensors of node attributes (Constant
-    values), in every graph, subgraph and function."""
-    found: list[tuple[ir.serde.TensorProtoTensor, _Put]] = []
-
-    def put_initializer(value: ir.Value) -> _Put:
-        def put(tensor: ir.TensorProtocol) -> None:
-            value.const_value = tensor
-
-        return put
-
-    def put_attribute(node: ir.Node, name: str, index: int | None) -> _Put:
-        def put(tensor: ir.TensorProtocol) -> None:
-            attr = node.attributes[name]
-            content = tensor if index is None else [*attr.value]
-            if index is not None:
-                content[index] = tensor
-            node.attributes[name] = ir.Attr(name, attr.type, content, doc_string=attr.doc_string)
-
-        return put
-
+def _ir_tensors(model: ir.Model) -> Iterator[tuple[ir.TensorProtocol, _Place]]:
+    """Every tensor of the IR with its place: initializers and the tensors of node attributes
+    (Constant values), in every graph, subgraph and function."""
     graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
     while graphs:
         graph = graphs.pop()
         if isinstance(graph, ir.Graph):
             for value in graph.initializers.values():
-                if isinstance(value.const_value, ir.serde.TensorProtoTensor):
-                    found.append((value.const_value, put_initializer(value)))
+                if value.const_value is not None:
+                    yield value.const_value, value
         for node in graph:
             for name, attr in node.attributes.items():
                 if attr.is_ref():
@@ -250,31 +239,41 @@ def _in_memory_tensors(model: ir.Model) -> list[tuple[ir.serde.TensorProtoTensor
                 elif attr.type == ir.AttributeType.GRAPHS:
                     graphs.extend(attr.value)
                 elif attr.type == ir.AttributeType.TENSOR:
-                    if isinstance(attr.value, ir.serde.TensorProtoTensor):
-                        found.append((attr.value, put_attribute(node, name, None)))
+                    yield attr.value, (node, name, None)
                 elif attr.type == ir.AttributeType.TENSORS:
                     for index, tensor in enumerate(attr.value):
-                        if isinstance(tensor, ir.serde.TensorProtoTensor):
-                            found.append((tensor, put_attribute(node, name, index)))
-    return found
+                        yield tensor, (node, name, index)
 
 
-def _detach(model: ir.Model, file_size: int) -> bool:
+def _put(place: _Place, tensor: ir.TensorProtocol) -> None:
+    """Put ``tensor`` where another tensor of the IR was."""
+    if isinstance(place, ir.Value):
+        place.const_value = tensor
+        return
+    node, name, index = place
+    attr = node.attributes[name]
+    content = tensor if index is None else [*attr.value]
+    if index is not None:
+        content[index] = tensor
+    node.attributes[name] = ir.Attr(name, attr.type, content, doc_string=attr.doc_string)
+
+
+def _detach(model: ir.Model) -> None:
     """Give every in-memory tensor of the IR a message of its own, so that the parsed file,
     which onnx-ir's tensors are views of, can be freed once the IR is built: its parse tree
     takes about five times the file's size (86 MB for the 16 MB, 100k-node synthetic graph).
-
-    Copying costs the weights' size: worth it only while they are the smaller part of the
-    file. Returns whether it detached."""
-    tensors = _in_memory_tensors(model)
-    if 2 * sum(tensor.nbytes for tensor, _ in tensors) > file_size:
-        return False
+    Copying costs the weights' size: load_model asks for it only while they are the smaller
+    part of the file."""
+    tensors = [
+        (tensor, place)
+        for tensor, place in _ir_tensors(model)
+        if isinstance(tensor, ir.serde.TensorProtoTensor)
+    ]
     # One message holds the copies: a message of its own per tensor would cost an arena each.
     holder = onnx.GraphProto()
     holder.initializer.extend(tensor.raw for tensor, _ in tensors)
-    for own, (_, put) in zip(holder.initializer, tensors, strict=True):
-        put(ir.serde.TensorProtoTensor(own))
-    return True
+    for own, (_, place) in zip(holder.initializer, tensors, strict=True):
+        _put(place, ir.serde.TensorProtoTensor(own))
 
 
 def load_source(source: str | os.PathLike[str] | onnx.ModelProto | ir.Model) -> LoadedModel:
@@ -323,38 +322,95 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
     inputs = {value.name for value in graph.inputs}
     values.update((name, value) for name, value in graph.initializers.items() if name not in inputs)
     outputs = {info.name: info for info in proto.graph.output}
-    # Per distinct type: its shape, shared, and its element type (a TensorType each value
-    # owns: Value.dtype's setter changes the type in place).
-    known: dict[bytes, tuple[ir.Shape | None, ir.TensorType | None]] = {}
-    for info in {info.name: info for info in held}.values():  # the last entry of a name wins
-        value = values.get(info.name)
+    # Per distinct entry, but for its name: the shape, shared, and the element type (a
+    # TensorType each value owns: Value.dtype's setter changes the type in place), or None
+    # for an entry onnx-ir must read itself (doc string, metadata, denotation, not a tensor).
+    known: dict[bytes, tuple[ir.Shape | None, ir.TensorType | None] | None] = {}
+    for name, info in {info.name: info for info in held}.items():  # the last entry wins
+        value = values.get(name)
         if value is None:
             continue
-        type_proto = info.type
-        if info.doc_string or info.metadata_props or type_proto.denotation:
+        key = _without_name(info.SerializeToString())
+        if key not in known:
+            known[key] = _plain_tensor_type(info)
+        found = known[key]
+        if found is None:
             ir.serde.deserialize_value_info_proto(info, value)
-        elif type_proto.HasField("tensor_type"):
-            key = type_proto.SerializeToString()
-            if key not in known:
-                tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
-                assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
-                known[key] = ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
-            shape, tensor_type = known[key]
-            value.shape = shape
+        else:
+            value.shape, tensor_type = found
             value.type = None if tensor_type is None else ir.TensorType(tensor_type.dtype)
             value.doc_string = None
-        else:
-            ir.serde.deserialize_value_info_proto(info, value)
-        if info.name in outputs:
-            ir.serde.deserialize_value_info_proto(outputs[info.name], value)
+        if name in outputs:
+            ir.serde.deserialize_value_info_proto(outputs[name], value)
+    if model.functions and model.ir_version < _FUNCTION_VALUE_INFO_IR:
+        _function_value_info(model, held)
     return model
 
 
+# From IR version 10 a function keeps its own value_info; before, onnx-ir writes it into the
+# main graph's as ``<domain>::<function>/<value>``.
+_FUNCTION_VALUE_INFO_IR = 10
+
+
+def _function_value_info(model: ir.Model, held: list[onnx.ValueInfoProto]) -> None:
+    """The types of function body values, from the main graph's value_info: onnx-ir reads
+    back only value names without a '/' (exporters' and fusectl's names have them), so that
+    types written by one run would be lost to the next (which would then differ)."""
+    bodies = {
+        f"{domain}::{name}": function
+        for (domain, name, overload), function in model.functions.items()
+        if not overload
+    }
+    found: dict[str, dict[str, onnx.ValueInfoProto]] = {}
+    for info in held:
+        function, slash, name = info.name.partition("/")
+        if slash and function in bodies:
+            found.setdefault(function, {})[name] = info
+    for function, infos in found.items():
+        body = bodies[function]
+        values = [*body.inputs, *(value for node in body for value in node.outputs)]
+        for value in values:
+            info = infos.get(value.name or "")
+            if info is not None:
+                ir.serde.deserialize_value_info_proto(info, value)
+
+
+def _without_name(entry: bytes) -> bytes:
+    """A serialized ValueInfoProto without its name (field 1, written first), so that entries
+    that differ only by name are one key."""
+    if not entry.startswith(b"\x0a"):
+        return entry
+    length, shift, position = 0, 0, 1
+    while True:  # the name's length, a varint
+        byte = entry[position]
+        length |= (byte & 0x7F) << shift
+        position += 1
+        shift += 7
+        if byte < 0x80:
+            return entry[position + length :]
+
+
+def _plain_tensor_type(
+    info: onnx.ValueInfoProto,
+) -> tuple[ir.Shape | None, ir.TensorType | None] | None:
+    """The shape and element type of a value_info entry that is a tensor type and nothing
+    else; None for any other entry."""
+    type_proto = info.type
+    if info.doc_string or info.metadata_props or type_proto.denotation:
+        return None
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
+    assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
+    return ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
+
+
 def _from_proto(
-    proto: onnx.ModelProto, model_path: Path | None, data: bytes | None = None
+    proto: onnx.ModelProto, model_path: Path | None, digest: bytes | None = None
 ) -> LoadedModel:
-    """The model of ``proto``, checked; ``data``, the file's bytes, when the caller lets the
-    proto go as soon as this returns (see _detach). Any other proto is left as it was."""
+    """The model of ``proto``, checked; ``digest``, the file's, when the caller lets the
+    proto go as soon as this returns and the IR is to let it go too (see _detach). Any other
+    proto is left as it was."""
     where = model_path or "<in-memory model>"
     if not proto.HasField("graph") or proto.ir_version == 0 or not proto.opset_import:
         raise FusectlError(
@@ -371,14 +427,14 @@ def _from_proto(
     del infos[:]
     detached = False
     try:
-        loaded = _build(proto, model_path, where, held, bool(confined))
-        detached = data is not None and _detach(loaded.model, len(data))
+        loaded = _build(proto, model_path, where, held, bool(confined), keep=digest is None)
+        if digest is not None:
+            _detach(loaded.model)
+            loaded.parsed = digest
+            detached = True
     finally:
         if not detached:
             infos.extend(held)
-    if detached:
-        assert data is not None
-        loaded.parsed = _digest(data)
     return loaded
 
 
@@ -388,7 +444,12 @@ def _build(
     where: Path | str,
     held: list[onnx.ValueInfoProto],
     external: bool,
+    *,
+    keep: bool,
 ) -> LoadedModel:
+    """The IR of ``proto``, checked. ``keep``: the proto is kept, and ``held``, its main
+    graph's value_info (applied here), goes back into it; otherwise it goes as soon as it is
+    applied, before the IR's peak."""
     try:
         with _sparse_names_expected(proto):
             model = _deserialize(proto, held)
@@ -399,6 +460,8 @@ def _build(
         found = [f.message for f in validate_model(proto) if f.error]
         reason = found[0] if found else f"malformed ONNX model: {error}"
         raise FusectlError(reason, path=where) from None
+    if not keep:
+        held.clear()
     check_text(model, Path(where))
     external_files: set[Path] = set()
     if external:  # onnx-ir resolves external tensors' paths from here (a walk of every node)
@@ -433,6 +496,12 @@ def model_copy(loaded: LoadedModel) -> ir.Model:
     if loaded.path is not None:
         ir.external_data.set_base_dir(model.graph, loaded.path.parent)
     return model
+
+
+def _holds_external_tensors(model: ir.Model) -> bool:
+    """Whether a tensor of the model is external: onnx-ir's load_to_model walks every graph
+    to find out, several times slower than this."""
+    return any(isinstance(tensor, ir.ExternalTensor) for tensor, _ in _ir_tensors(model))
 
 
 def external_data_path(output: Path) -> Path:
@@ -489,7 +558,7 @@ def stage_model(
     staged_model = staged.file(output)
     if data_path is not None:
         staged.file(data_path)
-    else:
+    elif _holds_external_tensors(model):
         ir.external_data.load_to_model(model)
     try:
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,30 +13,25 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.table import Table
 
-from fusectl.core.engine import PassRun, RunResult
+from fusectl.core.engine import GraphRun, PassRun, RunResult
 from fusectl.core.repository import UNFUSED, Repository, RepositoryGate, ms
 from fusectl.core.switches import Plan, Source
 from fusectl.rewrite import coverage, runtime
-from fusectl.rewrite.context import layer_of
+from fusectl.rewrite.context import MAIN_GRAPH, PassContext, layer_of
 from fusectl.rewrite.registry import Category, PassSpec
 from fusectl.version import __version__
 
 FUSION_RESULT_FORMATS = ("v3", "list", "object")
-GRAPH_ID = "0_0"
 
 
-def _counted_runs(result: RunResult) -> list[PassRun]:
-    return [
-        run
-        for run in result.runs
-        if run.ctx is not None and run.ctx.spec.counted and run.ctx.matched > 0
-    ]
+def _counted_runs(runs: list[PassRun]) -> list[PassRun]:
+    return [run for run in runs if run.ctx is not None and run.ctx.spec.counted and run.ctx.matched]
 
 
-def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
-    """The Ascend fusion_result.json content: counts as strings, matched passes only."""
+def _sections(runs: list[PassRun], fmt: str) -> dict[str, dict[str, dict[str, str]]]:
+    """One graph's graph_fusion / ub_fusion maps: counts as strings, matched passes only."""
     sections: dict[str, dict[str, dict[str, str]]] = {}
-    for run in _counted_runs(result):
+    for run in _counted_runs(runs):
         assert run.ctx is not None
         spec = run.ctx.spec
         entry = {"effect_times": str(run.ctx.effected), "match_times": str(run.ctx.matched)}
@@ -44,12 +39,20 @@ def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
             entry["repository_hit_times"] = str(run.ctx.repository_hits)
         key = "ub_fusion" if spec.category is Category.UB else "graph_fusion"
         sections.setdefault(key, {})[spec.name] = entry
+    return sections
+
+
+def fusion_result_document(result: RunResult, fmt: str = "v3") -> Any:
+    """The Ascend fusion_result.json content: one member per graph with a match, as ATC writes
+    one per graph (ids: fusectl.core.graphs). The CANN 5 ``object`` layout holds one graph:
+    there the counts are summed over all graphs, under the main graph's id."""
+    if fmt == "object":
+        sections = _sections(result.runs, fmt)
+        return {**sections, "session_and_graph_id": MAIN_GRAPH} if sections else {}
+    graphs = [(graph.scope.graph_id, _sections(graph.runs, fmt)) for graph in result.graphs]
     if fmt == "v3":
-        return {f"session_and_graph_id_{GRAPH_ID}": sections} if sections else {}
-    graph = {**sections, "session_and_graph_id": GRAPH_ID}
-    if fmt == "list":
-        return [graph] if sections else []
-    return graph if sections else {}
+        return {f"session_and_graph_id_{key}": found for key, found in graphs if found}
+    return [{**found, "session_and_graph_id": key} for key, found in graphs if found]
 
 
 def render_fusion_result(result: RunResult, fmt: str = "v3") -> str:
@@ -65,8 +68,88 @@ def write_report(path: Path, document: dict[str, Any]) -> None:
     """report_json's text, streamed to ``path``: a 100k-node graph's report is 9 MB of text,
     which as one string would raise the run's peak memory."""
     with path.open("w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=2)
+        _IndentedJson(handle).write(document)
         handle.write("\n")
+
+
+_ENCODE_STRING = json.encoder.encode_basestring_ascii
+_CONSTANTS = {None: "null", True: "true", False: "false"}
+
+
+class _IndentedJson:
+    """The text ``json.dump(value, indent=2)`` writes, three times faster: json's own writer
+    turns to a chain of Python generators whenever it indents, and a report lists every site
+    of every pass. Values are what reports hold (dicts with string keys, lists, tuples,
+    strings, numbers, booleans, None); anything else is left to json (TypeError)."""
+
+    _CHUNK = 8192  # pieces gathered before a write
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._pieces: list[str] = []
+
+    def write(self, value: Any) -> None:
+        self._value(value, "\n")
+        self._handle.write("".join(self._pieces))
+        self._pieces.clear()
+
+    def _value(self, value: Any, newline: str) -> None:
+        pieces = self._pieces
+        if isinstance(value, str):
+            pieces.append(_ENCODE_STRING(value))
+        elif value is None or value is True or value is False:
+            pieces.append(_CONSTANTS[value])
+        elif isinstance(value, int):
+            pieces.append(int.__repr__(value))
+        elif isinstance(value, float):
+            pieces.append(json.dumps(value))
+        elif isinstance(value, list | tuple):
+            self._list(value, newline)
+        elif isinstance(value, dict):
+            self._dict(value, newline)
+        else:
+            pieces.append(json.dumps(value))  # raises as json would
+        if len(pieces) > self._CHUNK:
+            self._handle.write("".join(pieces))
+            pieces.clear()
+
+    def _list(self, items: list[Any] | tuple[Any, ...], newline: str) -> None:
+        self._entries("[]", items, (("", item) for item in items), newline)
+
+    def _dict(self, items: dict[Any, Any], newline: str) -> None:
+        entries = (
+            (_ENCODE_STRING(key if isinstance(key, str) else _key(key)) + ": ", item)
+            for key, item in items.items()
+        )
+        self._entries("{}", items, entries, newline)
+
+    def _entries(
+        self, brackets: str, container: Any, entries: Iterator[tuple[str, Any]], newline: str
+    ) -> None:
+        """A list's items or a dict's (each after its key), one per line, indented."""
+        pieces = self._pieces
+        if not container:
+            pieces.append(brackets)
+            return
+        inner = newline + "  "
+        separator = "," + inner
+        pieces.append(brackets[0] + inner)
+        for index, (prefix, item) in enumerate(entries):
+            pieces.append(separator + prefix if index else prefix)
+            if type(item) is str:  # most items: spared a call
+                pieces.append(_ENCODE_STRING(item))
+            else:
+                self._value(item, inner)
+        pieces.append(newline + brackets[1])
+
+
+def _key(key: Any) -> str:
+    """A dict key that is not a string, as json writes it."""
+    if key is None or key is True or key is False:
+        return _CONSTANTS[key]
+    if isinstance(key, int | float):
+        return json.dumps(key)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
 
 
 def default_fusion_result_path() -> Path:
@@ -215,23 +298,8 @@ def _run_document(
     ctx = run.ctx
     if ctx is None:
         return entry
-    declines = ctx.declines()
     entry.update(
-        matched=ctx.matched,
-        effected=ctx.effected,
-        declined=sum(declines.values()),
-        near_misses=[
-            {
-                "reason": reason,
-                "count": count,
-                "examples": [
-                    site
-                    for stats in ctx.patterns.values()
-                    for site in stats.decline_examples.get(reason, [])
-                ][:3],
-            }
-            for reason, count in declines.most_common()
-        ],
+        _counts(ctx),
         patterns={
             stats.name: {"matched": stats.matched, "effected": stats.effected}
             for stats in ctx.patterns.values()
@@ -247,11 +315,48 @@ def _run_document(
                 "original_nodes": site.original_names,
                 "original_types": site.original_types,
                 "new_nodes": site.new_names,
+                "graph": site.graph,
             }
             for site in ctx.sites
         ],
     )
     return entry
+
+
+def _counts(ctx: PassContext) -> dict[str, Any]:
+    """matched / effected / declined and the near-miss reasons with example sites."""
+    declines = ctx.declines()
+    return {
+        "matched": ctx.matched,
+        "effected": ctx.effected,
+        "declined": sum(declines.values()),
+        "near_misses": [
+            {
+                "reason": reason,
+                "count": count,
+                "examples": [
+                    site
+                    for stats in ctx.patterns.values()
+                    for site in stats.decline_examples.get(reason, [])
+                ][:3],
+            }
+            for reason, count in declines.most_common()
+        ],
+    }
+
+
+def _graph_document(graph: GraphRun) -> dict[str, Any]:
+    """One graph's part of the run: where it is, its size, and the passes that matched in it."""
+    return {
+        **graph.scope.to_json(),
+        "nodes_before": graph.nodes_before,
+        "nodes_after": None if graph.removed else graph.nodes_after,
+        "passes": {
+            run.decision.name: _counts(run.ctx)
+            for run in graph.runs
+            if run.ctx is not None and (run.ctx.matched or run.ctx.effected)
+        },
+    }
 
 
 def model_stats(model: ir.Model) -> dict[str, Any]:
@@ -288,6 +393,7 @@ def report_document(
         "passes": [
             _run_document(run, order, layers, result.runs) for order, run in enumerate(result.runs)
         ],
+        "graphs": [_graph_document(graph) for graph in result.graphs],
         "coverage": coverage.to_json(result.coverage),
         "fusion_result": fusion_result_document(result),
     }
@@ -314,6 +420,24 @@ def repository_line(gate: RepositoryGate) -> str:
         f"knowledge repository ({gate.section.provenance}): {len(gate.decisions)} site(s) "
         f"decided, {declined} left unfused as slower on {gate.section.provider}"
     )
+
+
+def graph_lines(result: RunResult) -> list[str]:
+    """For a model with subgraphs or functions, one line per graph where a pass matched."""
+    if len(result.graphs) < 2:
+        return []
+    lines = []
+    for graph in result.graphs:
+        runs = _counted_runs(graph.runs)
+        if not runs:
+            continue
+        matched = sum(run.ctx.matched for run in runs if run.ctx)
+        effected = sum(run.ctx.effected for run in runs if run.ctx)
+        lines.append(
+            f"graph {graph.scope.graph_id} ({graph.scope.label}): {matched} matched, "
+            f"{effected} effected, nodes {graph.nodes_before} -> {graph.nodes_after}"
+        )
+    return lines
 
 
 def print_summary(console: Console, result: RunResult, layers: set[str] = frozenset()) -> None:
@@ -344,6 +468,8 @@ def print_summary(console: Console, result: RunResult, layers: set[str] = frozen
             f"{delta:+d}" if ctx else "-",
         )
     console.print(table)
+    for line in graph_lines(result):
+        console.print(line, soft_wrap=True, markup=False)
     line = coverage.summary_line(result.coverage)
     if line:
         console.print(line)

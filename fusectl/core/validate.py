@@ -22,6 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, TypeProto
 
 from fusectl.errors import FusectlError
+from fusectl.rewrite.graph import attribute_graphs
 
 logger = logging.getLogger("fusectl")
 
@@ -447,29 +448,52 @@ def check_input(proto: onnx.ModelProto, path: Path, *, external: bool) -> None:
 
 
 def _ir_texts(model: ir.Model) -> Iterator[object]:
-    """The names, doc strings and metadata of the model, its graphs, functions, nodes and
-    values: everything fusectl reads or writes back as text."""
+    """The names, doc strings and metadata of the model, its graphs (subgraphs included),
+    functions, nodes and values: everything fusectl reads or writes back as text."""
     yield from (model.doc_string, model.producer_name, model.producer_version, model.domain)
     yield from (text for item in model.metadata_props.items() for text in item)
-    graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
-    for graph in graphs:
-        yield from (graph.name, graph.doc_string)
-        yield from (text for item in graph.metadata_props.items() for text in item)
-        values = [*graph.inputs, *graph.outputs]
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            yield from (node.name, node.op_type, node.domain, node.overload, node.doc_string)
-            yield from node.attributes
-            yield from (text for item in node.metadata_props.items() for text in item)
-            values += node.outputs
-        for value in values:
-            yield value.name
-            yield from (dim for dim in value.shape or () if not isinstance(dim, int))
+    for graph in (model.graph, *model.functions.values()):
+        yield from _graph_texts(graph)
+
+
+def _graph_texts(graph: ir.Graph | ir.Function) -> Iterator[object]:
+    yield from (graph.name, graph.doc_string)
+    yield from (text for item in graph.metadata_props.items() for text in item)
+    values = _own_values(graph)
+    for node in graph:
+        yield from (node.name, node.op_type, node.domain, node.overload, node.doc_string)
+        yield from node.attributes
+        yield from (text for item in node.metadata_props.items() for text in item)
+        values += node.outputs
+        values += (value for value in node.inputs if value is not None)
+        for attribute in node.attributes.values():
+            for subgraph in attribute_graphs(attribute):
+                yield from _graph_texts(subgraph)
+    for value in values:
+        yield from (value.name, value.doc_string)
+        yield from (text for item in value.metadata_props.items() for text in item)
+        yield from (dim for dim in value.shape or () if not isinstance(dim, int))
+
+
+def _own_values(graph: ir.Graph | ir.Function) -> list[ir.Value]:
+    """A graph's inputs, outputs and initializers (a function has none)."""
+    values = [*graph.inputs, *graph.outputs]
+    if isinstance(graph, ir.Graph):
+        values += graph.initializers.values()
+    return values
 
 
 def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
-    """Whether any text of the graph's nodes and values, subgraphs included, is bytes: the
-    walk _ir_texts makes, in one tight loop (it runs over every node of every model)."""
-    values = [*graph.inputs, *graph.outputs]
+    """Whether any text of the graph, its nodes and values, subgraphs included, is bytes: the
+    walk _graph_texts makes, in one tight loop (it runs over every node of every model)."""
+    if _has_bytes((graph.name, graph.doc_string)):
+        return True
+    if _has_bytes(text for item in graph.metadata_props.items() for text in item):
+        return True
+    values = _own_values(graph)
+    # A value a node reads is defined in a graph (validation refuses it otherwise), so only a
+    # function body, which validation does not walk, may read a name nothing else holds.
+    function = isinstance(graph, ir.Function)
     for node in graph:
         if (
             type(node.name) is bytes
@@ -483,16 +507,19 @@ def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
             if _has_bytes(node.attributes):
                 return True
             for attribute in node.attributes.values():
-                subgraphs = attribute.value if attribute.type == ir.AttributeType.GRAPHS else ()
-                if attribute.type == ir.AttributeType.GRAPH:
-                    subgraphs = (attribute.value,)
-                if any(_graph_has_bytes(sub, shapes) for sub in subgraphs):
+                if any(_graph_has_bytes(sub, shapes) for sub in attribute_graphs(attribute)):
                     return True
         if node.metadata_props and _has_bytes(t for i in node.metadata_props.items() for t in i):
             return True
         values += node.outputs
+        if function:
+            values += node.inputs
     for value in values:
-        if type(value.name) is bytes:
+        if value is None:
+            continue
+        if type(value.name) is bytes or type(value.doc_string) is bytes:
+            return True
+        if value.metadata_props and _has_bytes(t for i in value.metadata_props.items() for t in i):
             return True
         shape = value.shape
         if shape is not None and id(shape) not in shapes:
@@ -508,14 +535,7 @@ def _model_has_bytes(model: ir.Model) -> bool:
     if _has_bytes(text for item in model.metadata_props.items() for text in item):
         return True
     shapes: set[int] = set()
-    for graph in (model.graph, *model.functions.values()):
-        if _has_bytes((graph.name, graph.doc_string)):
-            return True
-        if _has_bytes(text for item in graph.metadata_props.items() for text in item):
-            return True
-        if _graph_has_bytes(graph, shapes):
-            return True
-    return False
+    return any(_graph_has_bytes(g, shapes) for g in (model.graph, *model.functions.values()))
 
 
 def check_text(model: ir.Model, path: Path) -> None:

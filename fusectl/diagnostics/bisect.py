@@ -41,7 +41,7 @@ from fusectl.diagnostics.verify import (
     run_model,
 )
 from fusectl.errors import FusectlError
-from fusectl.rewrite.context import FusionSite, Rewrites, UnguardedRewrite
+from fusectl.rewrite.context import MAIN_GRAPH, FusionSite, Rewrites, UnguardedRewrite
 from fusectl.rewrite.registry import Category
 from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes, parse_input_shape
 
@@ -82,6 +82,7 @@ class Culprit:
             "original_nodes": self.site.original_names,
             "original_types": self.site.original_types,
             "layer": self.site.layer,
+            "graph": self.site.graph,
             "max_abs_before": _finite(self.error_before),
             "max_abs_with": _finite(self.error_with),
         }
@@ -420,7 +421,10 @@ def print_result(console: Console, result: BisectResult) -> None:
             markup=False,
             soft_wrap=True,
         )
-        console.print(f"    from: {', '.join(site.original_names)}", markup=False, soft_wrap=True)
+        where = "" if site.graph == MAIN_GRAPH else f" (graph {site.graph})"
+        console.print(
+            f"    from: {', '.join(site.original_names)}{where}", markup=False, soft_wrap=True
+        )
     if not result.resolved:
         console.print(
             "the remaining error does not enter at a single rewrite: rewrites interact",

@@ -212,8 +212,31 @@ def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
     return parts
 
 
+def same_dimension(
+    copied: tuple[ir.Value, int],
+    size: int | ir.SymbolicDim | None,
+    data: ir.Value,
+    position: int,
+    source: ir.Shape,
+) -> bool:
+    """Whether a size read from ``copied`` is, at run time, the data's size at ``position``:
+    read from that very axis, or named alike (a name onnx shape inference did not make up)."""
+    value, axis = copied
+    if value is data and axis % len(source) == position:
+        return True
+    mine = source[position]
+    named = isinstance(size, ir.SymbolicDim) and size.value and not size.value.startswith("unk__")
+    return bool(named) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value
+
+
 def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
-    """(x, i) when ``value`` is x's size along axis i as a 1-element tensor."""
+    """(x, i) when ``value`` is x's size along axis i as a 1-element tensor: Gather(Shape(x), i)
+    unsqueezed (TorchScript), or Shape(x, start=i, end=i+1) (dynamo)."""
+    sliced = _producer_of(value, "Shape")
+    if sliced is not None and sliced.inputs[0] is not None:
+        start = sliced.attributes.get_int("start", 0)
+        end = sliced.attributes.get_int("end", None)
+        return (sliced.inputs[0], start) if start >= 0 and end == start + 1 else None
     unsqueeze = _producer_of(value, "Unsqueeze")
     gather = _producer_of(unsqueeze.inputs[0] if unsqueeze else value, "Gather")
     shape = _producer_of(gather.inputs[0], "Shape") if gather is not None else None

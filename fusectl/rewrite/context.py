@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     import onnx_ir as ir
 
@@ -22,6 +23,8 @@ LINEAGE_TYPES = "fusectl.original_op_types"
 
 # How many example sites a decline reason keeps for the report.
 DECLINE_EXAMPLES = 3
+# The main graph's id in fusion_result.json (see fusectl.core.graphs for the others).
+MAIN_GRAPH = "0_0"
 
 
 @dataclass
@@ -71,6 +74,7 @@ class FusionSite:
     new_names: list[str]
     layer: str | None = None
     index: int | None = None  # the run-wide rewrite number (see Rewrites)
+    graph: str = MAIN_GRAPH  # the id of the graph it is in
 
 
 # A model layer in exporters' node names and dynamo's namespace metadata: "/inner/h.0/attn/..",
@@ -81,22 +85,25 @@ _LAYER = re.compile(r"(?<!\w)(?:layers?|h|blocks?)\.\d+(?!\d)")
 def layer_of(node: ir.Node) -> str | None:
     """The layer a node belongs to, by its name or its namespace metadata, if either says."""
     for text in (node.name, node.metadata_props.get("namespace")):
-        found = _LAYER.search(text) if text else None
+        found = _LAYER.search(text) if text and "." in text else None
         if found is not None:
             return found.group(0)
     return None
 
 
 class NodeNames:
-    """The node names in use, collected from the graph on first need, so that the names
-    passes give new nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``)."""
+    """The node names in use, collected on first need, so that the names passes give new
+    nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``). With ``graphs`` (every
+    graph of the model) they are unique model-wide: the value names derived from them then
+    never shadow a name of an enclosing graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: Sequence[ir.Graph] = ()) -> None:
         self._taken: set[str] | None = None
+        self._graphs = graphs
 
     def claim(self, graph: ir.Graph, name: str) -> str:
         if self._taken is None:
-            self._taken = {node.name for node in graph if node.name}
+            self._taken = {node.name for g in self._graphs or (graph,) for node in g if node.name}
         candidate, suffix = name, 0
         while candidate in self._taken:
             suffix += 1
@@ -107,9 +114,10 @@ class NodeNames:
 
 class OpIndex:
     """The graph's nodes by op identifier, in graph order. One scan of a 100k-node graph costs
-    30 ms, and most pattern passes match nothing, so consecutive pattern passes share one index
-    until a pass changes the graph (the engine then drops it). A pass that rewrites extends the
-    lists it is given with the nodes it adds."""
+    50 ms, and most passes match nothing, so consecutive passes share one index until a pass
+    changes the graph or may have changed it uncounted (the engine then drops it; see
+    FusionPass.counts_changes). A pass that rewrites extends the lists it is given with the
+    nodes it adds."""
 
     def __init__(self) -> None:
         self._by_op: dict[ir.OperatorIdentifier, list[ir.Node]] | None = None
@@ -120,6 +128,17 @@ class OpIndex:
             for node in graph:
                 self._by_op.setdefault(node.op_identifier(), []).append(node)
         return self._by_op
+
+    def of_type(
+        self, graph: ir.Graph, op_type: str, domains: tuple[str, ...] = ("",)
+    ) -> list[ir.Node]:
+        """The graph's nodes of one op type in these domains, any overload, in graph order: a
+        snapshot, which a pass may walk while it rewrites (removed nodes then have no graph)."""
+        by_op = self.nodes(graph)
+        keys = [key for key in by_op if key[0] in domains and key[1] == op_type]
+        if len(keys) > 1:  # domains or overloads: their lists cannot be merged in graph order
+            return [n for n in graph if n.op_type == op_type and n.domain in domains]
+        return list(by_op[keys[0]]) if keys else []
 
     def invalidate(self) -> None:
         self._by_op = None
@@ -164,6 +183,17 @@ class SiteGate(Protocol):
     ) -> str | None: ...
 
 
+def release(nodes: list[ir.Node]) -> None:
+    """Detach the outputs of nodes taken out of the graph (and of every use), then forget
+    them. A node and its output values point at each other: without this the cycle outlives
+    the node, and a run, which turns the cyclic garbage collector off, would keep every
+    replaced node of a large graph in memory to the end."""
+    for node in nodes:
+        if node.graph is None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            node.resize_outputs(0)
+    nodes.clear()
+
+
 class UnguardedRewrite(RuntimeError):
     """A pass changed the graph without asking ``ctx.may_rewrite`` while a bisection ran."""
 
@@ -189,7 +219,34 @@ class PassContext:
     # The pass's FusionPass.keep_unfused, for a site the repository keeps unfused.
     keep_unfused: Callable[[Sequence[ir.Node]], bool] | None = None
     op_index: OpIndex = field(default_factory=OpIndex)
+    # The graph the pass works on (see fusectl.core.graphs): a subgraph or function body has
+    # its own context, its counts reported under its id.
+    graph_id: str = MAIN_GRAPH
+    # Nodes replace_subgraph took out of the graph, released once the pass is over.
+    removed: list[ir.Node] = field(default_factory=list)
     _granted: int | None = None
+
+    @classmethod
+    def total(cls, parts: Sequence[PassContext]) -> PassContext:
+        """One pass's counts over every graph it ran on: the per-graph contexts summed (the
+        context itself when there is one), sites in graph order."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        total = cls(first.spec, first.target, first.opset, first.shapes, options=first.options)
+        for part in parts:
+            for stats in part.patterns.values():
+                mine = total.pattern(stats.name)
+                mine.matched += stats.matched
+                mine.effected += stats.effected
+                mine.declines.update(stats.declines)
+                for reason, sites in stats.decline_examples.items():
+                    examples = mine.decline_examples.setdefault(reason, [])
+                    examples += sites[: DECLINE_EXAMPLES - len(examples)]
+            total.sites += part.sites
+            total.changed = total.changed or part.changed
+            total.repository_hits += part.repository_hits
+        return total
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
@@ -265,11 +322,23 @@ class PassContext:
                 types.append(node.op_type)
         if self.spec.name not in passes:
             passes.append(self.spec.name)
-        for node in new_nodes:
-            node.metadata_props[LINEAGE_PASSES] = json.dumps(passes)
-            node.metadata_props[LINEAGE_NAMES] = json.dumps(names)
-            node.metadata_props[LINEAGE_TYPES] = json.dumps(types)
+        if new_nodes:
+            lineage = {
+                LINEAGE_PASSES: json.dumps(passes),
+                LINEAGE_NAMES: json.dumps(names),
+                LINEAGE_TYPES: json.dumps(types),
+            }
+            for node in new_nodes:
+                node.metadata_props.update(lineage)
         layer = next((found for node in old_nodes if (found := layer_of(node))), None)
         self.sites.append(
-            FusionSite(pattern, names, types, [node.name or "" for node in new_nodes], layer, index)
+            FusionSite(
+                pattern,
+                names,
+                types,
+                [node.name or "" for node in new_nodes],
+                layer,
+                index,
+                self.graph_id,
+            )
         )

@@ -65,10 +65,10 @@ class ClassCoverage:
         return self.fused + len(self.unfused)
 
 
-def measure(graph: ir.Graph, runs: Sequence[PassRun]) -> dict[str, ClassCoverage]:
-    """Coverage per op class in ``graph`` (as optimized). Each written-out site gets the
-    near-miss reason a pass gave for one of its nodes, else the pass that would fuse it and is
-    switched off, else "no pass recognized this spelling"."""
+def measure(graphs: Sequence[ir.Graph], runs: Sequence[PassRun]) -> dict[str, ClassCoverage]:
+    """Coverage per op class in ``graphs`` (the model's graphs as optimized). Each
+    written-out site gets the near-miss reason a pass gave for one of its nodes, else the pass
+    that would fuse it and is switched off, else "no pass recognized this spelling"."""
     found: dict[str, list[str]] = {}
     for run in runs:
         if run.ctx is None:
@@ -96,7 +96,7 @@ def measure(graph: ir.Graph, runs: Sequence[PassRun]) -> dict[str, ClassCoverage
         for name, ops in FUSED_OPS.items()
     }
     classes = {name: ClassCoverage() for name in FUSED_OPS}
-    for node in graph:
+    for node in (node for graph in graphs for node in graph):
         for name, ops in FUSED_OPS.items():
             if node.op_type in ops and node.domain in ("", "ai.onnx", "com.microsoft"):
                 classes[name].fused += 1

@@ -9,7 +9,8 @@ than match patterns (constant folding, concatenation, attention) use them as wel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 _FOLD_DEPTH = 4
 # The ops a constant is seen through (see constant_value).
-_SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
+SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
 
 
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
@@ -65,16 +66,48 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     return None if dtype is None else ir.tensor(np.array(attr.value, dtype=dtype))
 
 
+# The arrays of the file's small tensors read during a run (see reading_constants), by
+# tensor: scalars and vectors; a weight is converted each time it is read, not kept.
+_CACHED_BYTES = 256
+_ARRAYS: dict[int, tuple[ir.TensorProtocol, np.ndarray]] | None = None
+
+
+@contextlib.contextmanager
+def reading_constants() -> Iterator[None]:
+    """Within the block, a tensor of the file is converted to an array once: checks read the
+    same small constants (eps, 0.5, a bias) again and again, and each conversion copies the
+    tensor out of its protobuf message. Only read-only arrays are kept, so no caller sees a
+    change another made; they go when the block ends."""
+    global _ARRAYS
+    outer, _ARRAYS = _ARRAYS, {} if _ARRAYS is None else _ARRAYS
+    try:
+        yield
+    finally:
+        _ARRAYS = outer
+
+
+def _array(tensor: ir.TensorProtocol) -> np.ndarray:
+    if _ARRAYS is None or not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return tensor.numpy()
+    found = _ARRAYS.get(id(tensor))
+    if found is not None:
+        return found[1]
+    array = tensor.numpy()
+    if not array.flags.writeable and array.nbytes <= _CACHED_BYTES:
+        _ARRAYS[id(tensor)] = (tensor, array)  # the tensor is held: its id stays its own
+    return array
+
+
 def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None or value.is_graph_input():
         return None
     producer = value.producer()
     if producer is None or producer.op_type == "Constant":
         tensor = constant_tensor(value)
-        return None if tensor is None else tensor.numpy()
+        return None if tensor is None else _array(tensor)
     if depth >= _FOLD_DEPTH or producer.domain not in ("", "ai.onnx"):
         return None
-    if producer.op_type not in _SEEN_THROUGH:
+    if producer.op_type not in SEEN_THROUGH:
         return None
     inputs = producer.inputs
     data = _fold_constant(inputs[0], depth + 1) if inputs else None
@@ -127,6 +160,17 @@ def within(
     return False
 
 
+def attribute_graphs(attribute: ir.Attr) -> list[ir.Graph]:
+    """The graphs an attribute holds: an If branch or Loop/Scan body, or a list of them."""
+    if attribute.is_ref():
+        return []
+    if attribute.type == ir.AttributeType.GRAPH:
+        return [attribute.as_graph()]
+    if attribute.type == ir.AttributeType.GRAPHS:
+        return list(attribute.as_graphs())
+    return []
+
+
 def node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 
@@ -144,10 +188,27 @@ def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | No
                 return f"an intermediate value ({node.op_type} output) is a graph output"
             for consumer, _ in value.uses():
                 if consumer not in members:
+                    where = "outside the match"
+                    if consumer.graph is not node.graph:  # an If/Loop/Scan body reads it
+                        body = consumer.graph.name if consumer.graph is not None else None
+                        where = f"in the subgraph '{body}'" if body else "in a subgraph"
                     return (
                         f"an intermediate value ({node.op_type} output) is also used by "
-                        f"{consumer.op_type} outside the match"
+                        f"{consumer.op_type} {where}"
                     )
+    return None
+
+
+def attribute_reference(nodes: Sequence[ir.Node]) -> str | None:
+    """Why ``nodes`` cannot be rewritten, if one of them takes an attribute from the function
+    it is in (``pads = @pads``): the value is known only per call, so no pass can read it."""
+    for node in nodes:
+        for attribute in node.attributes.values():
+            if attribute.is_ref():
+                return (
+                    f"{node.op_type} '{node_label(node)}' takes its attribute "
+                    f"'{attribute.name}' from the function's '{attribute.ref_attr_name}'"
+                )
     return None
 
 
@@ -171,6 +232,10 @@ def replace_subgraph(
     recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
+    referenced = attribute_reference(old_nodes)
+    if referenced is not None:
+        ctx.pattern(pattern).decline(referenced, node_label(root))
+        return referenced
     for gate in ctx.site_gates:
         declined = gate.review(
             ctx, pattern, node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
@@ -198,6 +263,7 @@ def replace_subgraph(
     ir.convenience.replace_nodes_and_values(
         graph, root, old_nodes, new_nodes, old_outputs, new_outputs
     )
+    ctx.removed.extend(old_nodes)
     ctx.record_fusion(pattern, old_nodes, new_nodes)
     for node in new_nodes:
         if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
@@ -273,6 +339,8 @@ def bypass_refusal(node: ir.Node) -> str | None:
     if source is None:
         return "it has no input"
     if result.is_graph_output():
+        if source.graph is not node.graph:  # a subgraph output must be made in the subgraph
+            return "it copies a value of an enclosing graph to a subgraph output"
         if source.is_graph_input() or source.is_initializer():
             return "it links a graph input or initializer straight to a graph output"
         if source.is_graph_output():

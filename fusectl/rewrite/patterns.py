@@ -20,7 +20,13 @@ from onnxscript.rewriter import pattern as oxs_pattern
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite import runtime
-from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph, uses_outside
+from fusectl.rewrite.graph import (
+    attribute_reference,
+    constant_value,
+    node_label,
+    replace_subgraph,
+    uses_outside,
+)
 from fusectl.rewrite.registry import FusionPass
 
 if TYPE_CHECKING:
@@ -176,13 +182,16 @@ class _CompiledRule:
     def _condition(self, context: MatchContext, **bindings: Any) -> bool:
         assert self.ctx is not None
         site = Site(self.ctx, context)
-        if self.rule.candidate is not None and not self.rule.candidate(site, **bindings):
-            return False
+        # Checked first: an attribute a function body takes from its caller reads as None.
+        reason = attribute_reference(site.nodes)
+        if reason is None:
+            if self.rule.candidate is not None and not self.rule.candidate(site, **bindings):
+                return False
+            exposed = tuple(
+                bindings[name] for name in self.rule.exposes if bindings.get(name) is not None
+            )
+            reason = uses_outside(site.nodes, (*site.outputs, *exposed))
         self.outcome.site = site
-        exposed = tuple(
-            bindings[name] for name in self.rule.exposes if bindings.get(name) is not None
-        )
-        reason = uses_outside(site.nodes, (*site.outputs, *exposed))
         if reason is None and self.ctx.opset < self.min_opset:
             what = "/".join(self._emits) or "the fused op"
             reason = f"{what} needs opset >= {self.min_opset}, model has {self.ctx.opset}"
@@ -272,6 +281,7 @@ class PatternPass(FusionPass):
     """A pass made of onnxscript-style rules, each tried at every node in graph order."""
 
     rules: ClassVar[tuple[Rule, ...]]
+    counts_changes: ClassVar[bool] = True
     _compiled: list[_CompiledRule] | None = None
 
     def compiled_rules(self) -> list[_CompiledRule]:

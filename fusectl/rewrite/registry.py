@@ -113,6 +113,11 @@ class FusionPass(abc.ABC):
     """A registered pass: a spec plus an in-place transformation of the model."""
 
     spec: ClassVar[PassSpec]
+    # True when every change the pass makes to the graph's nodes is counted on its context
+    # (ctx.changed: replace_subgraph, record_fusion): a run of it that changed nothing then
+    # leaves the engine's op index valid. A pass that may add, remove, reorder or retype
+    # nodes without counting it keeps the default.
+    counts_changes: ClassVar[bool] = False
 
     @abc.abstractmethod
     def run(self, model: ir.Model, ctx: PassContext) -> None:

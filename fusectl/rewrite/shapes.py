@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import _c_api_utils
 
 from fusectl.errors import FusectlError
+from fusectl.rewrite.graph import attribute_graphs
 
 logger = logging.getLogger("fusectl")
 
@@ -139,21 +140,58 @@ class ShapeOracle:
                 value.shape = shape
         if inferred is None:
             return
-        types = {info.name: info.type for info in inferred.graph.value_info}
-        types.update((info.name, info.type) for info in inferred.graph.output)
-        for node in self._model.graph:
-            for value in node.outputs:
-                found = types.get(value.name or "")
-                if found is None or not found.HasField("tensor_type"):
-                    continue
-                shape = ir.serde.deserialize_type_proto_for_shape(found)
-                # Recorded shapes are upgraded only once the graph changed: a graph no pass
-                # touched keeps the shapes it came with (a second run changes nothing).
-                if value.shape is None or (self.stale and _more_static(shape, value.shape)):
-                    value.shape = shape
-                    self._filled[value] = None
-                if value.type is None and found.tensor_type.elem_type:
-                    value.type = ir.serde.deserialize_type_proto_for_type(found)
+        found = _inferred_types(inferred.graph)
+        for key, graph in _graphs(self._model.graph):
+            types = found.get(key, {})
+            for node in graph:
+                for value in node.outputs:
+                    self._take(value, types.get(value.name or ""))
+
+    def _take(self, value: ir.Value, found: onnx.TypeProto | None) -> None:
+        """Fill in the value's shape (and type) from what inference found for it."""
+        if found is None or not found.HasField("tensor_type"):
+            return
+        shape = ir.serde.deserialize_type_proto_for_shape(found)
+        # Recorded shapes are upgraded only once the graph changed: a graph no pass
+        # touched keeps the shapes it came with (a second run changes nothing).
+        if value.shape is None or (self.stale and _more_static(shape, value.shape)):
+            value.shape = shape
+            self._filled[value] = None
+        if value.type is None and found.tensor_type.elem_type:
+            value.type = ir.serde.deserialize_type_proto_for_type(found)
+
+
+# A subgraph's place in the model: for each enclosing graph attribute, the first output name
+# of the node holding it (unique, and kept by every rewrite), the attribute, and its index.
+_GraphKey = tuple[tuple[str, str, int], ...]
+
+
+def _inferred_types(
+    graph: onnx.GraphProto, key: _GraphKey = ()
+) -> dict[_GraphKey, dict[str, onnx.TypeProto]]:
+    """The value types shape inference wrote, per graph: the main graph and, nested at any
+    depth, the If/Loop/Scan bodies (sibling branches may reuse a name)."""
+    types = {info.name: info.type for info in graph.value_info}
+    types.update((info.name, info.type) for info in graph.output)
+    found = {key: types}
+    for node in graph.node:
+        anchor = node.output[0] if node.output else node.name
+        for attribute in node.attribute:
+            bodies = [attribute.g] if attribute.HasField("g") else list(attribute.graphs)
+            for index, body in enumerate(bodies):
+                found.update(_inferred_types(body, (*key, (anchor, attribute.name, index))))
+    return found
+
+
+def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Graph]]:
+    """The IR graph and its subgraphs, keyed as _inferred_types keys them."""
+    found = [(key, graph)]
+    for node in graph:
+        anchor = (node.outputs[0].name or "") if node.outputs else (node.name or "")
+        for attribute in node.attributes.values():
+            for index, body in enumerate(attribute_graphs(attribute)):
+                found += _graphs(body, (*key, (anchor, attribute.name, index)))
+    return found
 
 
 _SMALL_CONSTANT = 64

@@ -1,0 +1,196 @@
+"""Linear layers in their canonical form: MatMul on the activation's own rank, bias Added.
+
+GPT-2's Conv1D, and any linear layer written for a 2-D GEMM, flattens the activation to
+``[tokens, in]``, runs Gemm and reshapes the result back to ``[..., out]`` with the leading
+sizes read from the input at run time (Shape -> Gather -> Unsqueeze -> Concat, which cannot
+become a constant target: two of its sizes exist only at run time). MatMul broadcasts over the
+leading axes, so ``MatMul(x, W) + b`` computes the same on ``x`` itself. In that form the layer
+reads like every other exporter's (BERT's, LLaMA's), the bias is there for the passes that
+absorb it (SkipLayerNormalization, BiasGelu, the attention biases), and the Reshapes with their
+shape arithmetic go.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusectl.rewrite.axes import axis_size, same_dimension, target_parts
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import (
+    constant_value,
+    new_constant,
+    remove_dead,
+    replace_subgraph,
+    typed,
+)
+from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+
+PATTERN = "FlattenedGemm"
+
+
+def _only_use(value: ir.Value, node: ir.Node) -> bool:
+    return not value.is_graph_output() and [user for user, _ in value.uses()] == [node]
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+        return None
+    return node
+
+
+class _Layer:
+    """A Reshape -> Gemm -> Reshape site read apart: the activation, weights and bias."""
+
+    def __init__(self, unflatten: ir.Node, gemm: ir.Node, flatten: ir.Node) -> None:
+        self.unflatten, self.gemm, self.flatten = unflatten, gemm, flatten
+        self.x = flatten.inputs[0]
+        self.weight = gemm.inputs[1]
+        self.bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+
+
+def _site(node: ir.Node) -> _Layer | None:
+    """The Reshape -> Gemm -> Reshape chain ending at ``node``, each link used only by the
+    next; None when ``node`` is no such end (nothing to report: most Reshapes are not)."""
+    if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    gemm = _producer(node.inputs[0], "Gemm")
+    if gemm is None or not _only_use(gemm.outputs[0], node) or len(gemm.inputs) < 2:
+        return None
+    flatten = _producer(gemm.inputs[0], "Reshape")
+    if flatten is None or not _only_use(flatten.outputs[0], gemm) or flatten.inputs[0] is None:
+        return None
+    return _Layer(node, gemm, flatten)
+
+
+def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
+    """Why the layer cannot be written as MatMul + Add on the activation; else its [in, out]
+    weights and the rank of its output (the activation's trailing axes beyond it are the
+    ones the first Reshape merged with the last: heads merged and flattened at once)."""
+    gemm, x = layer.gemm, layer.x
+    if gemm.attributes.get_int("transA", 0):
+        return "Gemm transposes its activation input (transA=1)"
+    if gemm.attributes.get_float("alpha", 1.0) != 1.0:
+        return "Gemm scales the product (alpha != 1)"
+    if layer.bias is not None and gemm.attributes.get_float("beta", 1.0) != 1.0:
+        return "Gemm scales the bias (beta != 1)"
+    weight = constant_value(layer.weight)
+    if weight is None or weight.ndim != 2:
+        return "the Gemm weights are not a 2-D constant"
+    if gemm.attributes.get_int("transB", 0):
+        weight = weight.T
+    k, n = weight.shape
+    if layer.bias is not None:
+        bias = constant_value(layer.bias)
+        if bias is None:
+            return "the Gemm bias is not a constant"
+        if bias.ndim > 2 or (bias.ndim == 2 and bias.shape[0] != 1):
+            return "the Gemm bias does not broadcast along the output's last axis only"
+    shape = ctx.shape(x)
+    parts = target_parts(ctx, layer.unflatten.inputs[1])
+    if shape is None or parts is None or not 3 <= len(parts) <= len(shape):
+        return "the second Reshape does not restore the activation's leading axes"
+    # Gemm takes 2-D input only, so the first Reshape made [rows, k]. The second restoring the
+    # activation's leading sizes with the last one given proves the rest: rows is then their
+    # product, so the first flattened exactly the leading axes and the axes after them hold
+    # the Gemm's inputs (a model where that fails does not run). A -1 there leaves that to
+    # prove.
+    if parts[-1] not in (n, -1):
+        return f"the second Reshape's last size is not the Gemm's {n} outputs"
+    if parts[-1] == -1 and (len(parts) != len(shape) or axis_size(ctx, x, len(shape) - 1) != k):
+        return f"the activation's last axis is not known to be the Gemm's {k} inputs"
+    for position, part in enumerate(parts[:-1]):
+        if isinstance(part, int):
+            restored = part > 0 and part == axis_size(ctx, x, position)
+        else:
+            value, axis = part
+            copied = ctx.shape(value)
+            known = copied is not None and -len(copied) <= axis < len(copied)
+            restored = same_dimension(part, copied[axis] if known else None, x, position, shape)
+        if not restored:
+            return f"the second Reshape's size {position} is not the activation's"
+    return weight, len(parts)
+
+
+@register_pass
+class FlattenedGemmCanonicalizationPass(FusionPass):
+    """Not a pattern: each Reshape that ends a flatten -> Gemm -> unflatten chain is judged
+    alone, by the shapes around it."""
+
+    spec = PassSpec(
+        name="FlattenedGemmCanonicalizationPass",
+        category=Category.GRAPH,
+        description="Reshape to 2-D -> Gemm -> Reshape back to the input's leading axes (a "
+        "linear layer written for 2-D GEMM, GPT-2's Conv1D) -> MatMul + bias Add on the "
+        "input itself (the shape arithmetic goes with the Reshapes)",
+        aliases=("GemmUnflatten",),
+        numerics=Numerics.REASSOCIATING,
+        priority=3025,
+        emits=("MatMul", "Add"),
+        canonical=True,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        for node in graph:
+            layer = _site(node)
+            if layer is None:
+                continue
+            site = node.name or "Reshape"
+            found = _refusal(ctx, layer)
+            if isinstance(found, str):
+                ctx.pattern(PATTERN).decline(found, site)
+                continue
+            self._rewrite(ctx, graph, layer, *found, site)
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+    @staticmethod
+    def _rewrite(
+        ctx: PassContext, graph: ir.Graph, layer: _Layer, weight: np.ndarray, rank: int, site: str
+    ) -> None:
+        gemm = layer.gemm
+        transposed = bool(gemm.attributes.get_int("transB", 0))
+        new_initializers = []
+        weights = layer.weight
+        if transposed:
+            array = np.ascontiguousarray(weight)
+            weights = _initializer(graph, f"{ctx.spec.name}/{site}/weight", array)
+            new_initializers.append(weights)
+        activation, new_nodes = layer.x, []
+        x_shape = ctx.shape(layer.x)
+        assert x_shape is not None
+        if len(x_shape) > rank:  # merge the trailing axes the first Reshape flattened too
+            merge = _initializer(
+                graph, f"{ctx.spec.name}/{site}/merged", np.array([0] * (rank - 1) + [-1])
+            )
+            new_initializers.append(merge)
+            new_nodes.append(ir.node("Reshape", [activation, merge]))
+            activation = new_nodes[-1].outputs[0]
+        output = layer.unflatten.outputs[0]
+        result = ir.node("MatMul", [activation, weights]).outputs[0]
+        layer_nodes = [result.producer()]
+        if layer.bias is not None:
+            typed(result, output.dtype, output.shape)
+            result = ir.node("Add", [result, layer.bias]).outputs[0]
+            layer_nodes.append(result.producer())
+        typed(result, output.dtype, output.shape)
+        new_nodes += layer_nodes
+        # The targets' shape arithmetic, read before the Reshapes go: removed once unread.
+        targets = [layer.unflatten.inputs[1], layer.flatten.inputs[1]]
+        shape_code = [target.producer() for target in targets if target is not None]
+        old = [layer.flatten, gemm, layer.unflatten]
+        declined = replace_subgraph(
+            ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result], new_initializers
+        )
+        if declined is None:
+            remove_dead(graph, shape_code)
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A constant for the replacement, not yet in the graph: replace_subgraph adds it when
+    the rewrite lands."""
+    value = new_constant(graph, name, array)
+    del graph.initializers[value.name]
+    return value

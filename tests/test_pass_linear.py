@@ -1,0 +1,125 @@
+"""FlattenedGemmCanonicalizationPass: GPT-2's Conv1D exports, near misses built with onnx.helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from tests.pass_helpers import (
+    const,
+    fixture_path,
+    optimize_checked,
+    pattern_counts,
+    reasons,
+    save_model,
+    value,
+)
+
+PASS = "FlattenedGemmCanonicalizationPass"
+PATTERN = "FlattenedGemm"
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes"),
+    [
+        # Two layers x (c_attn, c_proj, c_fc, mlp c_proj). TorchScript reads the restored sizes
+        # with Shape -> Gather -> Unsqueeze from the 3-D input; dynamo with Shape(start, end)
+        # from the attention mask, and flattens the attention's heads and tokens in one
+        # Reshape (a [0, 0, -1] head merge is put back in front of the MatMul).
+        ("gpt2_tiny_ts17", 83),
+        ("gpt2_tiny_dynamo", 55),
+        ("gpt2_tiny_past_dynamo", 77),
+    ],
+)
+def test_every_conv1d_of_gpt2_becomes_matmul_add(name: str, nodes: int, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, compare="_past_" not in name)
+    assert pattern_counts(run, PASS) == {PATTERN: (8, 8)}
+    assert reasons(run, PASS) == {}
+    counts = run.op_counts()
+    assert counts["Gemm"] == 0
+    assert counts["MatMul"] == 8
+    assert run.report["model"]["after"]["nodes"] == nodes
+
+
+def test_switched_off_keeps_the_gemms(tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path("gpt2_tiny_ts17"), tmp_path, "--disable_pass", PASS)
+    assert run.op_counts()["Gemm"] == 8
+    assert run.report["model"]["after"]["nodes"] == 153
+
+
+K, N = 8, 6
+
+
+def _layer(
+    path: Path,
+    *,
+    gemm: dict | None = None,
+    bias_shape: tuple[int, ...] = (N,),
+    restored: tuple[int, int] = (0, 1),
+    last: int = N,
+    weight_shape: tuple[int, int] = (K, N),
+) -> Path:
+    """x[B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [x.size(i), x.size(j), last]."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w", "b"], ["y2"], **(gemm or {})),
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+    ]
+    parts = []
+    for position in range(len(restored)):
+        nodes += [
+            helper.make_node("Gather", ["x_shape", f"axis{position}"], [f"size{position}"]),
+            helper.make_node("Unsqueeze", [f"size{position}", "zero"], [f"part{position}"]),
+        ]
+        parts.append(f"part{position}")
+    nodes += [
+        helper.make_node("Concat", [*parts, "last"], ["target"], axis=0),
+        helper.make_node("Reshape", ["y2", "target"], ["y"]),
+    ]
+    initializers = [
+        const("flat_shape", [-1, K], np.int64),
+        const("w", rng.standard_normal(weight_shape)),
+        const("b", rng.standard_normal(bias_shape)),
+        const("zero", [0], np.int64),
+        const("last", [last], np.int64),
+        *(const(f"axis{i}", axis, np.int64) for i, axis in enumerate(restored)),
+    ]
+    return save_model(
+        path, nodes, [value("x", ["B", "S", K])], [value("y", ["d0", "d1", "d2"])], initializers
+    )
+
+
+def test_transposed_weights_are_transposed_once(tmp_path: Path) -> None:
+    model = _layer(tmp_path / "trans_b.onnx", gemm={"transB": 1}, weight_shape=(N, K))
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"MatMul": 1, "Add": 1}
+
+
+@pytest.mark.parametrize(
+    ("options", "reason", "runs"),
+    [
+        ({"gemm": {"alpha": 2.0}}, "Gemm scales the product (alpha != 1)", True),
+        ({"gemm": {"beta": 0.5}}, "Gemm scales the bias (beta != 1)", True),
+        # Reshaping to [S, B, N] is another tensor than MatMul on x gives.
+        ({"restored": (1, 0)}, "the second Reshape's size 0 is not the activation's", True),
+        # These two are valid models that fail at run time for most batch sizes: the
+        # checker passes them, onnxruntime runs them only where the sizes happen to fit.
+        (
+            {"bias_shape": (4, N)},
+            "the Gemm bias does not broadcast along the output's last axis only",
+            False,
+        ),
+        ({"last": 3}, "the second Reshape's last size is not the Gemm's 6 outputs", False),
+    ],
+)
+def test_near_misses_keep_the_gemm(options: dict, reason: str, runs: bool, tmp_path: Path) -> None:
+    model = _layer(tmp_path / "near_miss.onnx", **options)
+    run = optimize_checked(model, tmp_path, compare=runs)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
+    assert reasons(run, PASS) == {reason: 1}
+    assert run.op_counts()["Gemm"] == 1

@@ -69,13 +69,16 @@ def _through_concat(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
 
 
 def _split_heads(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
-    """[B,N,S,H] from Transpose(Reshape(X[B,S,N*H]), [0,2,1,3]): returns X."""
+    """[B,N,S,H] from Transpose(Reshape(X[B,S,N*H]), [0,2,1,3]): returns X. A source of
+    another rank (a [B*S, N*H] Linear output, LeViT) is no projection the fused op can read:
+    the heads are read, or merged back, as they are."""
     value = _through_concat(value, nodes)
     transpose = _producer(value, "Transpose")
     if transpose is None or _perm(transpose) != _HEADS:
         return None
     reshape = _producer(transpose.inputs[0], "Reshape")
-    if reshape is None:
+    source = reshape.inputs[0].shape if reshape is not None else None
+    if reshape is None or (source is not None and len(source) != 3):
         return None
     nodes += [transpose, reshape]
     return reshape.inputs[0]
@@ -423,7 +426,7 @@ def _merged_heads(
     [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers."""
     shape = ctx.shape(heads)
     if shape is None or len(shape) != 4:
-        return "the query or key heads are not 4-D"
+        return "the query or key heads are not provably 4-D"
     heads_axis, sequence_axis = (1, 2) if transposed else (2, 1)
     count, size = axis_size(ctx, heads, heads_axis), axis_size(ctx, heads, 3)
     if count is None or size is None:
@@ -466,23 +469,29 @@ def _shared_head(ctx: PassContext, match: _Attention) -> bool:
     )
 
 
-def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int) -> bool:
-    """Whether ``value`` is provably [batch, heads, length, head size]."""
+def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int | None) -> bool:
+    """Whether ``value`` is provably [batch, heads, length, head size] (None: any known
+    head size, as a value's may differ from the query's)."""
     shape = ctx.shape(value)
     if shape is None or len(shape) != 4:
         return False
-    return axis_size(ctx, value, 1) == heads and axis_size(ctx, value, 3) == head_size
+    size = axis_size(ctx, value, 3)
+    return axis_size(ctx, value, 1) == heads and size is not None and size in (head_size, size)
 
 
-def _num_heads(heads: ir.Shape | None, query: ir.Shape) -> int | None:
-    """N from the split query [B, N, S, H], or hidden / H when only the head size is known."""
-    if heads is None or len(heads) != 4:
+def _head_layout(ctx: PassContext, heads: ir.Value, query: ir.Shape) -> tuple[int, int] | None:
+    """(N, H) of the split query [B, N, S, H], derived through the layout ops where shape
+    inference does not know them (LeViT's Split of a fused projection); N is hidden / H when
+    only the head size is known."""
+    shape = ctx.shape(heads)
+    if shape is None or len(shape) != 4:
         return None
-    if isinstance(heads[1], int):
-        return int(heads[1])
-    if isinstance(heads[3], int) and isinstance(query[2], int) and query[2] % heads[3] == 0:
-        return int(query[2]) // int(heads[3])
-    return None
+    count, size = axis_size(ctx, heads, 1), axis_size(ctx, heads, 3)
+    if size is None:
+        return None
+    if count is None and isinstance(query[2], int) and query[2] % size == 0:
+        count = int(query[2]) // size
+    return None if count is None else (count, size)
 
 
 def _fused_shape(query: ir.Shape, replaced: ir.Shape) -> ir.Shape:
@@ -631,11 +640,11 @@ class _AttentionFusion(FusionPass):
             return "the query projection or the output has an unknown rank"
         if len(query) != 3:
             return "the query projection is not 3-D [batch, sequence, hidden]"
-        split = ctx.shape(match.heads)
-        heads = _num_heads(split, query)
-        if heads is None or split is None or not isinstance(split[3], int):
+        layout = _head_layout(ctx, match.heads, query)
+        if layout is None:
             return "the number of heads or the head size is unknown"
-        plan = self._plan(ctx, match, heads, int(split[3]), shared)
+        heads, head_size = layout
+        plan = self._plan(ctx, match, heads, head_size, shared)
         if plan is None or isinstance(plan, str):
             return plan
         inputs, attributes, absorbed = plan
@@ -778,11 +787,28 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
                 return "a Q/K/V projection is not 3-D [batch, sequence, hidden]"
             return projections, {"num_heads": heads}, key.nodes + value.nodes
         # A KV cache (Concat(past, new)) or repeated KV heads: read [B, N, L, H] as it is.
-        for operand in (key, value):
+        for operand, size in ((key, head_size), (value, None)):
             tensor = operand.tensor
-            if tensor is None or not _is_heads(ctx, tensor, heads, head_size):
+            if tensor is None or not _is_heads(ctx, tensor, heads, size):
                 return "the key or value is not provably [batch, heads, length, head size]"
         return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
+
+    def _merge_operands(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> list[ir.Node] | str:
+        """The op reads key and value both 3-D or both 4-D: where one is a projection and the
+        other only heads (split from a fused projection, LeViT), those heads are merged."""
+        key, value = match.key, match.value
+        if key.repeated or value.repeated or (key.projection is None) == (value.projection is None):
+            return []
+        operand = value if value.projection is None else key
+        if operand.tensor is None:
+            return []
+        found = _merged_heads(ctx, operand.tensor, shared, transposed=True)
+        if isinstance(found, str):
+            return found
+        operand.projection, nodes = found
+        return nodes
 
 
 def _projection(

@@ -61,14 +61,14 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gemma2_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "gemma_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gemma_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
-    "gpt_bigcode_dynamo": ((0, 5, 5, 2, 0), (2, 5, None, 2, 0)),
-    "gpt_bigcode_ts17": ((0, 5, 4, 2, 0), (2, 5, None, 2, 0)),
+    "gpt_bigcode_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "gpt_bigcode_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "gptj_ts17": ((2, 3, 0, 2, 4), (2, 3, None, 2, 4)),
-    "levit_dynamo": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
-    "levit_ts17": ((0, 0, 0, 0, 0), (5, 0, None, 0, 0)),
+    "levit_dynamo": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
+    "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "mistral_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_dynamo": ((2, 5, 0, 2, 4), (2, 5, None, 2, 4)),
@@ -134,36 +134,6 @@ WHY: dict[tuple[str, str], str] = {
         "biases and a constant scale (they come from Where); "
         "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
         "additive biases and a constant scale (they come from Where)"
-    ),
-    ("gpt_bigcode_dynamo", "attention"): (
-        "AttentionFusionPass: the query projection is not 3-D [batch, sequence, hidden]; "
-        "GroupQueryAttentionFusionPass: the query projection is not 3-D [batch, sequence,"
-        " hidden]; QkvAttentionFusionPass: the query projection is not 3-D [batch, "
-        "sequence, hidden]; MultiHeadAttentionFusionPass: the query projection is not 3-D"
-        " [batch, sequence, hidden]"
-    ),
-    ("gpt_bigcode_ts17", "attention"): (
-        "AttentionFusionPass: the query projection is not 3-D [batch, sequence, hidden]; "
-        "GroupQueryAttentionFusionPass: the query projection is not 3-D [batch, sequence,"
-        " hidden]; QkvAttentionFusionPass: the query projection is not 3-D [batch, "
-        "sequence, hidden]; MultiHeadAttentionFusionPass: the query projection is not 3-D"
-        " [batch, sequence, hidden]"
-    ),
-    ("levit_dynamo", "attention"): (
-        "AttentionFusionPass: Attention needs opset >= 23, model has 18; "
-        "AttentionFusionPass: the query projection is not 3-D [batch, sequence, hidden]; "
-        "GroupQueryAttentionFusionPass: the query projection is not 3-D [batch, sequence,"
-        " hidden]; QkvAttentionFusionPass: the query projection is not 3-D [batch, "
-        "sequence, hidden]; MultiHeadAttentionFusionPass: the key or value is not "
-        "provably [batch, heads, length, head size]; MultiHeadAttentionFusionPass: the "
-        "query projection is not 3-D [batch, sequence, hidden]"
-    ),
-    ("levit_ts17", "attention"): (
-        "AttentionFusionPass: the number of heads or the head size of the query or key is"
-        " unknown; GroupQueryAttentionFusionPass: the number of heads or the head size of"
-        " the query or key is unknown; QkvAttentionFusionPass: the number of heads or the"
-        " head size of the query or key is unknown; MultiHeadAttentionFusionPass: the "
-        "number of heads or the head size of the query or key is unknown"
     ),
     ("siglip_vision_dynamo", "attention"): (
         "AttentionFusionPass: Attention needs opset >= 23, model has 18; "

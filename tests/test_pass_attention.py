@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import Run, random_feeds, run_model
+from tests.conftest import FIXTURES, Run, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -674,3 +674,85 @@ def test_query_scaled_before_the_split_goes_into_the_scale(
     assert len(fused) == packed
     for node in fused:
         assert _attributes(node)["scale"] == pytest.approx(8**-0.5, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads split from one fused projection with Split (LeViT): key head size 4, value head size 8,
+# a learned [heads, S, S] position bias added to the scaled scores.
+
+FUSED_HEADS, KEY_SIZE, VALUE_SIZE, SEQ = 2, 4, 8, 6
+
+
+def _split_projection(path: Path, *, sizes: str = "constant") -> Path:
+    """``sizes``: the Split sizes a constant, or a graph input ``parts`` (known at run time)."""
+    rng = np.random.default_rng(0)
+    width = FUSED_HEADS * (2 * KEY_SIZE + VALUE_SIZE)
+    inputs = [value("x", ["batch", SEQ, HIDDEN])]
+    initializers = [
+        const("w", rng.normal(size=(HIDDEN, width)) * 0.3),
+        const("heads", [0, 0, FUSED_HEADS, -1], np.int64),
+        const("s", np.array(KEY_SIZE**-0.5)),
+        const("pos", rng.normal(size=(FUSED_HEADS, SEQ, SEQ))),
+        const("merge", [0, 0, FUSED_HEADS * VALUE_SIZE], np.int64),
+    ]
+    if sizes == "input":
+        inputs.append(value("parts", [3], TensorProto.INT64))
+    else:
+        initializers.append(const("parts", [KEY_SIZE, KEY_SIZE, VALUE_SIZE], np.int64))
+    nodes = [
+        _n("MatMul", ["x", "w"], "qkv"),
+        _n("Reshape", ["qkv", "heads"], "qkv_heads"),
+        helper.make_node("Split", ["qkv_heads", "parts"], ["q4", "k4", "v4"], axis=3),
+        _n("Transpose", ["q4"], "q", perm=[0, 2, 1, 3]),
+        _n("Transpose", ["k4"], "kT", perm=[0, 2, 3, 1]),
+        _n("Transpose", ["v4"], "v", perm=[0, 2, 1, 3]),
+        _n("MatMul", ["q", "kT"], "scores"),
+        _n("Mul", ["scores", "s"], "scaled"),
+        _n("Add", ["scaled", "pos"], "biased"),
+        _n("Softmax", ["biased"], "probs", axis=-1),
+        _n("MatMul", ["probs", "v"], "context"),
+        _n("Transpose", ["context"], "merged", perm=[0, 2, 1, 3]),
+        _n("Reshape", ["merged", "merge"], "y"),
+    ]
+    output = value("y", ["batch", SEQ, FUSED_HEADS * VALUE_SIZE])
+    return save_model(path, nodes, inputs, [output], initializers)
+
+
+def test_split_projection_with_wider_values_becomes_multi_head_attention(tmp_path: Path) -> None:
+    """Query and key merged back from the Split's heads (key head size 4), the value heads
+    (size 8) merged too, as MultiHeadAttention reads key and value in one layout; the learned
+    [N, S, S] bias is attention_bias [1, N, S, S]."""
+    model = _split_projection(tmp_path / "split.onnx")
+    run = optimize_checked(model, tmp_path, *MHA_ONLY)
+    assert run.counts(MHA) == (1, 1)
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    assert _attributes(node)["num_heads"] == FUSED_HEADS
+    assert _attributes(node)["scale"] == pytest.approx(KEY_SIZE**-0.5, rel=1e-6)
+    producers = _producers(graph)
+    assert producers[node.input[5]].op_type == "Unsqueeze"
+    assert producers[node.input[5]].input[0] == "pos"
+    for batch in (1, 3):
+        _compare(model, run.output, random_feeds(model, seed=batch, dims={"batch": batch}))
+
+
+def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
+    """Split sizes fed at run time: nothing proves the heads' layout the fused op needs."""
+    model = _split_projection(tmp_path / "fed_split.onnx", sizes="input")
+    run = optimize_checked(model, tmp_path, *MHA_ONLY, compare=False)
+    assert_declined(run, MHA, "the query or key heads are not provably 4-D", "probs")
+    assert run.op_counts()["Softmax"] == 1
+    parts = np.array([KEY_SIZE, KEY_SIZE, VALUE_SIZE], np.int64)
+    _compare(model, run.output, random_feeds(model, seed=1, dims={"batch": 2}) | {"parts": parts})
+
+
+@pytest.mark.parametrize("name", ["levit_ts17", "levit_dynamo"])
+def test_levit_attention_with_learned_bias_fused_in_every_layer(name: str, tmp_path: Path) -> None:
+    """LeViT: five attentions (two subsampling the query, whose projection is a flattened
+    [B*S, C] Linear), each with a learned position bias: all MultiHeadAttention."""
+    run = optimize_checked(FIXTURES / "arch" / f"{name}.onnx", tmp_path)
+    assert run.counts(MHA) == (5, 5)
+    assert reasons(run, MHA) == {}
+    assert _fused_ops(run)["MultiHeadAttention"] == 5
+    assert run.op_counts()["Softmax"] == 0

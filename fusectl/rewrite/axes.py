@@ -91,8 +91,8 @@ _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
 def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> int | None:
     """The static size of one axis of ``value``, derived from what produced it where shape
     inference does not know it (contrib ops on the way, shapes computed at run time): through
-    element-wise ops, broadcasting, Concat, Slice, Transpose, Reshape targets and onnxruntime's
-    shape-preserving contrib ops (RotaryEmbedding)."""
+    element-wise ops, broadcasting, Concat, Slice, Split, Transpose, Reshape targets and
+    onnxruntime's shape-preserving contrib ops (RotaryEmbedding)."""
     shape = ctx.shape(value)
     if shape is not None and isinstance(shape[axis], int):
         return int(shape[axis])
@@ -138,6 +138,8 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         if axis not in bounds or size is None:
             return size
         return kept_length(*bounds[axis], size)
+    if op == "Split":
+        return _split_size(ctx, node, value, axis, rank, depth)
     if op == "Reshape":
         element = shape_element(ctx, inputs[1], axis)
         if element == 0 and not node.attributes.get_int("allowzero", 0):
@@ -146,6 +148,24 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
             return _inferred_dimension(ctx, node)
         return element if element is not None and element > 0 else None
     return None
+
+
+def _split_size(
+    ctx: PassContext, node: ir.Node, value: ir.Value, axis: int, rank: int, depth: int
+) -> int | None:
+    """One output's size along an axis of Split: its constant part on the split axis (the
+    split input or attribute, else an even share), the data's size on the others."""
+    whole = axis_size(ctx, node.inputs[0], axis, depth - 1)
+    if node.attributes.get_int("axis", 0) % rank != axis:
+        return whole
+    index = list(node.outputs).index(value)
+    parts = constant_value(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+    if parts is None and "split" in node.attributes:
+        parts = np.array(node.attributes.get_ints("split"))
+    if parts is not None:
+        return int(parts.reshape(-1)[index])
+    count = len(node.outputs)
+    return whole // count if whole is not None and whole % count == 0 else None
 
 
 def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:

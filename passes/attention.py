@@ -18,6 +18,11 @@ anchored at the Softmax instead of being a pattern per spelling:
 The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). Keys and
 values that are not a plain head split of a projection (a KV cache joined with Concat(past,
 new), repeated KV heads) are read as they are, [B, N, L, H], by MultiHeadAttention.
+
+Scores computed with the heads folded into the batch (Bloom: q, k, v Reshaped to [B*N, S, H],
+Add(alibi [B*N, 1, L], s * q @ k^T) Reshaped to [B, N, S, L] for the mask and Softmax, then
+folded again for the context) are read through those Reshapes, each proven to keep the sizes
+it does not fold (_unfolded); a bias added in the folded layout is unfolded to 4-D once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
-from fusectl.rewrite.axes import axis_size, shape_element
+from fusectl.rewrite.axes import axis_size, same_dimension, shape_element, target_parts
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.coverage import attention_shaped
 from fusectl.rewrite.graph import (
@@ -68,7 +73,7 @@ def _through_concat(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
     return value
 
 
-def _split_heads(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
+def _split_heads(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     """[B,N,S,H] from Transpose(Reshape(X[B,S,N*H]), [0,2,1,3]): returns X. A source of
     another rank (a [B*S, N*H] Linear output, LeViT) is no projection the fused op can read:
     the heads are read, or merged back, as they are."""
@@ -77,7 +82,7 @@ def _split_heads(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     if transpose is None or _perm(transpose) != _HEADS:
         return None
     reshape = _producer(transpose.inputs[0], "Reshape")
-    source = reshape.inputs[0].shape if reshape is not None else None
+    source = ctx.shape(reshape.inputs[0]) if reshape is not None else None  # type: ignore[arg-type]
     if reshape is None or (source is not None and len(source) != 3):
         return None
     nodes += [transpose, reshape]
@@ -113,17 +118,17 @@ class _Heads:
     unsplit: ir.Value | None = None
 
 
-def _heads(value: ir.Value) -> _Heads:
+def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
     nodes: list[ir.Node] = []
     inner = _through_concat(value, nodes)
     repeated = _repeat_kv(inner, nodes)
     if repeated is not None:
         inner = _through_concat(repeated, nodes)
-    projection = _split_heads(inner, nodes)
+    projection = _split_heads(ctx, inner, nodes)
     return _Heads(value, projection, repeated is not None, nodes if projection else [])
 
 
-def _key_source(value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
+def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
     """The key behind K^T [B,N,H,L] in the three spellings exporters use; the transposing
     nodes go to ``nodes``."""
     transpose = _producer(value, "Transpose")
@@ -135,14 +140,14 @@ def _key_source(value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
         return _Heads(None, reshape.inputs[0], False, [reshape])
     if transpose is not None and _perm(transpose) == [0, 1, 3, 2]:
         nodes.append(transpose)
-        return _heads(transpose.inputs[0])
+        return _heads(ctx, transpose.inputs[0])
     back = _producer(value, "Reshape")  # dynamo: 4-D -> 3-D, swap the last two, -> 4-D
     swap = _producer(back.inputs[0], "Transpose") if back is not None else None
     flat = _producer(swap.inputs[0], "Reshape") if swap is not None else None
     if flat is None or _perm(swap) != [0, 2, 1]:
         return None
     nodes += [back, swap, flat]
-    return _heads(flat.inputs[0])
+    return _heads(ctx, flat.inputs[0])
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -175,6 +180,10 @@ class _Attention:
     root: ir.Node
     nodes: list[ir.Node] = field(default_factory=list)
     softcap: float = 0.0  # the scaled scores are capped: softcap * tanh(scores / softcap)
+    # Heads folded into the batch ([B*N, S, H], Bloom): the Reshapes into and out of that layout
+    # (checked by _unfolded), and the biases added there ([B*N or 1, S or 1, L]).
+    folds: list[ir.Node] = field(default_factory=list)
+    folded: list[ir.Value] = field(default_factory=list)
 
 
 def _softcapped(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float] | None:
@@ -200,14 +209,32 @@ def _softcapped(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]
     return None
 
 
+def _ranks(ctx: PassContext, node: ir.Node) -> tuple[int, int] | None:
+    """(input rank, output rank) of a Reshape, where inferred."""
+    source, result = ctx.shape(node.inputs[0]), ctx.shape(node.outputs[0])  # type: ignore[arg-type]
+    return None if source is None or result is None else (len(source), len(result))
+
+
 def _scores(
-    value: ir.Value, nodes: list[ir.Node], biases: list[ir.Value]
+    ctx: PassContext,
+    value: ir.Value,
+    nodes: list[ir.Node],
+    biases: list[ir.Value],
+    folds: list[ir.Node],
 ) -> tuple[ir.Node | None, float, ir.Value, float]:
     """Walk Add(bias), a soft-capping and a scaling of the product (Div or Mul by a constant,
     as eager attention writes it) back to the MatMul of the scores: the MatMul, that scale,
-    the value the walk stopped at and the soft cap (0: none)."""
-    for _ in range(3):
+    the value the walk stopped at and the soft cap (0: none). A Reshape from 3-D to 4-D on the
+    way unfolds scores computed with the heads folded into the batch: it goes to ``folds``
+    (the biases after it in ``nodes`` are added in that layout)."""
+    for _ in range(4):
         add = _producer(value, "Add")
+        unfold = _producer(value, "Reshape")
+        if add is None and unfold is not None and not folds and _ranks(ctx, unfold) == (3, 4):
+            folds.append(unfold)
+            nodes.append(unfold)
+            value = unfold.inputs[0]
+            continue
         if add is None:
             break
         for scores, bias in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
@@ -243,17 +270,49 @@ def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
         return False
     if node.op_type == "MatMul":
         return True
+    if node.op_type == "Reshape":  # scores unfolded from [B*N, S, L]
+        return _leads_to_matmul(node.inputs[0], depth - 1)
     if node.op_type not in ("Add", "Div", "Mul", "Tanh"):
         return False
     return any(_leads_to_matmul(v, depth - 1) for v in node.inputs)
 
 
-def _match(softmax: ir.Node) -> _Attention | str:
+def _folded(
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node], folds: list[ir.Node]
+) -> ir.Value | None:
+    """x [B, N, S, H] when ``value`` is Reshape(x) to 3-D (heads folded into the batch, as
+    _unfolded checks); the Reshape goes to ``nodes`` and ``folds``."""
+    fold = _producer(value, "Reshape")
+    if fold is None or _ranks(ctx, fold) != (4, 3):
+        return None
+    nodes.append(fold)
+    folds.append(fold)
+    return fold.inputs[0]
+
+
+def _folded_key(
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node], folds: list[ir.Node]
+) -> _Heads | None:
+    """The key behind folded K^T [B*N, H, L]: Transpose(fold(k [B, N, L, H]), [0, 2, 1]), or
+    the fold of a 4-D K^T in one of the spellings _key_source reads."""
+    swap = _producer(value, "Transpose")
+    if swap is not None and _perm(swap) == [0, 2, 1]:
+        heads = _folded(ctx, swap.inputs[0], nodes, folds)
+        if heads is None:
+            return None
+        nodes.append(swap)
+        return _heads(ctx, heads)
+    transposed = _folded(ctx, value, nodes, folds)
+    return _key_source(ctx, transposed, nodes) if transposed is not None else None
+
+
+def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     """The attention around this Softmax, or why what is around it is not one (the caller
     reports the reason only where the Softmax sits between two MatMuls: attention_shaped)."""
     nodes: list[ir.Node] = [softmax]
     biases: list[ir.Value] = []
-    matmul, product_scale, reached, softcap = _scores(softmax.inputs[0], nodes, biases)
+    folds: list[ir.Node] = []
+    matmul, product_scale, reached, softcap = _scores(ctx, softmax.inputs[0], nodes, biases, folds)
     if matmul is None:
         found = reached.producer()
         return (
@@ -264,9 +323,19 @@ def _match(softmax: ir.Node) -> _Attention | str:
     q_scaled, q_scale = _unscale(matmul.inputs[0], nodes)
     k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
     scale = q_scale * k_scale * product_scale
+    folded: list[ir.Value] = []
+    if folds:  # [B*N, S, L] scores: the query and key are folded heads
+        unfolding = sum(node.op_type == "Add" for node in nodes[: nodes.index(folds[0])])
+        biases, folded = biases[:unfolding], biases[unfolding:]
+        unfolded = _folded(ctx, q_scaled, nodes, folds)
+        key = _folded_key(ctx, k_scaled, nodes, folds)
+        if unfolded is None or key is None:
+            return "the scores are unfolded from [batch*heads, ...] but the query or key is not"
+        q_scaled = unfolded
+    else:
+        key = _key_source(ctx, k_scaled, nodes)
     heads = q_scaled
-    query = _split_heads(q_scaled, nodes)  # None: the heads are merged back (_merged_query)
-    key = _key_source(k_scaled, nodes)
+    query = _split_heads(ctx, q_scaled, nodes)  # None: the heads are merged back (_merged_query)
     if key is None:
         return "the key is not transposed heads [batch, heads, head size, length] of a tensor"
     probabilities = softmax.outputs[0]
@@ -279,16 +348,28 @@ def _match(softmax: ir.Node) -> _Attention | str:
         nodes += [guard, where]
         probabilities = where.outputs[0]
         uses = [user for user, _ in probabilities.uses()]
+    if folds and len(uses) == 1 and uses[0].op_type == "Reshape":  # folded again, [B*N, S, L]
+        nodes.append(uses[0])
+        folds.append(uses[0])
+        probabilities = uses[0].outputs[0]
+        uses = [user for user, _ in probabilities.uses()]
     if len(uses) != 1 or uses[0].op_type != "MatMul" or uses[0].inputs[0] is not probabilities:
         return "the probabilities are not read by exactly one MatMul with the value"
     context = uses[0]
     nodes.append(context)
-    value = _heads(context.inputs[1])
+    values = _folded(ctx, context.inputs[1], nodes, folds) if folds else context.inputs[1]
+    if values is None:
+        return "the scores are unfolded from [batch*heads, ...] but the value is not"
+    value = _heads(ctx, values)
     result = context.outputs[0]
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
         nodes.append(extra)
         result = extra.outputs[0]
+        if folds:  # the context unfolded from [B*N, S, H]
+            folds.append(extra)
+    if folds and folds[-1] is not extra:
+        return "the scores are unfolded from [batch*heads, ...] but the context is not"
     merge = _producer_user(result, "Transpose")
     if merge is None or _perm(merge) != _HEADS:
         return "the context [batch, heads, sequence, head size] is not merged back by Transpose"
@@ -308,6 +389,8 @@ def _match(softmax: ir.Node) -> _Attention | str:
         final,
         nodes,
         softcap,
+        folds,
+        folded,
     )
 
 
@@ -449,6 +532,88 @@ def _merged_heads(
     return merge.outputs[0], [*nodes, merge]
 
 
+def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axis: int) -> bool:
+    """Whether the Reshape's output size at ``index`` is provably ``value``'s at ``axis``:
+    equal static sizes or names, or a target element read from that size."""
+    result, shape = ctx.shape(reshape.outputs[0]), ctx.shape(value)
+    if result is None or shape is None:
+        return False
+    mine, theirs = result[index], shape[axis]
+    if isinstance(mine, int) or isinstance(theirs, int):
+        return mine == theirs
+    if mine.value and not mine.value.startswith("unk__") and mine.value == theirs.value:
+        return True
+    parts = target_parts(ctx, reshape.inputs[1])
+    part = parts[index] if parts is not None and index < len(parts) else None
+    if not isinstance(part, tuple):
+        return False
+    copied = ctx.shape(part[0])
+    size = copied[part[1]] if copied is not None and -len(copied) <= part[1] < len(copied) else None
+    return same_dimension(part, size, value, axis, shape)
+
+
+def _unfolded(ctx: PassContext, match: _Attention, heads: int) -> str | None:
+    """Why the Reshapes into and out of the [B*N, ...] layout are not provably heads folded
+    into the batch: a fold [B, N, X, Y] -> [B*N, X, Y] keeps the last two sizes, an unfold
+    [B*N, X, Y] -> [B, N, X, Y] has N = heads and keeps X and Y (or the batch: the count
+    then fixes Y)."""
+    for reshape in match.folds:
+        data = reshape.inputs[0]
+        assert data is not None
+        if _ranks(ctx, reshape) == (4, 3):
+            kept = _proven(ctx, reshape, 1, data, 2) and _proven(ctx, reshape, 2, data, 3)
+        else:
+            kept = (
+                axis_size(ctx, reshape.outputs[0], 1) == heads
+                and _proven(ctx, reshape, 2, data, 1)
+                and (_proven(ctx, reshape, 3, data, 2) or _proven(ctx, reshape, 0, match.heads, 0))
+            )
+        if not kept:
+            layouts = "[batch, heads, X, Y] and [batch*heads, X, Y]"
+            return f"a Reshape between {layouts} does not provably keep X and Y (sizes unknown)"
+    return None
+
+
+def _unfolded_biases(
+    ctx: PassContext, match: _Attention, heads: int, shared: dict[object, tuple[ir.Value, ...]]
+) -> tuple[list[ir.Value], list[ir.Node]] | str:
+    """Biases added to the folded scores as 4-D [B, N, S, L] biases: one of rank < 3 or led
+    by 1 broadcasts the same way in 4-D; one led by B*N is Reshape(Unsqueeze(b, 1), [-1, N,
+    0, 0]), once for every layer that adds it (Bloom's ALiBi)."""
+    fold = match.folds[1]  # the query's: [B*N, S, H]
+    batch = ctx.shape(fold.outputs[0])
+    values: list[ir.Value] = []
+    nodes: list[ir.Node] = []
+    for bias in match.folded:
+        shape = ctx.shape(bias)
+        if shape is None or len(shape) > 3:
+            return "a bias added to the [batch*heads, ...] scores is not 3-D or less"
+        if len(shape) < 3 or shape[0] == 1:
+            values.append(bias)
+            continue
+        named = isinstance(shape[0], ir.SymbolicDim) and not str(shape[0].value).startswith("unk")
+        if batch is None or not (named or isinstance(shape[0], int)) or shape[0] != batch[0]:
+            return (
+                "a bias added to the [batch*heads, ...] scores is not provably led by 1 or "
+                f"batch*heads (its leading size is {shape[0]})"
+            )
+        key = ("unfolded bias", bias, heads)
+        if key not in shared:
+            graph = match.root.graph
+            assert graph is not None
+            name = f"{ctx.spec.name}/unfold_{heads}"
+            axis = new_constant(graph, f"{name}/axis", np.array([1], np.int64))
+            target = new_constant(graph, f"{name}/target", np.array([-1, heads, 0, 0], np.int64))
+            widen = ir.node("Unsqueeze", [bias, axis])
+            unfold = ir.node("Reshape", [widen.outputs[0], target])
+            typed(widen.outputs[0], bias.dtype, ir.Shape([shape[0], 1, shape[1], shape[2]]))
+            typed(unfold.outputs[0], bias.dtype, ir.Shape([None, heads, shape[1], shape[2]]))
+            nodes += [widen, unfold]
+            shared[key] = (unfold.outputs[0],)
+        values.append(shared[key][0])
+    return values, nodes
+
+
 def _disconnect(nodes: list[ir.Node]) -> None:
     """Drop the inputs of nodes built for a site that did not fuse (never inserted), so that
     they do not stay readers of the graph's values."""
@@ -571,7 +736,7 @@ class _AttentionFusion(FusionPass):
         for softmax in ctx.op_index.of_type(model.graph, "Softmax"):
             if softmax.graph is not model.graph:
                 continue
-            found = _match(softmax)
+            found = _match(ctx, softmax)
             if isinstance(found, str) and not attention_shaped(softmax):
                 continue  # a Softmax of something else (a classifier head, a gate)
             label = softmax.name or softmax.op_type
@@ -644,6 +809,13 @@ class _AttentionFusion(FusionPass):
         if layout is None:
             return "the number of heads or the head size is unknown"
         heads, head_size = layout
+        if match.folds:
+            reason = _unfolded(ctx, match, heads)
+            unfolded = _unfolded_biases(ctx, match, heads, shared) if reason is None else reason
+            if isinstance(unfolded, str):
+                return unfolded
+            match.biases += unfolded[0]
+            merged += unfolded[1]
         plan = self._plan(ctx, match, heads, head_size, shared)
         if plan is None or isinstance(plan, str):
             return plan
@@ -656,7 +828,8 @@ class _AttentionFusion(FusionPass):
         if match.softcap:
             attributes = {**attributes, "softcap": match.softcap}
         nodes = match.nodes + absorbed
-        keep = {value for value in inputs if value is not None} | set(match.biases)
+        keep = {value for value in inputs if value is not None}
+        keep |= set(match.biases) | set(match.folded)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
         flatten = len(replaced) != 3
@@ -692,13 +865,13 @@ class _AttentionFusion(FusionPass):
         computed, prelude = self._prelude(ctx, match, shared)
         new_nodes += prelude
         inputs = inputs + computed
-        if len(biases) > 1:  # mask + position bias: summed once for the layers sharing both
+        while len(biases) > 1:  # mask + position bias: summed once for the layers sharing both
             key = ("bias sum", *biases[:2])
             if key not in shared:
                 total = ir.node("Add", biases[:2])
                 new_nodes.append(total)
                 shared[key] = (total.outputs[0],)
-            biases = [shared[key][0]]
+            biases = [shared[key][0], *biases[2:]]
         inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
         while inputs[-1] is None:
             inputs.pop()

@@ -756,3 +756,131 @@ def test_levit_attention_with_learned_bias_fused_in_every_layer(name: str, tmp_p
     assert reasons(run, MHA) == {}
     assert _fused_ops(run)["MultiHeadAttention"] == 5
     assert run.op_counts()["Softmax"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads folded into the batch (Bloom's baddbmm): scores [B*N, S, L] = alibi + s * q @ k^T on
+# folded heads, unfolded to [B, N, S, L] for the mask and Softmax, folded again for the context.
+
+FOLD_BATCH, FOLD_HEADS, FOLD_SIZE, FOLD_SEQ = 2, 4, 8, 5
+
+
+def _folded_heads(path: Path, *, bias: str = "static", unfold: str = "constant") -> Path:
+    """``bias``: the ALiBi-like bias [B*N, 1, L] of static size, or led by a symbolic size
+    ``bn``; ``unfold``: the scores' Reshape to 4-D a constant or fed at run time."""
+    rng = np.random.default_rng(0)
+    hidden = FOLD_HEADS * FOLD_SIZE
+    folded = FOLD_BATCH * FOLD_HEADS
+    shape = [FOLD_BATCH, FOLD_SEQ, HIDDEN]
+    leading = folded if bias == "static" else "bn"
+    inputs = [
+        value("x", shape),
+        value("alibi", [leading, 1, FOLD_SEQ]),
+        value("mask", [FOLD_BATCH, 1, FOLD_SEQ, FOLD_SEQ]),
+    ]
+    initializers = [
+        const("split", [0, 0, FOLD_HEADS, FOLD_SIZE], np.int64),
+        const("fold", [-1, FOLD_SEQ, FOLD_SIZE], np.int64),
+        const("fold_scores", [-1, FOLD_SEQ, FOLD_SEQ], np.int64),
+        const("unfold_context", [-1, FOLD_HEADS, FOLD_SEQ, FOLD_SIZE], np.int64),
+        const("merge", [0, 0, hidden], np.int64),
+        const("s", np.array(FOLD_SIZE**-0.5)),
+    ]
+    if unfold == "input":
+        inputs.append(value("unfold_scores", [4], TensorProto.INT64))
+    else:
+        target = [-1, FOLD_HEADS, FOLD_SEQ, FOLD_SEQ]
+        initializers.append(const("unfold_scores", target, np.int64))
+    nodes = []
+    for name in ("q", "k", "v"):
+        initializers.append(const(f"w{name}", rng.normal(size=(HIDDEN, hidden)) * 0.3))
+        nodes += [
+            _n("MatMul", ["x", f"w{name}"], name.upper()),
+            _n("Reshape", [name.upper(), "split"], f"{name}_bsnh"),
+            _n("Transpose", [f"{name}_bsnh"], f"{name}4", perm=[0, 2, 1, 3]),
+            _n("Reshape", [f"{name}4", "fold"], f"{name}3"),
+        ]
+    nodes += [
+        _n("Transpose", ["k3"], "kT3", perm=[0, 2, 1]),
+        _n("MatMul", ["q3", "kT3"], "product"),
+        _n("Mul", ["product", "s"], "scaled"),
+        _n("Add", ["alibi", "scaled"], "scores3"),
+        _n("Reshape", ["scores3", "unfold_scores"], "scores4"),
+        _n("Add", ["scores4", "mask"], "masked"),
+        _n("Softmax", ["masked"], "probs", axis=-1),
+        _n("Reshape", ["probs", "fold_scores"], "probs3"),
+        _n("MatMul", ["probs3", "v3"], "context3"),
+        _n("Reshape", ["context3", "unfold_context"], "context4"),
+        _n("Transpose", ["context4"], "merged", perm=[0, 2, 1, 3]),
+        _n("Reshape", ["merged", "merge"], "y"),
+    ]
+    return save_model(path, nodes, inputs, [value("y", [*shape[:2], hidden])], initializers)
+
+
+def _folded_feeds(path: Path, seed: int, **fixed: np.ndarray) -> dict[str, np.ndarray]:
+    return random_feeds(path, seed=seed, dims={"bn": FOLD_BATCH * FOLD_HEADS}) | fixed
+
+
+def test_heads_folded_into_the_batch_become_multi_head_attention(tmp_path: Path) -> None:
+    """The folded bias [B*N, 1, L] becomes attention_bias Reshape(Unsqueeze(b, 1), [-1, N, 0,
+    0]) [B, N, 1, L], summed with the mask; every fold and unfold is gone."""
+    model = _folded_heads(tmp_path / "folded.onnx")
+    run = optimize_checked(model, tmp_path, *MHA_ONLY)
+    assert run.counts(MHA) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    assert _attributes(node)["num_heads"] == FOLD_HEADS
+    producers = _producers(graph)
+    total = producers[node.input[5]]
+    assert total.op_type == "Add"
+    assert total.input[0] == "mask"
+    unfold = producers[total.input[1]]
+    assert unfold.op_type == "Reshape"
+    assert producers[unfold.input[0]].op_type == "Unsqueeze"
+    assert producers[unfold.input[0]].input[0] == "alibi"
+    assert run.op_counts()["Softmax"] == 0
+    for seed in (1, 2):
+        _compare(model, run.output, _folded_feeds(model, seed))
+
+
+@pytest.mark.parametrize(
+    ("bias", "unfold", "reason"),
+    [
+        (
+            "symbolic",
+            "constant",
+            "a bias added to the [batch*heads, ...] scores is not provably led by 1 or "
+            "batch*heads (its leading size is bn)",
+        ),
+        (
+            "static",
+            "input",
+            "a Reshape between [batch, heads, X, Y] and [batch*heads, X, Y] does not provably "
+            "keep X and Y (sizes unknown)",
+        ),
+    ],
+)
+def test_unprovable_folded_heads_keep_the_attention(
+    bias: str, unfold: str, reason: str, tmp_path: Path
+) -> None:
+    model = _folded_heads(tmp_path / f"{bias}_{unfold}.onnx", bias=bias, unfold=unfold)
+    run = optimize_checked(model, tmp_path, *MHA_ONLY, compare=False)
+    assert_declined(run, MHA, reason, "probs")
+    target = np.array([-1, FOLD_HEADS, FOLD_SEQ, FOLD_SEQ], np.int64)
+    feeds = _folded_feeds(model, 1) | ({"unfold_scores": target} if unfold == "input" else {})
+    _compare(model, run.output, feeds)
+
+
+def test_bloom_dynamo_alibi_fused_in_every_layer(tmp_path: Path) -> None:
+    """Bloom (dynamo): ALiBi on heads folded into the batch, both layers MultiHeadAttention
+    sharing one unfolded ALiBi bias; TorchScript's folds are sized at run time (near-miss)."""
+    run = optimize_checked(FIXTURES / "arch" / "bloom_dynamo.onnx", tmp_path)
+    assert run.counts(MHA) == (2, 2)
+    assert _fused_ops(run)["MultiHeadAttention"] == 2
+    (tmp_path / "ts").mkdir()
+    torchscript = optimize_checked(FIXTURES / "arch" / "bloom_ts17.onnx", tmp_path / "ts")
+    reason = (
+        "a Reshape between [batch, heads, X, Y] and [batch*heads, X, Y] does not provably keep "
+        "X and Y (sizes unknown)"
+    )
+    assert reasons(torchscript, MHA) == {reason: 2}

@@ -34,7 +34,13 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
-from fusectl.rewrite.axes import axis_size, same_dimension, shape_element, target_parts
+from fusectl.rewrite.axes import (
+    axis_size,
+    same_dimension,
+    shape_element,
+    symbolic_size,
+    target_parts,
+)
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.coverage import attention_shaped
 from fusectl.rewrite.graph import (
@@ -545,11 +551,15 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
         return True
     parts = target_parts(ctx, reshape.inputs[1])
     part = parts[index] if parts is not None and index < len(parts) else None
-    if not isinstance(part, tuple):
-        return False
-    copied = ctx.shape(part[0])
-    size = copied[part[1]] if copied is not None and -len(copied) <= part[1] < len(copied) else None
-    return same_dimension(part, size, value, axis, shape)
+    if isinstance(part, tuple):
+        copied = ctx.shape(part[0])
+        size = (
+            copied[part[1]] if copied is not None and -len(copied) < part[1] < len(copied) else None
+        )
+        if same_dimension(part, size, value, axis, shape):
+            return True
+    traced = symbolic_size(ctx, reshape.outputs[0], index)
+    return traced is not None and traced == symbolic_size(ctx, value, axis)
 
 
 def _unfolded(ctx: PassContext, match: _Attention, heads: int) -> str | None:
@@ -581,18 +591,17 @@ def _unfolded_biases(
     by 1 broadcasts the same way in 4-D; one led by B*N is Reshape(Unsqueeze(b, 1), [-1, N,
     0, 0]), once for every layer that adds it (Bloom's ALiBi)."""
     fold = match.folds[1]  # the query's: [B*N, S, H]
-    batch = ctx.shape(fold.outputs[0])
     values: list[ir.Value] = []
     nodes: list[ir.Node] = []
     for bias in match.folded:
         shape = ctx.shape(bias)
         if shape is None or len(shape) > 3:
             return "a bias added to the [batch*heads, ...] scores is not 3-D or less"
-        if len(shape) < 3 or shape[0] == 1:
+        leading = symbolic_size(ctx, bias, 0) if len(shape) == 3 else (1, ())
+        if leading == (1, ()):
             values.append(bias)
             continue
-        named = isinstance(shape[0], ir.SymbolicDim) and not str(shape[0].value).startswith("unk")
-        if batch is None or not (named or isinstance(shape[0], int)) or shape[0] != batch[0]:
+        if leading is None or leading != symbolic_size(ctx, fold.outputs[0], 0):
             return (
                 "a bias added to the [batch*heads, ...] scores is not provably led by 1 or "
                 f"batch*heads (its leading size is {shape[0]})"

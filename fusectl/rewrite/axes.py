@@ -273,3 +273,129 @@ def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
         return None
     return node
+
+
+# A size as a product: an integer coefficient and the sorted names of symbolic factors.
+Size = tuple[int, tuple[str, ...]]
+
+
+def _product(a: Size | None, b: Size | None) -> Size | None:
+    if a is None or b is None:
+        return None
+    return a[0] * b[0], tuple(sorted(a[1] + b[1]))
+
+
+def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16) -> Size | None:
+    """One axis's size as a product of static sizes and named dimensions, traced through the
+    ops that produced it where shape inference made up a name (TorchScript's run-time Reshape
+    targets): two axes of equal products have equal sizes at run time."""
+    shape = ctx.shape(value)
+    if shape is None or not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    dim = shape[axis]
+    if isinstance(dim, int):
+        return dim, ()
+    if dim.value and not dim.value.startswith("unk__"):
+        return 1, (dim.value,)
+    node = value.producer()
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return None
+    inputs = list(node.inputs)
+    same = node.op_type in _SAME_SHAPE or node.op_type == "LayerNormalization"
+    if same and value is node.outputs[0] and inputs[0] is not None:
+        return symbolic_size(ctx, inputs[0], axis, depth - 1)
+    if node.op_type == "Gather" and None not in inputs[:2]:  # a scalar index drops its axis
+        index = constant_value(inputs[1])
+        gathered = node.attributes.get_int("axis", 0) % (len(shape) + 1)
+        if index is None or index.ndim != 0:
+            return None
+        source = axis if axis < gathered else axis + 1
+        return symbolic_size(ctx, inputs[0], source, depth - 1)  # type: ignore[arg-type]
+    if node.op_type == "Transpose" and inputs[0] is not None:
+        perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(shape))))
+        return symbolic_size(ctx, inputs[0], perm[axis], depth - 1)
+    if node.op_type == "MatMul" and axis >= len(shape) - 2 and None not in inputs:
+        operand = inputs[0] if axis == len(shape) - 2 else inputs[1]
+        return symbolic_size(ctx, operand, axis - len(shape), depth - 1)  # type: ignore[arg-type]
+    matrices = node.op_type == "MatMul"  # its batch axes broadcast, the last two do not
+    if node.op_type in _BROADCASTING or matrices:  # sizes agree or are 1: the first other than 1
+        for operand in inputs:
+            operand_shape = ctx.shape(operand) if operand is not None else None
+            position = axis - len(shape) + len(operand_shape) if operand_shape else -1
+            if operand is None or position < 0 or (matrices and position >= len(operand_shape) - 2):
+                continue
+            size = symbolic_size(ctx, operand, position, depth - 1)
+            if size is not None and size != (1, ()):
+                return size
+        return None
+    if node.op_type == "Reshape" and None not in inputs[:2]:
+        return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
+    return None
+
+
+def _reshaped_size(
+    ctx: PassContext, node: ir.Node, axis: int, rank: int, depth: int
+) -> Size | None:
+    """A Reshape's output size: its target element, the data's size for 0, and for -1 the
+    data's sizes over the target's others (as products, the named factors cancelling)."""
+    data, target = node.inputs[0], node.inputs[1]
+    assert data is not None and target is not None
+    copying = not node.attributes.get_int("allowzero", 0)
+
+    def element(index: int) -> Size | None:
+        size = _element_size(ctx, target, index, depth)
+        if size == (0, ()) and copying:
+            return symbolic_size(ctx, data, index, depth)
+        return size if size is None or size[0] > 0 or size == (-1, ()) else None
+
+    size = element(axis)
+    if size != (-1, ()):
+        return size
+    source = ctx.shape(data)
+    if source is None:
+        return None
+    total: Size | None = (1, ())
+    for index in range(len(source)):
+        total = _product(total, symbolic_size(ctx, data, index, depth))
+    others: Size | None = (1, ())
+    for index in range(rank):
+        if index != axis:
+            others = _product(others, element(index))
+    if total is None or others is None or others[0] <= 0 or total[0] % others[0]:
+        return None
+    names = list(total[1])
+    for name in others[1]:
+        if name not in names:
+            return None
+        names.remove(name)
+    return total[0] // others[0], tuple(names)
+
+
+def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> Size | None:
+    """Element ``index`` of a 1-D shape tensor as a product: through Concat, Unsqueeze,
+    Gather(Shape(x), i), Shape(x, i, i + 1) and Mul of such sizes."""
+    array = constant_value(value)
+    if array is not None:
+        flat = array.reshape(-1)
+        return (int(flat[index]), ()) if 0 <= index < flat.size else None
+    copied = _copied_dimension(value)
+    if copied is not None:
+        return symbolic_size(ctx, copied[0], copied[1], depth - 1) if index == 0 else None
+    node = value.producer()
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in ("Unsqueeze", "Identity", "Cast") and node.inputs[0] is not None:
+        return _element_size(ctx, node.inputs[0], index, depth - 1)
+    if node.op_type == "Mul" and len(node.inputs) == 2 and None not in node.inputs:
+        parts = [_element_size(ctx, v, index, depth - 1) for v in node.inputs]  # type: ignore[arg-type]
+        return _product(*parts)
+    if node.op_type == "Concat":
+        for part in node.inputs:
+            size = ctx.shape(part) if part is not None else None
+            if part is None or size is None or len(size) != 1 or not isinstance(size[0], int):
+                return None
+            if index < size[0]:
+                return _element_size(ctx, part, index, depth - 1)
+            index -= size[0]
+    return None

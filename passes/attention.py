@@ -650,7 +650,7 @@ def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int | No
     if shape is None or len(shape) != 4:
         return False
     size = axis_size(ctx, value, 3)
-    return axis_size(ctx, value, 1) == heads and size is not None and size in (head_size, size)
+    return axis_size(ctx, value, 1) == heads and size is not None and head_size in (None, size)
 
 
 def _head_layout(ctx: PassContext, heads: ir.Value, query: ir.Shape) -> tuple[int, int] | None:

@@ -483,6 +483,14 @@ def _own_values(graph: ir.Graph | ir.Function) -> list[ir.Value]:
     return values
 
 
+def _metadata(item: ir.Node | ir.Value) -> dict[str, str]:
+    """The item's metadata_props, without making them: onnx-ir's property creates an empty
+    dict on first read, and one per node and value of a 100k-node graph is about 20 MB that
+    stays for the whole run."""
+    props = getattr(item, "_metadata_props", False)
+    return item.metadata_props if props is False else (props or {})
+
+
 def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
     """Whether any text of the graph, its nodes and values, subgraphs included, is bytes: the
     walk _graph_texts makes, in one tight loop (it runs over every node of every model)."""
@@ -509,7 +517,7 @@ def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
             for attribute in node.attributes.values():
                 if any(_graph_has_bytes(sub, shapes) for sub in attribute_graphs(attribute)):
                     return True
-        if node.metadata_props and _has_bytes(t for i in node.metadata_props.items() for t in i):
+        if _has_bytes(t for i in _metadata(node).items() for t in i):
             return True
         values += node.outputs
         if function:
@@ -519,7 +527,7 @@ def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
             continue
         if type(value.name) is bytes or type(value.doc_string) is bytes:
             return True
-        if value.metadata_props and _has_bytes(t for i in value.metadata_props.items() for t in i):
+        if _has_bytes(t for i in _metadata(value).items() for t in i):
             return True
         shape = value.shape
         if shape is not None and id(shape) not in shapes:

@@ -46,6 +46,7 @@ from fusectl.rewrite.coverage import attention_shaped
 from fusectl.rewrite.graph import (
     INDEX_TYPES,
     absorb_shape_arithmetic,
+    concatenated_constant,
     constant_value,
     new_constant,
     replace_subgraph,
@@ -1092,11 +1093,11 @@ class QkvAttentionFusionPass(_AttentionFusion):
         graph = match.root.graph
         assert graph is not None
         dtype = projections[0][1].dtype
-        weight = np.concatenate([p[1] for p in projections], axis=1)
         zeros = np.zeros(heads * head_size, dtype)
         bias = np.concatenate([p[2] if p[2] is not None else zeros for p in projections])
         base = f"{ctx.spec.name}/{match.root.name}"
-        packed = [new_constant(graph, f"{base}/qkv_weight", weight.astype(dtype))]
+        weights = [p[1] for p in projections]
+        packed = [concatenated_constant(graph, f"{base}/qkv_weight", weights, 1, dtype)]
         packed.append(new_constant(graph, f"{base}/qkv_bias", bias.astype(dtype)))
         absorbed = key.nodes + value.nodes + scaled + [n for p in projections for n in p[3]]
         match.scale *= factor

@@ -10,7 +10,7 @@ than match patterns (constant folding, concatenation, attention) use them as wel
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -287,15 +287,47 @@ def remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
 def new_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """A new initializer holding ``array``, named ``name`` or ``name_<n>`` if that is taken
     (nodes without a name give their sites one label)."""
+    return _initializer(
+        graph, name, array.dtype, array.shape, lambda name: ir.tensor(array, name=name)
+    )
+
+
+def concatenated_constant(
+    graph: ir.Graph, name: str, parts: Sequence[np.ndarray], axis: int, dtype: np.dtype
+) -> ir.Value:
+    """A new initializer holding ``parts`` joined along ``axis``, computed whenever it is read
+    (in practice once, when the model is saved): packed weights (QKV) would otherwise be a
+    second copy of their parts in memory for the whole run."""
+    shape = list(parts[0].shape)
+    shape[axis] = sum(part.shape[axis] for part in parts)
+
+    def tensor(name: str) -> ir.TensorProtocol:
+        def join() -> ir.TensorProtocol:
+            return ir.tensor(np.concatenate(parts, axis=axis).astype(dtype), name=name)
+
+        return ir.LazyTensor(
+            join, dtype=ir.DataType.from_numpy(np.dtype(dtype)), shape=ir.Shape(shape), name=name
+        )
+
+    return _initializer(graph, name, np.dtype(dtype), tuple(shape), tensor)
+
+
+def _initializer(
+    graph: ir.Graph,
+    name: str,
+    dtype: np.dtype,
+    shape: Sequence[int],
+    tensor: Callable[[str], ir.TensorProtocol],
+) -> ir.Value:
     candidate, suffix = name, 0
     while candidate in graph.initializers:
         suffix += 1
         candidate = f"{name}_{suffix}"
     value = ir.Value(
         name=candidate,
-        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        shape=ir.Shape(array.shape),
-        const_value=ir.tensor(array, name=candidate),
+        type=ir.TensorType(ir.DataType.from_numpy(dtype)),
+        shape=ir.Shape(shape),
+        const_value=tensor(candidate),
     )
     graph.initializers[candidate] = value
     return value

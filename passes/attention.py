@@ -49,6 +49,7 @@ from fusectl.rewrite.graph import (
     concatenated_constant,
     constant_value,
     new_constant,
+    producer_of,
     replace_subgraph,
     typed,
     uses_outside,
@@ -59,13 +60,6 @@ MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
-        return None
-    return node
-
-
 def _perm(node: ir.Node) -> list[int] | None:
     perm = node.attributes.get_ints("perm", None)
     return None if perm is None else list(perm)
@@ -73,7 +67,7 @@ def _perm(node: ir.Node) -> list[int] | None:
 
 def _through_concat(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
     """Skip the single-input Concat TorchScript writes for an empty KV cache."""
-    concat = _producer(value, "Concat")
+    concat = producer_of(value, "Concat")
     if concat is not None and len(concat.inputs) == 1:
         nodes.append(concat)
         return concat.inputs[0]
@@ -85,10 +79,10 @@ def _split_heads(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.
     another rank (a [B*S, N*H] Linear output, LeViT) is no projection the fused op can read:
     the heads are read, or merged back, as they are."""
     value = _through_concat(value, nodes)
-    transpose = _producer(value, "Transpose")
+    transpose = producer_of(value, "Transpose")
     if transpose is None or _perm(transpose) != _HEADS:
         return None
-    reshape = _producer(transpose.inputs[0], "Reshape")
+    reshape = producer_of(transpose.inputs[0], "Reshape")
     source = ctx.shape(reshape.inputs[0]) if reshape is not None else None  # type: ignore[arg-type]
     if reshape is None or (source is not None and len(source) != 3):
         return None
@@ -99,9 +93,9 @@ def _split_heads(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.
 def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     """kv [B,KV,L,H] from repeat_kv's Reshape(Expand(Unsqueeze(kv, 2), [B,KV,r,L,H]), [B,KV*r,
     L,H]): each KV head serves r consecutive query heads, as in GroupQueryAttention."""
-    reshape = _producer(value, "Reshape")
-    expand = _producer(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    reshape = producer_of(value, "Reshape")
+    expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
     if unsqueeze is None or len(unsqueeze.inputs) < 2:
         return None
     axes = constant_value(unsqueeze.inputs[1])
@@ -138,19 +132,19 @@ def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
 def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
     """The key behind K^T [B,N,H,L] in the three spellings exporters use; the transposing
     nodes go to ``nodes``."""
-    transpose = _producer(value, "Transpose")
+    transpose = producer_of(value, "Transpose")
     if transpose is not None and _perm(transpose) == [0, 2, 3, 1]:
         nodes.append(transpose)
-        reshape = _producer(transpose.inputs[0], "Reshape")
+        reshape = producer_of(transpose.inputs[0], "Reshape")
         if reshape is None:
             return _Heads(None, None, False, [], unsplit=transpose.inputs[0])
         return _Heads(None, reshape.inputs[0], False, [reshape])
     if transpose is not None and _perm(transpose) == [0, 1, 3, 2]:
         nodes.append(transpose)
         return _heads(ctx, transpose.inputs[0])
-    back = _producer(value, "Reshape")  # dynamo: 4-D -> 3-D, swap the last two, -> 4-D
-    swap = _producer(back.inputs[0], "Transpose") if back is not None else None
-    flat = _producer(swap.inputs[0], "Reshape") if swap is not None else None
+    back = producer_of(value, "Reshape")  # dynamo: 4-D -> 3-D, swap the last two, -> 4-D
+    swap = producer_of(back.inputs[0], "Transpose") if back is not None else None
+    flat = producer_of(swap.inputs[0], "Reshape") if swap is not None else None
     if flat is None or _perm(swap) != [0, 2, 1]:
         return None
     nodes += [back, swap, flat]
@@ -164,7 +158,7 @@ def _scalar(value: ir.Value | None) -> float | None:
 
 def _unscale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
     """x or x * c (either order) -> (x, c)."""
-    mul = _producer(value, "Mul")
+    mul = producer_of(value, "Mul")
     if mul is not None:
         for data, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
             scale = _scalar(factor)
@@ -195,15 +189,15 @@ class _Attention:
 
 def _softcapped(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float] | None:
     """(x, c) when ``value`` is c * Tanh(x / c) (or x * (1 / c)), logit soft-capping."""
-    mul = _producer(value, "Mul")
+    mul = producer_of(value, "Mul")
     if mul is None:
         return None
     for capped, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
-        cap, tanh = _scalar(factor), _producer(capped, "Tanh")
+        cap, tanh = _scalar(factor), producer_of(capped, "Tanh")
         if not cap or cap <= 0 or tanh is None:
             continue
         inner: list[ir.Node] = []
-        divide = _producer(tanh.inputs[0], "Div")
+        divide = producer_of(tanh.inputs[0], "Div")
         if divide is not None and _scalar(divide.inputs[1]) == cap:
             inner.append(divide)
             scores = divide.inputs[0]
@@ -235,8 +229,8 @@ def _scores(
     way unfolds scores computed with the heads folded into the batch: it goes to ``folds``
     (the biases after it in ``nodes`` are added in that layout)."""
     for _ in range(4):
-        add = _producer(value, "Add")
-        unfold = _producer(value, "Reshape")
+        add = producer_of(value, "Add")
+        unfold = producer_of(value, "Reshape")
         if add is None and unfold is not None and not folds and _ranks(ctx, unfold) == (3, 4):
             folds.append(unfold)
             nodes.append(unfold)
@@ -257,16 +251,16 @@ def _scores(
     if capped is not None:
         value, softcap = capped
     scale = 1.0
-    divide = _producer(value, "Div")
+    divide = producer_of(value, "Div")
     if divide is not None and _scalar(divide.inputs[1]):
         nodes.append(divide)
         scale = 1.0 / _scalar(divide.inputs[1])
         value = divide.inputs[0]
-    elif _producer(value, "Mul") is not None:
+    elif producer_of(value, "Mul") is not None:
         product, factor = _unscale(value, nodes)
         if product is not value:
             scale, value = factor, product
-    return _producer(value, "MatMul"), scale, value, softcap
+    return producer_of(value, "MatMul"), scale, value, softcap
 
 
 def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
@@ -289,7 +283,7 @@ def _folded(
 ) -> ir.Value | None:
     """x [B, N, S, H] when ``value`` is Reshape(x) to 3-D (heads folded into the batch, as
     _unfolded checks); the Reshape goes to ``nodes`` and ``folds``."""
-    fold = _producer(value, "Reshape")
+    fold = producer_of(value, "Reshape")
     if fold is None or _ranks(ctx, fold) != (4, 3):
         return None
     nodes.append(fold)
@@ -302,7 +296,7 @@ def _folded_key(
 ) -> _Heads | None:
     """The key behind folded K^T [B*N, H, L]: Transpose(fold(k [B, N, L, H]), [0, 2, 1]), or
     the fold of a 4-D K^T in one of the spellings _key_source reads."""
-    swap = _producer(value, "Transpose")
+    swap = producer_of(value, "Transpose")
     if swap is not None and _perm(swap) == [0, 2, 1]:
         heads = _folded(ctx, swap.inputs[0], nodes, folds)
         if heads is None:
@@ -459,7 +453,7 @@ def _bias_values(bias: ir.Value) -> list[np.ndarray] | None:
     array = constant_value(bias)
     if array is not None:
         return [array]
-    where = _producer(bias, "Where")
+    where = producer_of(bias, "Where")
     if where is None:
         return None
     branches = [constant_value(v) for v in where.inputs[1:]]
@@ -495,7 +489,7 @@ def _clamped(
     if len(branches) == 1:
         shared[bias] = (branches[0],)
         return branches[0], []
-    where = _producer(bias, "Where")
+    where = producer_of(bias, "Where")
     assert where is not None
     select = ir.node("Where", [where.inputs[0], *branches])
     typed(select.outputs[0], bias.dtype, bias.shape)
@@ -1001,17 +995,17 @@ def _projection(
     [in, out] matrix and b a constant [out] vector; the MatMul and Add in ``nodes``."""
     nodes: list[ir.Node] = []
     bias = None
-    add = _producer(value, "Add")
+    add = producer_of(value, "Add")
     if add is not None:
         for product, vector in (add.inputs, reversed(add.inputs)):
             array = constant_value(vector)
-            if _producer(product, "MatMul") is not None and array is not None:
+            if producer_of(product, "MatMul") is not None and array is not None:
                 nodes.append(add)
                 value, bias = product, array
                 break
         else:
             return None
-    matmul = _producer(value, "MatMul")
+    matmul = producer_of(value, "MatMul")
     weight = constant_value(matmul.inputs[1]) if matmul is not None else None
     if matmul is None or weight is None or weight.ndim != 2:
         return None

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx.reference.ops import load_op
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import SEEN_THROUGH, constant_value, remove_dead
+from fusectl.rewrite.graph import SEEN_THROUGH, constant_value, producer_of, remove_dead
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")
@@ -83,7 +83,7 @@ def _shape_dims(ctx: PassContext, node: ir.Node) -> list[int | None] | None:
 def _static_part_of_shape(ctx: PassContext, node: ir.Node) -> list[np.ndarray] | None:
     """Gather / Slice of a Shape that select only static dimensions (the head size read back
     from a [B, N, S, H] tensor, say): known before run time even though the shape is not."""
-    shape = _producer_of(node.inputs[0], "Shape")
+    shape = producer_of(node.inputs[0], "Shape")
     if shape is None:
         return None
     dims = _shape_dims(ctx, shape)
@@ -126,11 +126,6 @@ def _yields_tensors(op_type: str, opset: int) -> bool:
         any(kind.startswith("tensor(") for kind in allowed.get(out.type_str, [out.type_str]))
         for out in schema.outputs
     )
-
-
-def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain == "" else None
 
 
 def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] | None:

@@ -20,24 +20,15 @@ from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_value,
     new_constant,
+    producer_of,
     remove_dead,
     replace_subgraph,
     typed,
+    uses_outside,
 )
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 PATTERN = "FlattenedGemm"
-
-
-def _only_use(value: ir.Value, node: ir.Node) -> bool:
-    return not value.is_graph_output() and [user for user, _ in value.uses()] == [node]
-
-
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
-        return None
-    return node
 
 
 class _Layer:
@@ -51,15 +42,15 @@ class _Layer:
 
 
 def _site(node: ir.Node) -> _Layer | None:
-    """The Reshape -> Gemm -> Reshape chain ending at ``node``, each link used only by the
-    next; None when ``node`` is no such end (nothing to report: most Reshapes are not)."""
+    """The Reshape -> Gemm -> Reshape chain ending at ``node``; None when ``node`` is no such
+    end (nothing to report: most Reshapes are not)."""
     if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
-    gemm = _producer(node.inputs[0], "Gemm")
-    if gemm is None or not _only_use(gemm.outputs[0], node) or len(gemm.inputs) < 2:
+    gemm = producer_of(node.inputs[0], "Gemm")
+    if gemm is None or len(gemm.inputs) < 2:
         return None
-    flatten = _producer(gemm.inputs[0], "Reshape")
-    if flatten is None or not _only_use(flatten.outputs[0], gemm) or flatten.inputs[0] is None:
+    flatten = producer_of(gemm.inputs[0], "Reshape")
+    if flatten is None or flatten.inputs[0] is None:
         return None
     return _Layer(node, gemm, flatten)
 
@@ -69,6 +60,9 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
     weights and the rank of its output (the activation's trailing axes beyond it are the
     ones the first Reshape merged with the last: heads merged and flattened at once)."""
     gemm, x = layer.gemm, layer.x
+    shared = uses_outside([layer.flatten, gemm, layer.unflatten], [layer.unflatten.outputs[0]])
+    if shared is not None:
+        return shared
     if gemm.attributes.get_int("transA", 0):
         return "Gemm transposes its activation input (transA=1)"
     if gemm.attributes.get_float("alpha", 1.0) != 1.0:
@@ -152,20 +146,18 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
     ) -> None:
         gemm = layer.gemm
         transposed = bool(gemm.attributes.get_int("transB", 0))
-        new_initializers = []
+        # Constants made here and left unread by a declined rewrite go with the dead-node pass.
         weights = layer.weight
         if transposed:
             array = np.ascontiguousarray(weight)
-            weights = _initializer(graph, f"{ctx.spec.name}/{site}/weight", array)
-            new_initializers.append(weights)
+            weights = new_constant(graph, f"{ctx.spec.name}/{site}/weight", array)
         activation, new_nodes = layer.x, []
         x_shape = ctx.shape(layer.x)
         assert x_shape is not None
         if len(x_shape) > rank:  # merge the trailing axes the first Reshape flattened too
-            merge = _initializer(
+            merge = new_constant(
                 graph, f"{ctx.spec.name}/{site}/merged", np.array([0] * (rank - 1) + [-1])
             )
-            new_initializers.append(merge)
             new_nodes.append(ir.node("Reshape", [activation, merge]))
             activation = new_nodes[-1].outputs[0]
         output = layer.unflatten.outputs[0]
@@ -182,15 +174,7 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
         shape_code = [target.producer() for target in targets if target is not None]
         old = [layer.flatten, gemm, layer.unflatten]
         declined = replace_subgraph(
-            ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result], new_initializers
+            ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result]
         )
         if declined is None:
             remove_dead(graph, shape_code)
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """A constant for the replacement, not yet in the graph: replace_subgraph adds it when
-    the rewrite lands."""
-    value = new_constant(graph, name, array)
-    del graph.initializers[value.name]
-    return value

@@ -36,6 +36,7 @@ from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
     constant_value,
     new_constant,
+    producer_of,
     replace_subgraph,
     typed,
     uses_outside,
@@ -46,13 +47,6 @@ MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
 # Element-wise steps between the duplicated angles and cos / sin that keep the two halves equal.
 _HALF_PRESERVING = frozenset({"Cos", "Sin", "Cast", "Identity"})
-
-
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
-        return None
-    return node
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
@@ -87,7 +81,7 @@ def _last_axis_slice(node: ir.Node, rank: int, step: int = 1) -> tuple[int, int]
 def _last_axis_unsqueeze(value: ir.Value, rank: int, alone: bool = True) -> ir.Value | None:
     """x from Unsqueeze(x, axes) whose rank-``rank`` output's last axis is a new one (the only
     new one unless not ``alone``)."""
-    node = _producer(value, "Unsqueeze")
+    node = producer_of(value, "Unsqueeze")
     axes = _ints(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
     if axes is None or (alone and len(axes) != 1):
         return None
@@ -97,16 +91,16 @@ def _last_axis_unsqueeze(value: ir.Value, rank: int, alone: bool = True) -> ir.V
 def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list] | None:
     """x [..., R] from Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., 0::2],
     -1), axis=-1), [..., R]) (GPT-J's rotate_every_two), and the nodes doing it."""
-    reshape = _producer(value, "Reshape")
-    concat = _producer(reshape.inputs[0], "Concat") if reshape is not None else None
+    reshape = producer_of(value, "Reshape")
+    concat = producer_of(reshape.inputs[0], "Concat") if reshape is not None else None
     if concat is None or len(concat.inputs) != 2:
         return None
     if concat.attributes.get_int("axis") not in (-1, 4):
         return None
     negated, even_value = (_last_axis_unsqueeze(v, 5) for v in concat.inputs)
-    negate = _producer(negated, "Neg")
-    odd = _producer(negate.inputs[0], "Slice") if negate is not None else None
-    even = _producer(even_value, "Slice")
+    negate = producer_of(negated, "Neg")
+    odd = producer_of(negate.inputs[0], "Slice") if negate is not None else None
+    even = producer_of(even_value, "Slice")
     if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
         return None
     x = even.inputs[0]
@@ -134,7 +128,7 @@ def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Sha
     """(t, the shape of ``value``) when ``value`` [..., R] repeats each element of t [..., R/2]
     twice along the last axis (repeat_interleave: Reshape(Tile(Unsqueeze(t, -1), [1, .., 2]))
     or Expand to [.., 2])."""
-    reshape = _producer(value, "Reshape")
+    reshape = producer_of(value, "Reshape")
     if reshape is None:
         return None
     copies = reshape.inputs[0].producer()
@@ -156,16 +150,16 @@ def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Sha
 
 def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
     """x from Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1), and the nodes doing it."""
-    concat = _producer(value, "Concat")
+    concat = producer_of(value, "Concat")
     if (
         concat is None
         or len(concat.inputs) != 2
         or concat.attributes.get_int("axis") not in (-1, 3)
     ):
         return None
-    negate = _producer(concat.inputs[0], "Neg")
-    high = _producer(negate.inputs[0], "Slice") if negate is not None else None
-    low = _producer(concat.inputs[1], "Slice")
+    negate = producer_of(concat.inputs[0], "Neg")
+    high = producer_of(negate.inputs[0], "Slice") if negate is not None else None
+    low = producer_of(concat.inputs[1], "Slice")
     if high is None or low is None or high.inputs[0] is not low.inputs[0]:
         return None
     half = head_size // 2
@@ -179,7 +173,7 @@ def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
 
 def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
     """The rotary embedding ending at this Add, if it is one."""
-    products = [_producer(v, "Mul") for v in add.inputs]
+    products = [producer_of(v, "Mul") for v in add.inputs]
     if any(p is None for p in products):
         return None
     for direct, rotated in (products, products[::-1]):
@@ -245,10 +239,10 @@ def _head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None
 
     The Reshape must keep X's batch and sequence axes and only split the last one: a Reshape
     of [B, S*N, H] to [B, S, N, H] has the same ranks, but X's rows are not the positions."""
-    transpose = _producer(x, "Transpose")
+    transpose = producer_of(x, "Transpose")
     if transpose is None or list(transpose.attributes.get_ints("perm", [])) != _HEADS:
         return None
-    reshape = _producer(transpose.inputs[0], "Reshape")
+    reshape = producer_of(transpose.inputs[0], "Reshape")
     if reshape is None or reshape.inputs[0] is None:
         return None
     before, after = ctx.shape(reshape.inputs[0]), ctx.shape(reshape.outputs[0])

@@ -62,6 +62,7 @@ def _layer(
     restored: tuple[int, int] = (0, 1),
     last: int = N,
     weight_shape: tuple[int, int] = (K, N),
+    gemm_output_read: bool = False,
 ) -> Path:
     """x[B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [x.size(i), x.size(j), last]."""
     rng = np.random.default_rng(0)
@@ -90,7 +91,11 @@ def _layer(
         *(const(f"axis{i}", axis, np.int64) for i, axis in enumerate(restored)),
     ]
     return save_model(
-        path, nodes, [value("x", ["B", "S", K])], [value("y", ["d0", "d1", "d2"])], initializers
+        path,
+        nodes,
+        [value("x", ["B", "S", K])],
+        [value("y", ["d0", "d1", "d2"]), *([value("y2", ["r", N])] if gemm_output_read else [])],
+        initializers,
     )
 
 
@@ -106,6 +111,12 @@ def test_transposed_weights_are_transposed_once(tmp_path: Path) -> None:
     [
         ({"gemm": {"alpha": 2.0}}, "Gemm scales the product (alpha != 1)", True),
         ({"gemm": {"beta": 0.5}}, "Gemm scales the bias (beta != 1)", True),
+        # The 2-D product is read elsewhere too (a graph output): the Gemm must stay for it.
+        (
+            {"gemm_output_read": True},
+            "an intermediate value (Gemm output) is a graph output",
+            True,
+        ),
         # Reshaping to [S, B, N] is another tensor than MatMul on x gives.
         ({"restored": (1, 0)}, "the second Reshape's size 0 is not the activation's", True),
         # These two are valid models that fail at run time for most batch sizes: the

@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.graph import constant_value, producer_of
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max
@@ -74,7 +74,7 @@ def shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8)
             index -= size[0]
         return None
     if node.op_type == "Where":  # -1 (keep the dim) becomes 1: only the other elements count
-        test = _producer_of(node.inputs[0], "Equal")
+        test = producer_of(node.inputs[0], "Equal")
         minus = constant_value(test.inputs[1]) if test is not None else None
         if test is None or test.inputs[0] is not node.inputs[2] or minus is None:
             return None
@@ -216,7 +216,7 @@ def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
     array = constant_value(target)
     if array is not None:
         return [int(v) for v in array.reshape(-1)]
-    concat = _producer_of(target, "Concat")
+    concat = producer_of(target, "Concat")
     if concat is None:
         return None
     parts: list = []
@@ -252,27 +252,20 @@ def same_dimension(
 def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
     """(x, i) when ``value`` is x's size along axis i as a 1-element tensor: Gather(Shape(x), i)
     unsqueezed (TorchScript), or Shape(x, start=i, end=i+1) (dynamo)."""
-    sliced = _producer_of(value, "Shape")
+    sliced = producer_of(value, "Shape")
     if sliced is not None and sliced.inputs[0] is not None:
         start = sliced.attributes.get_int("start", 0)
         end = sliced.attributes.get_int("end", None)
         return (sliced.inputs[0], start) if start >= 0 and end == start + 1 else None
-    unsqueeze = _producer_of(value, "Unsqueeze")
-    gather = _producer_of(unsqueeze.inputs[0] if unsqueeze else value, "Gather")
-    shape = _producer_of(gather.inputs[0], "Shape") if gather is not None else None
+    unsqueeze = producer_of(value, "Unsqueeze")
+    gather = producer_of(unsqueeze.inputs[0] if unsqueeze else value, "Gather")
+    shape = producer_of(gather.inputs[0], "Shape") if gather is not None else None
     index = constant_value(gather.inputs[1]) if gather is not None else None
     if shape is None or index is None or index.size != 1 or shape.inputs[0] is None:
         return None
     if shape.attributes.get_int("start", 0) != 0:
         return None
     return shape.inputs[0], int(index.reshape(-1)[0])
-
-
-def _producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
-        return None
-    return node
 
 
 # A size as a product: an integer coefficient and the sorted names of symbolic factors.

@@ -171,6 +171,14 @@ def attribute_graphs(attribute: ir.Attr) -> list[ir.Graph]:
     return []
 
 
+def producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The standard-domain ``op_type`` node that computes ``value``, else None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+        return None
+    return node
+
+
 def node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 

@@ -117,6 +117,8 @@ class _Heads:
     # K^T read straight from [B, L, N, H] heads that are no plain split (rotary applied after
     # the split, GPT-J): the fused op reads them merged to [B, L, N*H] (_merged_heads).
     unsplit: ir.Value | None = None
+    # 3-D K^T [X, H, L] read as K [X, L, H]: (the tensor, the perm that gives K from it).
+    swapped: tuple[ir.Value, list[int]] | None = None
 
 
 def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
@@ -185,6 +187,27 @@ class _Attention:
     # (checked by _unfolded), and the biases added there ([B*N or 1, S or 1, L]).
     folds: list[ir.Node] = field(default_factory=list)
     folded: list[ir.Value] = field(default_factory=list)
+    # The context [B, N, S, H] is read in another layout than [B, S, N*H] (torch's
+    # nn.MultiheadAttention: [S, B, N*H]): the fused op's output is split back into heads and
+    # transposed by this perm (that of the reader's Transpose, composed, where it was taken).
+    split_back: tuple[list[int], int] | None = None  # (that perm, the value's head size)
+    # 3-D attention [X, S, H] (heads folded into the batch and never unfolded, torch's
+    # nn.MultiheadAttention with need_weights): one head over a batch of X.
+    single_head: bool = False
+
+
+def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
+    """K [X, L, H] behind a 3-D K^T [X, H, L]: a Transpose's input and the perm that gives K
+    from it (none where it is that input), else K^T with its last two axes swapped back."""
+    transpose = producer_of(value, "Transpose")
+    perm = _perm(transpose) if transpose is not None else None
+    if transpose is None or perm is None or len(perm) != 3 or transpose.inputs[0] is None:
+        return _Heads(None, None, False, [], swapped=(value, [0, 2, 1]))
+    nodes.append(transpose)
+    source, composed = transpose.inputs[0], [perm[0], perm[2], perm[1]]
+    if composed == [0, 1, 2]:
+        return _Heads(None, source, False, [])
+    return _Heads(None, None, False, [], swapped=(source, composed))
 
 
 def _softcapped(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float] | None:
@@ -325,6 +348,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
     scale = q_scale * k_scale * product_scale
     folded: list[ir.Value] = []
+    scores = ctx.shape(matmul.outputs[0])
+    single_head = not folds and scores is not None and len(scores) == 3
     if folds:  # [B*N, S, L] scores: the query and key are folded heads
         unfolding = sum(node.op_type == "Add" for node in nodes[: nodes.index(folds[0])])
         biases, folded = biases[:unfolding], biases[unfolding:]
@@ -333,10 +358,13 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         if unfolded is None or key is None:
             return "the scores are unfolded from [batch*heads, ...] but the query or key is not"
         q_scaled = unfolded
+    elif single_head:
+        key = _unswapped_key(k_scaled, nodes)
     else:
         key = _key_source(ctx, k_scaled, nodes)
     heads = q_scaled
-    query = _split_heads(ctx, q_scaled, nodes)  # None: the heads are merged back (_merged_query)
+    # None: the heads are merged back (_merged_heads); 3-D, the query is read as it is.
+    query = q_scaled if single_head else _split_heads(ctx, q_scaled, nodes)
     if key is None:
         return "the key is not transposed heads [batch, heads, head size, length] of a tensor"
     probabilities = softmax.outputs[0]
@@ -361,8 +389,14 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     values = _folded(ctx, context.inputs[1], nodes, folds) if folds else context.inputs[1]
     if values is None:
         return "the scores are unfolded from [batch*heads, ...] but the value is not"
-    value = _heads(ctx, values)
     result = context.outputs[0]
+    if single_head:
+        value3 = _Heads(None, values, False, [])
+        return _Attention(
+            heads, guard is not None, query, key, value3, scale, biases, result, context,
+            nodes, softcap, single_head=True,
+        )  # fmt: skip
+    value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
         nodes.append(extra)
@@ -372,12 +406,28 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     if folds and folds[-1] is not extra:
         return "the scores are unfolded from [batch*heads, ...] but the context is not"
     merge = _producer_user(result, "Transpose")
-    if merge is None or _perm(merge) != _HEADS:
-        return "the context [batch, heads, sequence, head size] is not merged back by Transpose"
-    final = _producer_user(merge.outputs[0], "Reshape")
+    perm = _perm(merge) if merge is not None else None
+    final = _producer_user(merge.outputs[0], "Reshape") if perm == _HEADS else None  # type: ignore[union-attr]
     if final is None:
-        return "the merged context is not reshaped back to [batch, sequence, hidden]"
-    nodes += [merge, final]
+        if folds:
+            return "the scores are unfolded from [batch*heads, ...] but the context is not"
+        if extra is not None and extra in nodes and ctx.shape(result) != ctx.shape(extra.inputs[0]):
+            return "the context [batch, heads, sequence, head size] is reshaped before it is read"
+        # Read in another layout: the fused op's [B, S, N*H] output goes back to the heads,
+        # through the reader's Transpose where there is one (the two perms composed).
+        split_back = list(_HEADS)
+        if merge is not None and perm is not None and len(perm) == 4:
+            nodes.append(merge)
+            result, split_back = merge.outputs[0], [_HEADS[axis] for axis in perm]
+        root, value_size = result.producer(), axis_size(ctx, context.outputs[0], 3)
+        assert root is not None
+        if value_size is None:
+            return "the context's head size is unknown"
+        return _Attention(
+            heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
+            softcap, split_back=(split_back, value_size),
+        )  # fmt: skip
+    nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
         heads,
         guard is not None,
@@ -422,29 +472,84 @@ def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | No
 
 
 def _widened(
-    ctx: PassContext, bias: ir.Value, shared: dict[object, tuple[ir.Value, ...]]
+    ctx: PassContext,
+    bias: ir.Value,
+    shared: dict[object, tuple[ir.Value, ...]],
+    single_head: bool,
 ) -> tuple[ir.Value, list[ir.Node]]:
     """A bias of rank < 4 ([query, key], a causal mask) broadcasts as [1, ..., query, key]:
-    the fused op takes it 4-D, Unsqueezed once for every layer that adds it."""
+    the fused op takes it 4-D, Unsqueezed once for every layer that adds it. Added to 3-D
+    scores [X, S, L] read as one head over a batch of X, a 3-D bias is [X or 1, 1, S, L]."""
     shape = ctx.shape(bias)
     assert shape is not None
     missing = 4 - len(shape)
     if missing == 0:
         return bias, []
-    key = ("4-D bias", bias)
+    leading = [1] if single_head and len(shape) == 3 else list(range(missing))
+    key = ("4-D bias", bias, tuple(leading))
     if key in shared:
         return shared[key][0], []
-    leading = list(range(missing))
     if ctx.opset >= 13:
         graph = bias.graph
         assert graph is not None
-        axes = new_constant(graph, f"{ctx.spec.name}/leading_axes_{missing}", np.array(leading))
+        name = f"{ctx.spec.name}/unsqueeze_axes_{'_'.join(map(str, leading))}"
+        axes = new_constant(graph, name, np.array(leading))
         unsqueeze = ir.node("Unsqueeze", [bias, axes])
     else:
         unsqueeze = ir.node("Unsqueeze", [bias], attributes={"axes": leading})
-    typed(unsqueeze.outputs[0], bias.dtype, ir.Shape([1] * missing + list(shape)))
+    widened = list(shape)
+    for axis in leading:
+        widened.insert(axis, 1)
+    typed(unsqueeze.outputs[0], bias.dtype, ir.Shape(widened))
     shared[key] = (unsqueeze.outputs[0],)
     return unsqueeze.outputs[0], [unsqueeze]
+
+
+def _one_row(ctx: PassContext, bias: ir.Value) -> bool:
+    """Whether a 4-D bias holds one row for every query position ([.., 1, key])."""
+    shape = ctx.shape(bias)
+    return shape is not None and shape[2] == 1
+
+
+def _expanded_rows(
+    ctx: PassContext,
+    root: ir.Node,
+    bias: ir.Value,
+    query: ir.Value,
+    shared: dict[object, tuple[ir.Value, ...]],
+) -> tuple[ir.Value, list[ir.Node]]:
+    """A [.., 1, key] bias broadcast over the query's rows (its axis 1): onnxruntime's
+    MultiHeadAttention and GroupQueryAttention take an attention_bias with every row (a key
+    padding mask nn.MultiheadAttention merges in is [B, N, 1, L]). Once per bias and query."""
+    key = ("bias rows", bias, query)
+    if key in shared:
+        return shared[key][0], []
+    graph = root.graph
+    assert graph is not None
+    name = f"{ctx.spec.name}/bias_rows"
+    if ctx.opset >= 15:
+        length = ir.node("Shape", [query], attributes={"start": 1, "end": 2})
+        nodes = [length]
+    else:
+        whole = ir.node("Shape", [query])
+        index = new_constant(graph, f"{name}/axis", np.array([1], np.int64))
+        length = ir.node("Gather", [whole.outputs[0], index])
+        nodes = [whole, length]
+    ones = new_constant(graph, f"{name}/ones", np.array([1, 1], np.int64))
+    one = new_constant(graph, f"{name}/one", np.array([1], np.int64))
+    target = ir.node("Concat", [ones, length.outputs[0], one], attributes={"axis": 0})
+    expand = ir.node("Expand", [bias, target.outputs[0]])
+    rows = ctx.shape(query)
+    for node in nodes:  # the sequence length, [1]; the whole shape, [rank]
+        whole = node.op_type == "Shape" and "start" not in node.attributes
+        length = len(rows) if whole and rows is not None else None if whole else 1
+        typed(node.outputs[0], ir.DataType.INT64, ir.Shape([length]))
+    typed(target.outputs[0], ir.DataType.INT64, ir.Shape([4]))
+    shape = ctx.shape(bias)
+    known = None if shape is None or rows is None else ir.Shape([*shape[:2], rows[1], shape[3]])
+    typed(expand.outputs[0], ctx.dtype(bias), known)
+    shared[key] = (expand.outputs[0],)
+    return expand.outputs[0], [*nodes, target, expand]
 
 
 def _bias_values(bias: ir.Value) -> list[np.ndarray] | None:
@@ -531,6 +636,43 @@ def _merged_heads(
     merge = ir.node("Reshape", [source, shared[key][0]])
     typed(merge.outputs[0], heads.dtype, ir.Shape([shape[0], shape[sequence_axis], count * size]))
     return merge.outputs[0], [*nodes, merge]
+
+
+def _transposed(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[ir.Value, ir.Node]:
+    """Transpose(value, perm), its output typed."""
+    swap = ir.node("Transpose", [value], attributes={"perm": perm})
+    shape = ctx.shape(value)
+    permuted = ir.Shape([shape[axis] for axis in perm]) if shape is not None else None
+    typed(swap.outputs[0], ctx.dtype(value), permuted)
+    return swap.outputs[0], swap
+
+
+def _split_back(
+    ctx: PassContext,
+    root: ir.Node,
+    output: ir.Value,
+    perm: list[int],
+    layout: tuple[int, int],
+    shared: dict[object, tuple[ir.Value, ...]],
+) -> list[ir.Node]:
+    """The fused op's [B, S, N*H] output as the context the graph read: split into [B, S, N,
+    H] heads (the target shared by the layers), then transposed by ``perm``."""
+    heads, head_size = layout
+    key = ("split heads", heads, head_size)
+    if key not in shared:
+        graph = root.graph
+        assert graph is not None
+        name = f"{ctx.spec.name}/split_heads_{heads}x{head_size}"
+        target = np.array([0, 0, heads, head_size], np.int64)
+        shared[key] = (new_constant(graph, name, target),)
+    split = ir.node("Reshape", [output, shared[key][0]])
+    shape = ctx.shape(output)
+    assert shape is not None
+    typed(split.outputs[0], ctx.dtype(output), ir.Shape([shape[0], shape[1], heads, head_size]))
+    if perm == [0, 1, 2, 3]:
+        return [split]
+    _, swap = _transposed(ctx, split.outputs[0], perm)
+    return [split, swap]
 
 
 def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axis: int) -> bool:
@@ -780,6 +922,9 @@ class _AttentionFusion(FusionPass):
             if isinstance(found, str):
                 return found
             match.query, merged = found
+        if match.key.swapped is not None:
+            match.key.projection, swap = _transposed(ctx, *match.key.swapped)
+            merged.append(swap)
         if match.key.unsplit is not None and match.key.projection is None:
             found = _merged_heads(ctx, match.key.unsplit, shared, transposed=False)
             if isinstance(found, str):
@@ -809,7 +954,11 @@ class _AttentionFusion(FusionPass):
             return "the query projection or the output has an unknown rank"
         if len(query) != 3:
             return "the query projection is not 3-D [batch, sequence, hidden]"
-        layout = _head_layout(ctx, match.heads, query)
+        if match.single_head:
+            size = axis_size(ctx, match.heads, 2)
+            layout = (1, size) if size is not None else None
+        else:
+            layout = _head_layout(ctx, match.heads, query)
         if layout is None:
             return "the number of heads or the head size is unknown"
         heads, head_size = layout
@@ -836,7 +985,7 @@ class _AttentionFusion(FusionPass):
         keep |= set(match.biases) | set(match.folded)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
-        flatten = len(replaced) != 3
+        flatten = match.split_back is None and len(replaced) != 3
         if flatten:
             keep.add(match.root.inputs[1])
         absorb_shape_arithmetic(ctx, nodes, keep)
@@ -863,8 +1012,8 @@ class _AttentionFusion(FusionPass):
             clamped = [_clamped(b, match.root, shared) for b in biases]
             biases = [value for value, _ in clamped]
             new_nodes += [node for _, nodes in clamped for node in nodes]
-        widened = [_widened(ctx, bias, shared) for bias in biases]
-        biases = [value for value, _ in widened]
+        widened = [_widened(ctx, bias, shared, match.single_head) for bias in biases]
+        biases = widened_biases = [value for value, _ in widened]
         new_nodes += [node for _, nodes in widened for node in nodes]
         computed, prelude = self._prelude(ctx, match, shared)
         new_nodes += prelude
@@ -876,6 +1025,11 @@ class _AttentionFusion(FusionPass):
                 new_nodes.append(total)
                 shared[key] = (total.outputs[0],)
             biases = [shared[key][0], *biases[2:]]
+        if biases and domain == MS and all(_one_row(ctx, bias) for bias in widened_biases):
+            query_input = inputs[0]
+            assert query_input is not None
+            rows, expanding = _expanded_rows(ctx, match.root, biases[0], query_input, shared)
+            biases, new_nodes = [rows], new_nodes + expanding
         inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
         while inputs[-1] is None:
             inputs.pop()
@@ -899,6 +1053,14 @@ class _AttentionFusion(FusionPass):
             guard = ir.node("Where", [nan.outputs[0], zero, result])
             new_nodes += [nan, guard]
             result = guard.outputs[0]
+        fused = ir.Shape([query[0], query[1], None]) if flatten else _fused_shape(query, replaced)
+        if match.split_back is not None:
+            perm, value_size = match.split_back
+            fused = ir.Shape([query[0], query[1], heads * value_size])
+            typed(result, dtype, fused)
+            back = _split_back(ctx, match.root, result, perm, (heads, value_size), shared)
+            new_nodes += back
+            result = back[-1].outputs[0]
         if flatten:
             reshape = ir.node("Reshape", [result, match.root.inputs[1]])
             new_nodes.append(reshape)
@@ -918,10 +1080,10 @@ class _AttentionFusion(FusionPass):
             return None
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
-        output.shape = _fused_shape(query, replaced)
+        output.shape = fused
         if output.type is None and dtype is not None:
             output.type = ir.TensorType(dtype)
-        if not flatten:
+        if not flatten and match.split_back is None:
             result.shape = output.shape  # the NaN guard keeps the shape
         return None
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite.axes import symbolic_size
 from fusectl.rewrite.graph import constant_value
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
@@ -272,6 +273,19 @@ def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
     return all(any(_same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
 
 
+def _same_products(site: Site, a: ir.Value, b: ir.Value, rank_a: int, rank_b: int) -> bool:
+    """Whether each axis of ``a`` and ``b`` has one size as a product of static sizes and
+    named dimensions, traced through the ops where inference made up a name (TorchScript's
+    run-time Reshape targets, whose stale symbols a canonical target no longer shows)."""
+    if rank_a != rank_b:
+        return False
+    for axis in range(rank_a):
+        size = symbolic_size(site.ctx, a, axis)
+        if size is None or size != symbolic_size(site.ctx, b, axis):
+            return False
+    return True
+
+
 def _batch_broadcast(full: list[list[_Dim]], skip: list[list[_Dim]]) -> bool:
     """Whether ``full`` is [B, S, H] and ``skip`` [1, S, H] or [S, H] of the same S and H."""
     if len(full) != 3 or len(skip) not in (2, 3):
@@ -304,7 +318,8 @@ def _skip(
         raise Decline("the shapes of the residual Add's inputs are unknown")
     # The kernel also broadcasts a skip of [1, S, H] or [S, H] (a position table) over the
     # batch of a [B, S, H] input.
-    broadcast = len(dims_a) != 3 or not _same_shape(dims_a, dims_b)
+    same = _same_shape(dims_a, dims_b) or _same_products(site, a, b, len(dims_a), len(dims_b))
+    broadcast = len(dims_a) != 3 or not same
     if broadcast and _batch_broadcast(dims_b, dims_a):
         a, b, dims_a, dims_b = b, a, dims_b, dims_a
     if broadcast and not _batch_broadcast(dims_a, dims_b):

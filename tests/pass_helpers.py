@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tests.conftest import FIXTURES, Run, assert_same_outputs, optimize
+from tests.conftest import FIXTURES, Run, assert_same_outputs, optimize, run_model
 
 # onnx 1.23 writes IR version 14 by default, which onnxruntime 1.31 does not load.
 IR_VERSION = 8
@@ -122,3 +122,12 @@ def lineage(run: Run) -> dict[str, tuple[list[str], list[str]]]:
                 json.loads(props["fusectl.original_op_names"]),
             )
     return found
+
+
+def compare_on_feeds(original: Path, optimized: Path, feeds: dict[str, np.ndarray]) -> None:
+    """Every output agrees on onnxruntime for these inputs, with no NaN in either."""
+    expected, actual = run_model(original, feeds), run_model(optimized, feeds)
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual, strict=True):
+        assert np.isnan(got).sum() == np.isnan(want).sum() == 0
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)

@@ -85,8 +85,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "qwen3_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "roberta_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "roberta_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
-    "siglip_vision_dynamo": ((2, 6, 5, 3, 0), (3, 6, None, 3, 0)),
-    "siglip_vision_ts17": ((2, 6, 4, 3, 0), (3, 6, None, 3, 0)),
+    "siglip_vision_dynamo": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
+    "siglip_vision_ts17": ((3, 6, 4, 3, 0), (3, 6, None, 3, 0)),
     "swin_dynamo": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
     "swin_ts17": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
     "wav2vec2_dynamo": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
@@ -116,24 +116,6 @@ WHY: dict[tuple[str, str], str] = {
         "biases and a constant scale (they come from Where); "
         "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
         "additive biases and a constant scale (they come from Where)"
-    ),
-    ("siglip_vision_dynamo", "attention"): (
-        "AttentionFusionPass: Attention needs opset >= 23, model has 18; "
-        "AttentionFusionPass: the key is not transposed heads [batch, heads, head size, "
-        "length] of a tensor; GroupQueryAttentionFusionPass: the key is not transposed "
-        "heads [batch, heads, head size, length] of a tensor; QkvAttentionFusionPass: the"
-        " key is not transposed heads [batch, heads, head size, length] of a tensor; "
-        "MultiHeadAttentionFusionPass: the key is not transposed heads [batch, heads, "
-        "head size, length] of a tensor"
-    ),
-    ("siglip_vision_ts17", "attention"): (
-        "AttentionFusionPass: Attention needs opset >= 23, model has 17; "
-        "AttentionFusionPass: the key is not transposed heads [batch, heads, head size, "
-        "length] of a tensor; GroupQueryAttentionFusionPass: the key is not transposed "
-        "heads [batch, heads, head size, length] of a tensor; QkvAttentionFusionPass: the"
-        " key is not transposed heads [batch, heads, head size, length] of a tensor; "
-        "MultiHeadAttentionFusionPass: the key is not transposed heads [batch, heads, "
-        "head size, length] of a tensor"
     ),
 }  # fmt: skip
 

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from tests.conftest import FIXTURES, Run, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
+    compare_on_feeds,
     const,
     fixture_path,
     lineage,
@@ -203,15 +204,6 @@ def _repeat_kv_expands(graph: onnx.GraphProto) -> list[str]:
     return found
 
 
-def _compare(original: Path, optimized: Path, feeds: dict[str, np.ndarray]) -> None:
-    """Every output agrees on onnxruntime, with no NaN where the original has none."""
-    expected, actual = run_model(original, feeds), run_model(optimized, feeds)
-    assert len(expected) == len(actual)
-    for want, got in zip(expected, actual, strict=True):
-        assert np.isnan(got).sum() == np.isnan(want).sum() == 0
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
-
-
 def _left_padded(batch: int, length: int, padding: list[int]) -> np.ndarray:
     """An attention mask whose row i masks its first padding[i] positions."""
     mask = np.ones((batch, length), np.int64)
@@ -281,8 +273,8 @@ def test_llama_grouped_query_attention_fused_in_every_layer(name: str, tmp_path:
     assert shape.input[0] == fused[0].input[0]
     # The export shape (batch 2, sequence 8), then batch 3, sequence 5, left-padded: row 1
     # loses 2 tokens, row 2 all but the last, so their first query rows see no key at all.
-    _compare(fixture_path(name), run.output, _text_feeds(name, 2, 8, [0, 0]))
-    _compare(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
+    compare_on_feeds(fixture_path(name), run.output, _text_feeds(name, 2, 8, [0, 0]))
+    compare_on_feeds(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
 
 
 @pytest.mark.parametrize("name", LLAMA)
@@ -362,7 +354,7 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
     # sequence 1; left padding, in the first check long enough to mask query row 0 entirely.
     for batch, past, sequence, padding in [(2, 4, 3, [0, 2]), (2, 3, 5, [0, 4]), (2, 6, 1, [0, 2])]:
         feeds = _past_feeds(name, batch, past, sequence, padding)
-        _compare(fixture_path(name), run.output, feeds)
+        compare_on_feeds(fixture_path(name), run.output, feeds)
 
 
 @pytest.mark.parametrize("name", LLAMA)
@@ -384,7 +376,7 @@ def test_llama_without_grouped_query_attention(name: str, tmp_path: Path) -> Non
         assert producers[node.input[0]].op_type == "RotaryEmbedding"
         assert [producers[v].op_type for v in node.input[1:3]] == ["Reshape", "Reshape"]
     assert len(_repeat_kv_expands(graph)) == 4  # the repeats stay, read by the fused ops
-    _compare(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
+    compare_on_feeds(fixture_path(name), run.output, _text_feeds(name, 3, 5, [0, 2, 4]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +487,7 @@ def test_grouped_attention_becomes_group_query_attention(scale: str, tmp_path: P
     assert attributes == {"num_heads": 4, "kv_num_heads": 2, "causal": 0}
     for batch, seq in [(3, 5), (1, 1), (2, 7)]:
         feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
-        _compare(model, run.output, feeds)
+        compare_on_feeds(model, run.output, feeds)
 
 
 # name: (builder options, GroupQueryAttention's reason, key length per query position)
@@ -543,7 +535,7 @@ def test_grouped_near_misses_go_to_multi_head_attention(miss: str, tmp_path: Pat
     assert len(_repeat_kv_expands(graph)) == 2
     for batch, seq in [(2, 2), (3, 5)]:
         feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq * ratio)
-        _compare(model, run.output, feeds)
+        compare_on_feeds(model, run.output, feeds)
 
 
 def test_unprovable_key_heads_keep_the_attention(tmp_path: Path) -> None:
@@ -560,7 +552,7 @@ def test_unprovable_key_heads_keep_the_attention(tmp_path: Path) -> None:
     assert _fused_ops(run)["MultiHeadAttention"] == 0
     assert run.op_counts()["Softmax"] == 1
     target = np.array([0, 4, -1, 8], np.int64)
-    _compare(model, run.output, _grouped_feeds(model, kv_shape=target))
+    compare_on_feeds(model, run.output, _grouped_feeds(model, kv_shape=target))
 
 
 def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) -> None:
@@ -569,7 +561,7 @@ def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) 
     assert run.passed(GQA)["state"] == "off"
     assert run.counts(MHA) == (1, 1)
     assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
-    _compare(model, run.output, _grouped_feeds(model))
+    compare_on_feeds(model, run.output, _grouped_feeds(model))
 
 
 GEMMA2 = ["arch/gemma2_ts17", "arch/gemma2_dynamo"]
@@ -734,7 +726,7 @@ def test_split_projection_with_wider_values_becomes_multi_head_attention(tmp_pat
     assert producers[node.input[5]].op_type == "Unsqueeze"
     assert producers[node.input[5]].input[0] == "pos"
     for batch in (1, 3):
-        _compare(model, run.output, random_feeds(model, seed=batch, dims={"batch": batch}))
+        compare_on_feeds(model, run.output, random_feeds(model, seed=batch, dims={"batch": batch}))
 
 
 def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
@@ -744,7 +736,9 @@ def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
     assert_declined(run, MHA, "the query or key heads are not provably 4-D", "probs")
     assert run.op_counts()["Softmax"] == 1
     parts = np.array([KEY_SIZE, KEY_SIZE, VALUE_SIZE], np.int64)
-    _compare(model, run.output, random_feeds(model, seed=1, dims={"batch": 2}) | {"parts": parts})
+    compare_on_feeds(
+        model, run.output, random_feeds(model, seed=1, dims={"batch": 2}) | {"parts": parts}
+    )
 
 
 @pytest.mark.parametrize("name", ["levit_ts17", "levit_dynamo"])
@@ -840,7 +834,7 @@ def test_heads_folded_into_the_batch_become_multi_head_attention(tmp_path: Path)
     assert producers[unfold.input[0]].input[0] == "alibi"
     assert run.op_counts()["Softmax"] == 0
     for seed in (1, 2):
-        _compare(model, run.output, _folded_feeds(model, seed))
+        compare_on_feeds(model, run.output, _folded_feeds(model, seed))
 
 
 @pytest.mark.parametrize(
@@ -868,7 +862,7 @@ def test_unprovable_folded_heads_keep_the_attention(
     assert_declined(run, MHA, reason, "probs")
     target = np.array([-1, FOLD_HEADS, FOLD_SEQ, FOLD_SEQ], np.int64)
     feeds = _folded_feeds(model, 1) | ({"unfold_scores": target} if unfold == "input" else {})
-    _compare(model, run.output, feeds)
+    compare_on_feeds(model, run.output, feeds)
 
 
 @pytest.mark.parametrize("name", ["bloom_ts17", "bloom_dynamo"])

@@ -80,7 +80,25 @@ def shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8)
             return None
         element = shape_element(ctx, node.inputs[2], index, depth - 1)
         return element if bool(np.all(minus == -1)) and element != -1 else None
+    copied = _copied_dimension(value)
+    if copied is not None:  # a size read from a tensor at run time: static there, perhaps
+        return axis_size(ctx, copied[0], copied[1], depth - 1) if index == 0 else None
+    if node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and None not in node.inputs:
+        left, right = (_broadcast_element(ctx, v, index, depth - 1) for v in node.inputs)  # type: ignore[arg-type]
+        if left is None or right is None:
+            return None
+        if node.op_type == "Mul":
+            return left * right
+        return left // right if right > 0 and left % right == 0 else None
     return None
+
+
+def _broadcast_element(ctx: PassContext, value: ir.Value, index: int, depth: int) -> int | None:
+    """Element ``index`` of an operand of an element-wise op on shape tensors: its only
+    element where it holds one (a scalar broadcasts)."""
+    shape = ctx.shape(value)
+    single = shape is not None and (len(shape) == 0 or (len(shape) == 1 and shape[0] == 1))
+    return shape_element(ctx, value, 0 if single else index, depth)
 
 
 # Ops whose output has their first input's shape.
@@ -94,6 +112,8 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     element-wise ops, broadcasting, Concat, Slice, Split, Transpose, Reshape targets and
     onnxruntime's shape-preserving contrib ops (RotaryEmbedding)."""
     shape = ctx.shape(value)
+    if shape is not None and not -len(shape) <= axis < len(shape):
+        return None
     if shape is not None and isinstance(shape[axis], int):
         return int(shape[axis])
     node = value.producer()
@@ -105,9 +125,10 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     inputs = [v for v in node.inputs if v is not None]
     if shape is None and (op in _SAME_SHAPE or op in ("Slice", "RotaryEmbedding")) and inputs:
         shape = ctx.shape(inputs[0])  # these keep their input's rank
-    if shape is None:
+    if shape is None or not -len(shape) <= axis < len(shape):
         return None
     rank = len(shape)
+    axis %= rank
     if op in _SAME_SHAPE or op == "RotaryEmbedding":
         return axis_size(ctx, inputs[0], axis, depth - 1)
     if op in _BROADCASTING:
@@ -140,6 +161,12 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         return kept_length(*bounds[axis], size)
     if op == "Split":
         return _split_size(ctx, node, value, axis, rank, depth)
+    if op == "Tile" and len(inputs) == 2:
+        size, times = (
+            axis_size(ctx, inputs[0], axis, depth - 1),
+            shape_element(ctx, inputs[1], axis),
+        )
+        return size * times if size is not None and times is not None else None
     if op == "Reshape":
         element = shape_element(ctx, inputs[1], axis)
         if element == 0 and not node.attributes.get_int("allowzero", 0):
@@ -225,10 +252,10 @@ def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
         if array is not None:
             parts += [int(v) for v in array.reshape(-1)]
             continue
-        copied = _copied_dimension(part)
+        copied = _copied_dimensions(part)
         if copied is None:
             return None
-        parts.append(copied)
+        parts += copied
     return parts
 
 
@@ -247,6 +274,48 @@ def same_dimension(
     mine = source[position]
     named = isinstance(size, ir.SymbolicDim) and size.value and not size.value.startswith("unk__")
     return bool(named) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value
+
+
+def _copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
+    """[(x, i), (x, i+1), ...] when ``value`` is a run of x's sizes: one copied size (below),
+    Shape(x, start, end) with both ends known, or Slice(Shape(x), start, end) with constant
+    bounds on axis 0 and step 1 (``x.flatten(2)``: the leading sizes kept)."""
+    single = _copied_dimension(value)
+    if single is not None:
+        return [single]
+    shape = producer_of(value, "Shape")
+    slice_ = producer_of(value, "Slice")
+    if slice_ is not None and len(slice_.inputs) >= 3:
+        shape = producer_of(slice_.inputs[0], "Shape")
+        if shape is None or shape.attributes.get_int("start", 0) != 0:
+            return None
+        if shape.attributes.get_int("end", None) is not None:
+            return None
+        bounds = [constant_value(v) if v is not None else None for v in slice_.inputs[1:5]]
+        start, end = bounds[0], bounds[1]
+        axes = bounds[2] if len(bounds) > 2 else None
+        steps = bounds[3] if len(bounds) > 3 else None
+        if start is None or end is None or start.size != 1 or end.size != 1:
+            return None
+        if (axes is not None and int(axes.reshape(-1)[0]) != 0) or (
+            steps is not None and int(steps.reshape(-1)[0]) != 1
+        ):
+            return None
+        first, last = int(start.reshape(-1)[0]), int(end.reshape(-1)[0])
+    elif shape is not None:
+        first = shape.attributes.get_int("start", 0)
+        last = shape.attributes.get_int("end", None)
+        if last is None:
+            return None
+    else:
+        return None
+    data = shape.inputs[0]
+    if data is None or first < 0 or last < 0 or last <= first:
+        return None
+    if data.shape is None:  # the run's length depends on the rank (bounds are clamped)
+        return None
+    last = min(last, len(data.shape))
+    return [(data, axis) for axis in range(first, last)] if last > first else None
 
 
 def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
@@ -324,6 +393,19 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
         return None
     if node.op_type == "Reshape" and None not in inputs[:2]:
         return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
+    if node.op_type in ("Concat", "Slice", "Split") and inputs[0] is not None:
+        # an axis they do not cut or join keeps the (first) input's size
+        cut = node.attributes.get_int("axis", 0) % len(shape) if node.op_type != "Slice" else None
+        if node.op_type == "Slice":
+            axes = constant_value(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+            if axes is None and len(inputs) > 3 and inputs[3] is not None:
+                return None
+            sliced = range(len(shape)) if axes is None else [int(a) % len(shape) for a in axes]
+            if axis in sliced:
+                return None
+        elif axis == cut:
+            return None
+        return symbolic_size(ctx, inputs[0], axis, depth - 1)
     return None
 
 

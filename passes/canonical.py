@@ -206,6 +206,8 @@ def _constant_target(
             and same_dimension((value, axis), size, data, position, source)
         ):
             resolved.append(0)
+            if not _named(size):  # proven the same size: keep the name that says more
+                dims[-1] = source[position]
         else:
             resolved.append(None)
     unknown = resolved.count(None)
@@ -216,6 +218,13 @@ def _constant_target(
         )
     target = np.array([-1 if size is None else size for size in resolved], dtype=np.int64)
     return target, dims
+
+
+def _named(dim: int | ir.SymbolicDim | None) -> bool:
+    """A size, or a name that ties the dim to others (not one onnx made up for one value)."""
+    if isinstance(dim, int):
+        return True
+    return dim is not None and bool(dim.value) and not str(dim.value).startswith("unk__")
 
 
 def _keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) -> None:

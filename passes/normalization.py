@@ -10,6 +10,7 @@ them fused with them into onnxruntime's SkipLayerNormalization / SkipSimplifiedL
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -273,17 +274,70 @@ def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
     return all(any(_same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
 
 
-def _same_products(site: Site, a: ir.Value, b: ir.Value, rank_a: int, rank_b: int) -> bool:
-    """Whether each axis of ``a`` and ``b`` has one size as a product of static sizes and
-    named dimensions, traced through the ops where inference made up a name (TorchScript's
-    run-time Reshape targets, whose stale symbols a canonical target no longer shows)."""
-    if rank_a != rank_b:
-        return False
-    for axis in range(rank_a):
-        size = symbolic_size(site.ctx, a, axis)
-        if size is None or size != symbolic_size(site.ctx, b, axis):
-            return False
-    return True
+def _fits(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
+    """Whether the kernel takes the two summands: one 3-D shape, or a [1, S, H] / [S, H]
+    skip broadcast over the batch of the other."""
+    same = len(a) == 3 and _same_shape(a, b)
+    return same or _batch_broadcast(a, b) or _batch_broadcast(b, a)
+
+
+def _worth_deriving(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
+    """Whether a deeper proof could make the summands fit: 3-D and 2- or 3-D, hidden sizes
+    not known to differ (a 2-D residual never fits, whatever its sizes)."""
+    hidden = {d for d in a[-1] + b[-1] if isinstance(d, int)}
+    return sorted((len(a), len(b))) in ([2, 3], [3, 3]) and len(hidden) <= 1
+
+
+# Per axis, the sizes a deeper proof derives are added to those known; each kind of name
+# compares only with its own kind, sizes with sizes.
+
+
+def _product_dims(
+    site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
+) -> list[list[list[_Dim]]]:
+    """With each axis's size as a product of static sizes and named dimensions, traced through
+    the ops where inference made up a name (TorchScript's run-time Reshape targets)."""
+    derived = [[list(sizes) for sizes in known] for known in dims]
+    for value, known in zip(values, derived, strict=True):
+        for axis, sizes in enumerate(known):
+            product = symbolic_size(site.ctx, value, axis)
+            if product is not None:
+                coefficient, names = product
+                named = ir.SymbolicDim(f"product:{coefficient}*{'*'.join(names)}")
+                sizes.append(named if names else coefficient)
+    return derived
+
+
+def _onnxruntime_dims(
+    site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
+) -> list[list[list[_Dim]]]:
+    """With each axis's size as onnxruntime's symbolic shape inference derives it on the graph
+    as loaded (Range, Slice, Conv and Expand arithmetic: positions and convolutions).
+
+    A position table sliced to the sequence has ``Min(c, S)`` rows: read as S, since the
+    residual Add runs only where it is S (for S > c > 1 the rows neither match nor broadcast),
+    and the kernel then refuses the skip as the Add would."""
+    oracle = site.ctx.shapes
+    if oracle is None:
+        return dims
+    derived = [[list(sizes) for sizes in known] for known in dims]
+    for known, symbolic in zip(derived, oracle.symbolic_dims(values), strict=True):
+        if symbolic is None or len(symbolic) != len(known):
+            continue
+        for sizes, size in zip(known, symbolic, strict=True):
+            if isinstance(size, str):
+                clipped = _CLIPPED.fullmatch(size)
+                rest = clipped and (clipped["rest"] or clipped["first"])
+                if clipped and int(clipped["bound"] or clipped["last"]) > 1 and rest:
+                    size = rest
+                sizes.append(ir.SymbolicDim(f"onnxruntime:{size}"))
+            elif size is not None:
+                sizes.append(size)
+    return derived
+
+
+# sympy's Min of a bound and a size, either order: Min(32, sequence), Min(sequence, 32).
+_CLIPPED = re.compile(r"Min\((?:(?P<bound>\d+), (?P<rest>[^,]+)|(?P<first>[^,]+), (?P<last>\d+))\)")
 
 
 def _batch_broadcast(full: list[list[_Dim]], skip: list[list[_Dim]]) -> bool:
@@ -318,8 +372,12 @@ def _skip(
         raise Decline("the shapes of the residual Add's inputs are unknown")
     # The kernel also broadcasts a skip of [1, S, H] or [S, H] (a position table) over the
     # batch of a [B, S, H] input.
-    same = _same_shape(dims_a, dims_b) or _same_products(site, a, b, len(dims_a), len(dims_b))
-    broadcast = len(dims_a) != 3 or not same
+    if not _fits(dims_a, dims_b) and _worth_deriving(dims_a, dims_b):
+        for derived in (_product_dims, _onnxruntime_dims):  # cheap first
+            dims_a, dims_b = derived(site, [a, b], [dims_a, dims_b])
+            if _fits(dims_a, dims_b):
+                break
+    broadcast = len(dims_a) != 3 or not _same_shape(dims_a, dims_b)
     if broadcast and _batch_broadcast(dims_b, dims_a):
         a, b, dims_a, dims_b = b, a, dims_b, dims_a
     if broadcast and not _batch_broadcast(dims_a, dims_b):

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
+from fusectl.rewrite.axes import shape_element
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
@@ -113,7 +114,7 @@ def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, l
         return None
     if list(pairs[3:]) != [shape[3] // 2, 2]:
         return None
-    if not all(_same_dim(a, b) for a, b in zip(pairs[:3], rotated[:3], strict=True)):
+    if not _keeps_leading(ctx, reshape, pairs, rotated, 3):
         return None
     odd_range, even_range = _last_axis_slice(odd, 4, 2), _last_axis_slice(even, 4, 2)
     if odd_range is None or even_range is None:
@@ -141,11 +142,25 @@ def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Sha
     if pairs[-1] != 2 or table_shape[-1] != 1 or not isinstance(pairs[-2], int):
         return None
     # Leading axes kept (and the element count), so the last one is the pairs merged.
-    if not all(_same_dim(a, b) for a, b in zip(pairs[:-2], merged[:-1], strict=True)):
+    if not _keeps_leading(ctx, reshape, pairs, merged, len(merged) - 1):
         return None
     # The table's other new axes (heads, of size 1) leave its S x R/2 elements in row order.
     table = _last_axis_unsqueeze(copies.inputs[0], len(pairs), alone=False)
     return None if table is None else (table, ir.Shape([*pairs[:-2], 2 * pairs[-2]]))
+
+
+def _keeps_leading(
+    ctx: PassContext, reshape: ir.Node, before: ir.Shape, after: ir.Shape, count: int
+) -> bool:
+    """Whether the Reshape keeps its data's first ``count`` sizes: the same size or name on
+    both sides, or a target element 0 that copies it."""
+    target = reshape.inputs[1]
+    copying = not reshape.attributes.get_int("allowzero", 0) and target is not None
+    return all(
+        _same_dim(before[axis], after[axis])
+        or (copying and shape_element(ctx, target, axis) == 0)  # type: ignore[arg-type]
+        for axis in range(count)
+    )
 
 
 def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:

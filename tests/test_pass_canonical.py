@@ -113,7 +113,7 @@ TWO_UNKNOWN = (
         # flattened projections (Conv1D) are MatMul + Add on the 3-D input before this pass
         # sees them (FlattenedGemmCanonicalizationPass); the 6 targets left read two sizes at
         # run time (position ids, causal mask); repeated Constants and shape arithmetic merge.
-        ("gpt2_tiny_ts17", (13, 7), (64, 64), 83),
+        ("gpt2_tiny_ts17", (13, 7), (64, 64), 82),
         # LLaMA: its first RMS norm too fused (DoubledRmsNormFusionPass)
         ("llama_tiny_ts17", (14, 6), (158, 158), 99),
     ],
@@ -217,3 +217,59 @@ def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
     assert run.op_counts() == Counter(
         {"Shape": 1, "Concat": 2, "Relu": 2, "Add": 1, "Constant": 3, "Sum": 1}
     )
+
+
+def _flatten_model(tmp_path: Path, name: str, leading: list[onnx.NodeProto]) -> Path:
+    """y = Reshape(x, Concat(leading, [-1])), x [batch, 4, 2, 3]: ``x.flatten(2)`` as the
+    exporters write it, the leading sizes read from x as one run ("lead")."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+        *leading,
+        helper.make_node("Concat", ["lead", "rest"], ["target"], axis=0, name="target"),
+        helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"),
+    ]
+    inits = [
+        const("rest", [-1], np.int64),
+        const("zero", [0], np.int64),
+        const("two", [2], np.int64),
+        const("four", [4], np.int64),
+        const("minus_four", [-4], np.int64),
+        const("minus_two", [-2], np.int64),
+    ]
+    inputs = [value("x", ["batch", 4, 2, 3])]
+    return save_model(
+        tmp_path / f"{name}.onnx", nodes, inputs, [value("y", ["batch", 4, 6])], inits
+    )
+
+
+FLATTEN_RUNS = {
+    # TorchScript: Slice(Shape(x), [0], [2])
+    "slice": [helper.make_node("Slice", ["shape", "zero", "two"], ["lead"], name="lead")],
+    # the same run counted from the end: Slice(Shape(x), [-4], [-2])
+    "from_end": [helper.make_node("Slice", ["shape", "minus_four", "minus_two"], ["lead"])],
+    # dynamo: Shape(x, start=0, end=2), read again (the first Shape is left unused)
+    "shape": [helper.make_node("Shape", ["x"], ["lead"], start=0, end=2, name="lead")],
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(FLATTEN_RUNS))
+def test_a_run_of_copied_sizes_becomes_zeros(spelling: str, tmp_path: Path) -> None:
+    """Each spelling of a run of x's leading sizes is read size by size: the batch a copy (0),
+    the static 4 itself, so the target is [0, 4, -1] and the shape arithmetic goes."""
+    model = _flatten_model(tmp_path, spelling, FLATTEN_RUNS[spelling])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    assert _target(run) == [0, 4, -1]
+    assert run.op_counts() == Counter({"Reshape": 1})
+
+
+def test_a_strided_read_of_sizes_stays(tmp_path: Path) -> None:
+    """Slice(Shape(x), [0], [4], [0], [2]) reads every other size (batch and 2): no run of
+    copies, so the target stays computed."""
+    leading = [
+        helper.make_node("Slice", ["shape", "zero", "four", "zero", "two"], ["lead"], name="lead")
+    ]
+    model = _flatten_model(tmp_path, "strided", leading)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (0, 0)
+    assert run.op_counts()["Shape"] == 1

@@ -11,7 +11,14 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import assert_same_outputs, optimize, random_feeds, run_model
+from tests.conftest import (
+    Run,
+    assert_same_outputs,
+    named_dim_feeds,
+    optimize,
+    random_feeds,
+    run_model,
+)
 from tests.pass_helpers import (
     assert_declined,
     check_output,
@@ -194,16 +201,21 @@ def test_projection_bias_stays_outside_when_it_must(kwargs: dict, tmp_path: Path
     assert list(skip.input) == ["dense", "residual", "gamma", "beta"]
 
 
-def test_skip_layer_norm_needs_3d_inputs(tmp_path: Path) -> None:
-    model = _model(tmp_path / "flat.onnx", residual=True, shape=[4, 8])
-    run = optimize_checked(model, tmp_path)
-    # LayerNormFusionPass ran first: the candidate is the LayerNormalization it made.
+def _declined_as_not_one_shape(run: Run) -> None:
+    """The residual norm (the LayerNormalization LayerNormFusionPass made of y) declined."""
     assert_declined(
         run,
         SKIP,
         "the residual Add's inputs are not two 3-D tensors of one shape",
         "LayerNormFusionPass/y",
     )
+
+
+def test_skip_layer_norm_needs_3d_inputs(tmp_path: Path) -> None:
+    model = _model(tmp_path / "flat.onnx", residual=True, shape=[4, 8])
+    run = optimize_checked(model, tmp_path)
+    # LayerNormFusionPass ran first: the candidate is the LayerNormalization it made.
+    _declined_as_not_one_shape(run)
     assert run.op_counts() == Counter({"Add": 1, "LayerNormalization": 1})
 
 
@@ -212,12 +224,7 @@ def test_unnamed_dims_prove_nothing(tmp_path: Path) -> None:
     fused kernel would not (it would return the first input's shape)."""
     model = _model(tmp_path / "unnamed.onnx", residual=True, shape=[None, 5, 8])
     run = optimize_checked(model, tmp_path)
-    assert_declined(
-        run,
-        SKIP,
-        "the residual Add's inputs are not two 3-D tensors of one shape",
-        "LayerNormFusionPass/y",
-    )
+    _declined_as_not_one_shape(run)
     feeds = {"a": np.ones((1, 5, 8), np.float32), "b": np.ones((2, 5, 8), np.float32)}
     assert run_model(run.output, feeds)[0].shape == (2, 5, 8)
 
@@ -330,11 +337,11 @@ def test_reshape_to_batch_one_is_a_broadcast_skip(tmp_path: Path) -> None:
 # five layer norms, four after a residual Add of two [B, S, H] activations. BERT's embeddings'
 # norm becomes EmbedLayerNormalization first (that pass runs before). GPT-2's adds position
 # embeddings of shape [1, S, H]: the kernel broadcasts such a skip, which dynamo's export
-# proves; TorchScript's computes the positions' shape at run time, unproven.
-# In GPT-2's TorchScript exports each projection is reshaped back to Shape(attention output)
-# [0:2], whose batch onnx cannot tie to the residual's: the fused attention output has the
-# query's batch. Outputs are compared at another batch and sequence length too.
-ONE_SHAPE = {"the residual Add's inputs are not two 3-D tensors of one shape": 1}
+# proves, and TorchScript's computes at run time (a Range over the sequence: onnxruntime's
+# symbolic inference proves it). In GPT-2's TorchScript exports each projection is reshaped
+# back to Shape(attention output)[0:2], whose batch onnx cannot tie to the residual's: the
+# fused attention output has the query's batch. Outputs are compared at another batch and
+# sequence length too.
 
 
 @pytest.mark.parametrize(
@@ -343,8 +350,8 @@ ONE_SHAPE = {"the residual Add's inputs are not two 3-D tensors of one shape": 1
         ("bert_tiny_ts14", (5, 0), "BiasGeluFusionPass", (4, 4), {}),
         ("bert_tiny_ts17", (0, 0), "BiasGeluFusionPass", (4, 4), {}),
         ("bert_tiny_dynamo", (0, 0), "BiasGeluFusionPass", (4, 4), {}),
-        ("gpt2_tiny_ts14", (5, 0), "MultiHeadAttentionFusionPass", (5, 4), ONE_SHAPE),
-        ("gpt2_tiny_ts17", (0, 0), "MultiHeadAttentionFusionPass", (5, 4), ONE_SHAPE),
+        ("gpt2_tiny_ts14", (5, 0), "MultiHeadAttentionFusionPass", (5, 5), {}),
+        ("gpt2_tiny_ts17", (0, 0), "MultiHeadAttentionFusionPass", (5, 5), {}),
         ("gpt2_tiny_dynamo", (0, 0), "MultiHeadAttentionFusionPass", (5, 5), {}),
     ],
 )
@@ -363,10 +370,7 @@ def test_residual_norms(
     assert reasons(run, SKIP) == why
     counts = run.op_counts()
     assert counts["SkipLayerNormalization"] == skip[1]
-    if name.startswith("gpt2") and skip[1] == 4:  # the norm over the embeddings stays unfused;
-        # below opset 17 its centred core is the doubled skip RMS norm (the mean stays)
-        core = counts["LayerNormalization"] + counts["SkipSimplifiedLayerNormalization"]
-        assert (core, counts["ReduceMean"]) == ((1, 1) if ln[0] else (1, 0))
+    assert counts["LayerNormalization"] + counts["ReduceMean"] == 0
     feeds = random_feeds(fixture_path(name), dims={"batch": 3, "sequence": 5})
     for want, got in zip(
         run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
@@ -655,3 +659,85 @@ def test_bert_embeddings_become_embed_layer_normalization(name: str, tmp_path: P
 def test_gpt2_embeddings_have_no_segment_table(tmp_path: Path) -> None:
     run = optimize_checked(fixture_path("gpt2_tiny_dynamo"), tmp_path)
     assert run.counts(EMBED) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residuals whose sizes only the ops' arithmetic proves (onnxruntime's symbolic inference).
+# ---------------------------------------------------------------------------------------------
+
+
+def _sliced_table_model(path: Path, rows: int) -> Path:
+    """total = a + table[:, :S] with a [B, S, 8] and a [1, rows, 8] position table sliced to
+    a's sequence read at run time (CLIP's position_ids[:, :seq_length]): onnx names the slice's
+    length afresh; onnxruntime's inference says Min(rows, S)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        _n("Shape", ["a"], "shape_a"),
+        _n("Gather", ["shape_a", "one"], "sequence", axis=0),
+        _n("Unsqueeze", ["sequence", "axis0"], "end"),
+        _n("Slice", ["table", "axis0", "end", "one_1d"], "positions"),
+        _n("Add", ["a", "positions"], "total"),
+        *_layer_norm("total", "y"),
+    ]
+    inits = [
+        *_norm_constants(rng),
+        const("table", rng.normal(0, 1, (1, rows, 8))),
+        const("one", np.array(1, np.int64), np.int64),
+        const("axis0", np.array([0], np.int64), np.int64),
+        const("one_1d", np.array([1], np.int64), np.int64),
+    ]
+    return save_model(path, nodes, [value("a", ["B", "S", 8])], [value("y", ["B", "S", 8])], inits)
+
+
+def test_a_position_table_sliced_to_the_sequence_is_a_broadcast_skip(tmp_path: Path) -> None:
+    """Min(16, S) rows are S rows wherever the Add runs (for S > 16 the rows neither match
+    nor broadcast, and the kernel refuses the skip as the Add does): a [1, S, 8] skip."""
+    model = _sliced_table_model(tmp_path / "sliced.onnx", rows=16)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
+    assert list(skip.input[:2]) == ["a", "positions"]
+    for sequence in (1, 3, 16):
+        feeds = random_feeds(model, dims={"B": 2, "S": sequence})
+        for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_one_row_table_is_broadcast_not_a_skip(tmp_path: Path) -> None:
+    """A one-row table sliced the same way is one row whatever S is: the Add broadcasts it
+    over the sequence, which the kernel would not."""
+    model = _sliced_table_model(tmp_path / "one_row.onnx", rows=1)
+    run = optimize_checked(model, tmp_path)
+    _declined_as_not_one_shape(run)
+    feeds = random_feeds(model, dims={"B": 2, "S": 5})
+    assert run_model(run.output, feeds)[0].shape == (2, 5, 8)
+
+
+# TorchScript exports whose embedding norms sum values of sizes computed at run time: BART's
+# positions (Range, Expand), CLIP's sliced position table (Min(rows, S)), wav2vec2's
+# convolutional position embedding (Conv, then the last position sliced off), DeiT's class and
+# distillation tokens joined to the patches (Concat of Expands), Swin's patches (a run of
+# copied sizes, then a canonical target). Every residual norm is fused; outputs compared at
+# sizes other than the export's.
+ARCH_DIMS = {"batch": 3, "sequence": 5, "decoder_sequence": 4, "samples": 560}
+
+
+@pytest.mark.parametrize(
+    ("name", "skip"),
+    [
+        ("arch/bart_ts17", 12),
+        ("arch/clip_text_ts17", 5),
+        ("arch/wav2vec2_ts17", 5),
+        ("arch/deit_ts17", 5),
+        ("arch/swin_ts17", 3),
+    ],
+)
+def test_residual_sizes_proven_by_their_arithmetic(name: str, skip: int, tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(SKIP) == (skip, skip)
+    assert reasons(run, SKIP) == {}
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)

@@ -310,11 +310,10 @@ def _copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | N
     else:
         return None
     data = shape.inputs[0]
-    if data is None or first < 0 or last < 0 or last <= first:
+    if data is None or data.shape is None:  # the bounds are read against the rank
         return None
-    if data.shape is None:  # the run's length depends on the rank (bounds are clamped)
-        return None
-    last = min(last, len(data.shape))
+    rank = len(data.shape)
+    first, last = (min(max(b + rank if b < 0 else b, 0), rank) for b in (first, last))
     return [(data, axis) for axis in range(first, last)] if last > first else None
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -93,8 +96,12 @@ class ShapeOracle:
         inference runs); None to infer on the IR as it is."""
         self._model = model
         self._proto = proto
+        self._original = proto  # the graph as loaded, for symbolic_dims
+        self._symbolic: dict[str, list[int | str | None]] = {}
+        self._symbolic_runs = 0  # on one value's inputs, then on the whole graph
         self.ran = False
         self.stale = False
+        self._runs = 0
         self._filled: dict[ir.Value, None] = {}  # insertion-ordered: deterministic
 
     def invalidate(self) -> None:
@@ -115,8 +122,53 @@ class ShapeOracle:
             self._infer()
         return value.dtype
 
+    def symbolic_dims(self, values: list[ir.Value]) -> list[list[int | str | None] | None]:
+        """The values' dims as onnxruntime's symbolic shape inference derives them on the
+        graph as loaded: sizes as expressions of the input dims (``floor(samples/5) - 1``),
+        through Range, Slice, Conv and Expand arithmetic that onnx gives fresh names. Equal
+        expressions are equal sizes. A fusion keeps the names and meaning of the values it
+        keeps, so what it says of an original value stays true; values made by passes, and
+        subgraph values, get None.
+
+        It is slow (sympy), so it runs only when a pass asks, for a proof the ordinary shapes
+        cannot make: first on the ops the values asked for depend on (an embedding's are
+        few), then, if values outside those are asked for, once on the whole graph."""
+        names = [value.name or "" for value in values]
+        missing = [name for name in names if name and name not in self._symbolic]
+        if missing and self._symbolic_runs < 2:
+            whole = self._symbolic_runs == 1
+            found = self._infer_symbolic(None if whole else missing)
+            if found is not None:
+                self._symbolic.update(found)
+                self._symbolic_runs += 1
+        return [self._symbolic.get(name) if name else None for name in names]
+
+    def _infer_symbolic(
+        self, targets: list[str] | None
+    ) -> dict[str, list[int | str | None]] | None:
+        """Dims of every value the targets depend on (every value, for None); None when no
+        target is a value of the graph as loaded."""
+        quiet = logging.getLogger(_symbolic_inference().__module__)
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # it warns of every broadcast it cannot resolve
+        try:
+            if self._original is None:
+                proto = _c_api_utils.call_onnx_api(lambda p: p, self._model)
+            else:
+                loaded = self._original() if callable(self._original) else self._original
+                proto = _without_weights(loaded, self._model)
+            if targets is not None:
+                proto = _cone(proto, targets)
+            return _symbolic_dims(proto) if proto is not None else None
+        except Exception as error:  # a best effort: without it, the proof is not made
+            logger.debug("symbolic shape inference failed: %s", error)
+            return {}
+        finally:
+            quiet.setLevel(level)
+
     def _infer(self) -> None:
         self.ran = True
+        self._runs += 1
 
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
@@ -152,6 +204,8 @@ class ShapeOracle:
         if found is None or not found.HasField("tensor_type"):
             return
         shape = ir.serde.deserialize_type_proto_for_shape(found)
+        if shape is not None and self._runs > 1:
+            shape = _own_symbols(shape, self._runs)
         # Recorded shapes are upgraded only once the graph changed: a graph no pass
         # touched keeps the shapes it came with (a second run changes nothing).
         if value.shape is None or (self.stale and _more_static(shape, value.shape)):
@@ -197,6 +251,19 @@ def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Gr
 _SMALL_CONSTANT = 64
 
 
+def _own_symbols(shape: ir.Shape, run: int) -> ir.Shape:
+    """The names onnx made up in a later run (``unk__N`` counts from 0 in every run, and a
+    cleared value's old name may come back for another size) kept apart from earlier runs'."""
+    return ir.Shape(
+        [
+            ir.SymbolicDim(f"unk__{run}.{dim.value[5:]}")
+            if isinstance(dim, ir.SymbolicDim) and dim.value and dim.value.startswith("unk__")
+            else dim
+            for dim in shape
+        ]
+    )
+
+
 def _is_static(shape: ir.Shape) -> bool:
     return all(isinstance(dim, int) for dim in shape)
 
@@ -221,6 +288,70 @@ def _rank_of(dim: int | ir.SymbolicDim) -> int:
         return 2
     name = dim.value
     return 0 if name is None or name.startswith("unk__") else 1
+
+
+@functools.cache
+def _symbolic_inference() -> Any:
+    """onnxruntime's SymbolicShapeInference class, its module loaded on its own: importing
+    ``onnxruntime.tools`` imports torch where it is installed (seconds)."""
+    spec = importlib.util.find_spec("onnxruntime")
+    assert spec is not None and spec.origin is not None
+    path = Path(spec.origin).parent / "tools" / "symbolic_shape_infer.py"
+    loader = importlib.util.spec_from_file_location("fusectl_ort_symbolic_shape_infer", path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module.SymbolicShapeInference
+
+
+def _cone(proto: onnx.ModelProto, targets: list[str]) -> onnx.ModelProto | None:
+    """The main graph cut down to the nodes the targets depend on (the whole graph where one
+    of them has a subgraph, which may read any outer value); None if no node makes one."""
+    producers = {output: node for node in proto.graph.node for output in node.output}
+    if not any(target in producers for target in targets):
+        return None
+    kept: set[int] = set()
+    pending = list(targets)
+    while pending:
+        node = producers.get(pending.pop())
+        if node is None or id(node) in kept:
+            continue
+        if any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for a in node.attribute
+        ):
+            return proto
+        kept.add(id(node))
+        pending.extend(name for name in node.input if name)
+    cone = onnx.ModelProto(ir_version=proto.ir_version)
+    cone.opset_import.extend(proto.opset_import)
+    cone.functions.extend(proto.functions)
+    cone.graph.node.extend(node for node in proto.graph.node if id(node) in kept)
+    cone.graph.input.extend(proto.graph.input)
+    cone.graph.initializer.extend(proto.graph.initializer)
+    cone.graph.value_info.extend(proto.graph.value_info)
+    # onnxruntime's inference visits the nodes that lead to the graph's outputs
+    made = [target for target in targets if target in producers]
+    cone.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in made)
+    return cone
+
+
+def _symbolic_dims(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Every main-graph value's dims by onnxruntime's symbolic shape inference, without its
+    auto-merge: two different symbols broadcast together stay apart (they may be 1 and n),
+    so what it derives follows from each op's arithmetic alone."""
+    inference = _symbolic_inference()(2**31 - 1, False, False, 0)
+    inference._preprocess(proto)
+    while inference.run_:
+        inference._infer_impl()
+    found: dict[str, list[int | str | None]] = {}
+    for name, info in inference.known_vi_.items():
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            found[name] = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in info.type.tensor_type.shape.dim
+            ]
+    return found
 
 
 def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto:

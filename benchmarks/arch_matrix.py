@@ -21,6 +21,7 @@ For every model where fusectl fuses fewer attentions than there are attention la
 attention passes' near-misses from fusectl's report say why ("no near-miss reported" otherwise).
 
     python benchmarks/arch_matrix.py [CACHE] [--only qwen2,bart] [--tools fusectl,onnxscript,ort]
+    python benchmarks/arch_matrix.py --tools fusectl       # fusectl again, the peers' kept
     python benchmarks/arch_matrix.py --print-only          # the last results again
     python benchmarks/arch_matrix.py --fixture-rows        # tests/test_arch_matrix.py's table
 
@@ -330,10 +331,18 @@ def main() -> None:
         for e in manifest["models"]
         if (not only or e["arch"] in only) and e["exporter"] in exporters
     ]
+    # Tools not run this time keep their results of the last run on the same file (the peers
+    # do not change when fusectl does: --tools fusectl re-measures fusectl alone).
+    earlier = {}
+    if args.json.exists() and not args.fixture_rows:
+        earlier = {r["file"]: r["tools"] for r in json.loads(args.json.read_text())["results"]}
     results = []
     for number, entry in enumerate(entries, 1):
         print(f"[{number}/{len(entries)}] {entry['file']}", flush=True)
-        results.append(run_model_tools(entry, args.cache, manifest["dims"], tools, args.timeout))
+        result = run_model_tools(entry, args.cache, manifest["dims"], tools, args.timeout)
+        kept = earlier.get(entry["file"], {})
+        result["tools"] = {**{t: r for t, r in kept.items() if t not in tools}, **result["tools"]}
+        results.append(result)
     if args.fixture_rows:
         print_fixture_rows(results)
         return

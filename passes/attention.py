@@ -628,7 +628,11 @@ def _merged_heads(
         shared[key] = (new_constant(graph, name, np.array([0, 0, count * size], np.int64)),)
     nodes: list[ir.Node] = []
     source = heads
-    if transposed:
+    permuted = producer_of(heads, "Transpose") if transposed else None
+    undone = permuted is not None and _perm(permuted) == _HEADS  # [B, S, N, H] permuted
+    if undone and permuted is not None and permuted.inputs[0] is not None:
+        source = permuted.inputs[0]  # read before the permute, which the merge would undo
+    elif transposed:
         swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
         typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
         nodes.append(swap)

@@ -741,15 +741,21 @@ def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["levit_ts17", "levit_dynamo"])
-def test_levit_attention_with_learned_bias_fused_in_every_layer(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "nodes"), [("levit_ts17", 196), ("levit_dynamo", 160)])
+def test_levit_attention_with_learned_bias_fused_in_every_layer(
+    name: str, nodes: int, tmp_path: Path
+) -> None:
     """LeViT: five attentions (two subsampling the query, whose projection is a flattened
-    [B*S, C] Linear), each with a learned position bias: all MultiHeadAttention."""
+    [B*S, C] Linear), each with a learned position bias: all MultiHeadAttention. The query and
+    value heads, split as [B, S, N, H] and permuted to [B, N, S, H], are merged back from
+    before the permute: no Transpose is left but the classifier's one."""
     run = optimize_checked(FIXTURES / "arch" / f"{name}.onnx", tmp_path)
     assert run.counts(MHA) == (5, 5)
     assert reasons(run, MHA) == {}
     assert _fused_ops(run)["MultiHeadAttention"] == 5
-    assert run.op_counts()["Softmax"] == 0
+    counts = run.op_counts()
+    assert (counts["Softmax"], counts["Transpose"]) == (0, 1)
+    assert run.report["model"]["after"]["nodes"] == nodes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
+from fusectl.rewrite.axes import shape_element
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
@@ -140,9 +141,14 @@ def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Sha
         return None
     if pairs[-1] != 2 or table_shape[-1] != 1 or not isinstance(pairs[-2], int):
         return None
-    # Leading axes kept (and the element count), so the last one is the pairs merged.
-    if not all(_same_dim(a, b) for a, b in zip(pairs[:-2], merged[:-1], strict=True)):
-        return None
+    # Leading axes kept (and the element count), so the last one is the pairs merged: equal,
+    # or copied by the Reshape (a 0 in its target, which shape inference names afresh).
+    copying = not reshape.attributes.get_int("allowzero", 0)
+    target = reshape.inputs[1]
+    for index, (a, b) in enumerate(zip(pairs[:-2], merged[:-1], strict=True)):
+        copied = copying and target is not None and shape_element(ctx, target, index) == 0
+        if not (_same_dim(a, b) or copied):
+            return None
     # The table's other new axes (heads, of size 1) leave its S x R/2 elements in row order.
     table = _last_axis_unsqueeze(copies.inputs[0], len(pairs), alone=False)
     return None if table is None else (table, ir.Shape([*pairs[:-2], 2 * pairs[-2]]))

@@ -15,9 +15,11 @@ anchored at the Softmax instead of being a pattern per spelling:
     p = Where(IsNaN(p), 0, p)                                 optional guard
     out = Reshape(Transpose(MatMul(p, v), [0,2,1,3]), [B,S,N*H])
 
-The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). Keys and
-values that are not a plain head split of a projection (a KV cache joined with Concat(past,
-new), repeated KV heads) are read as they are, [B, N, L, H], by MultiHeadAttention.
+The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). A KV
+cache that key and value append a plain head split to, Concat(past, split(K)), is
+MultiHeadAttention's own (past_key / past_value in, present_key / present_value out); other keys
+and values that are not a plain head split of a projection (repeated KV heads, of a cache too)
+are read as they are, [B, N, L, H], by MultiHeadAttention.
 
 Scores computed with the heads folded into the batch (Bloom: q, k, v Reshaped to [B*N, S, H],
 Add(alibi [B*N, 1, L], s * q @ k^T) Reshaped to [B, N, S, L] for the mask and Softmax, then
@@ -106,6 +108,17 @@ def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
 
 
 @dataclass
+class _Cache:
+    """New key or value heads appended to a KV cache: Concat(past [B, N, P, H], heads) on the
+    sequence axis, the heads a plain split of a [B, L, N*H] projection. MultiHeadAttention
+    takes the past and the projection and computes that Concat itself (its present output)."""
+
+    past: ir.Value
+    projection: ir.Value
+    nodes: list[ir.Node]  # the Concat and the head split
+
+
+@dataclass
 class _Heads:
     """A key or value operand of the attention: the [B, n, L, H] tensor it reads, and the
     [B, L, n*H] projection that tensor was split from when it is a plain head split."""
@@ -119,6 +132,8 @@ class _Heads:
     unsplit: ir.Value | None = None
     # 3-D K^T [X, H, L] read as K [X, L, H]: (the tensor, the perm that gives K from it).
     swapped: tuple[ir.Value, list[int]] | None = None
+    # ``tensor`` is a KV cache with new heads appended, Concat(past, split(projection)).
+    cache: _Cache | None = None
 
 
 def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
@@ -128,7 +143,23 @@ def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
     if repeated is not None:
         inner = _through_concat(repeated, nodes)
     projection = _split_heads(ctx, inner, nodes)
-    return _Heads(value, projection, repeated is not None, nodes if projection else [])
+    cache = _appended(ctx, value) if projection is None and repeated is None else None
+    split = nodes if projection else []
+    return _Heads(value, projection, repeated is not None, split, cache=cache)
+
+
+def _appended(ctx: PassContext, value: ir.Value) -> _Cache | None:
+    """The cache behind ``value`` = Concat(past, split(projection)) on axis 2 of 4-D heads."""
+    concat = producer_of(value, "Concat")
+    shape = ctx.shape(value)
+    if concat is None or len(concat.inputs) != 2 or shape is None or len(shape) != 4:
+        return None
+    past, new = concat.inputs
+    if past is None or new is None or concat.attributes.get_int("axis", 0) not in (2, -2):
+        return None
+    nodes = [concat]
+    projection = _split_heads(ctx, new, nodes)
+    return None if projection is None else _Cache(past, projection, nodes)
 
 
 def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
@@ -824,9 +855,12 @@ def _fused_shape(query: ir.Shape, replaced: ir.Shape) -> ir.Shape:
 _VIEWS = frozenset({"Reshape", "Transpose", "Concat"})
 
 
-def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set[ir.Node] | None:
-    """The matched nodes that must stay because a value they compute is read outside the
-    match, with the matched nodes they read; None if any of them is more than data movement
+def _still_read(
+    ctx: PassContext, nodes: list[ir.Node], outputs: list[ir.Value]
+) -> set[ir.Node] | None:
+    """The matched nodes that must stay because a value they compute (other than the
+    ``outputs`` the fused op replaces) is read outside the match, with the matched nodes they
+    read; None if any of them is more than data movement
     or integer shape arithmetic (keeping it would duplicate real work).
 
     TorchScript's T5 takes the key length for its position bias from a transposed copy of the
@@ -836,7 +870,7 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
 
     def read_outside(node: ir.Node) -> bool:
         return any(
-            value is not output
+            value not in outputs
             and (value.is_graph_output() or any(user not in members for user, _ in value.uses()))
             for value in node.outputs
         )
@@ -855,10 +889,21 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
     return staying
 
 
-# What an attention pass makes of a match: the fused op's leading inputs, its extra
-# attributes, and the matched nodes it also absorbs; or why it declines; or None when the site
-# is another pass's to take.
-_Plan = tuple[list[ir.Value | None], dict[str, int | float], list[ir.Node]]
+@dataclass
+class _Plan:
+    """What an attention pass makes of a match (or a reason it declines, or None when the
+    site is another pass's to take)."""
+
+    inputs: list[ir.Value | None]  # the fused op's leading inputs, before attention_bias
+    attributes: dict[str, int | float]  # besides scale
+    absorbed: list[ir.Node]  # matched nodes the op also replaces
+    # A KV cache the op appends to: (past_key, past_value), the inputs after attention_bias,
+    # and (present_key, present_value), the matched Concats' outputs its second and third
+    # outputs replace.
+    pasts: list[ir.Value] = field(default_factory=list)
+    presents: list[ir.Value] = field(default_factory=list)
+
+
 # Inputs computed for the fused op, with the nodes computing them (see _prelude).
 _Prelude = tuple[list[ir.Value], list[ir.Node]]
 
@@ -972,7 +1017,7 @@ class _AttentionFusion(FusionPass):
         plan = self._plan(ctx, match, heads, head_size, shared)
         if plan is None or isinstance(plan, str):
             return plan
-        inputs, attributes, absorbed = plan
+        inputs, attributes = plan.inputs, plan.attributes
         if match.softcap and not self.softcaps:
             return (
                 f"the scores are soft-capped (tanh), which {self.op_type} cannot express "
@@ -980,18 +1025,19 @@ class _AttentionFusion(FusionPass):
             )
         if match.softcap:
             attributes = {**attributes, "softcap": match.softcap}
-        nodes = match.nodes + absorbed
+        nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
-        keep |= set(match.biases) | set(match.folded)
+        keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
         flatten = match.split_back is None and len(replaced) != 3
         if flatten:
             keep.add(match.root.inputs[1])
         absorb_shape_arithmetic(ctx, nodes, keep)
-        staying = _still_read(ctx, nodes, match.output)
+        replaced_outputs = [match.output, *plan.presents]
+        staying = _still_read(ctx, nodes, replaced_outputs)
         if staying is None:
-            return uses_outside(nodes, [match.output])
+            return uses_outside(nodes, replaced_outputs)
         dtype = ctx.dtype(match.query)
         domain = self.spec.emits_domain
         opset = ctx.opset if domain == "" else 1
@@ -1030,7 +1076,8 @@ class _AttentionFusion(FusionPass):
             assert query_input is not None
             rows, expanding = _expanded_rows(ctx, match.root, biases[0], query_input, shared)
             biases, new_nodes = [rows], new_nodes + expanding
-        inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
+        inputs = inputs + [None] * (self.bias_input - len(inputs)) + (biases or [None])
+        inputs += plan.pasts
         while inputs[-1] is None:
             inputs.pop()
         attention = ir.node(
@@ -1038,6 +1085,7 @@ class _AttentionFusion(FusionPass):
             inputs,
             attributes={"scale": float(match.scale), **attributes},
             domain=domain,
+            num_outputs=1 + len(plan.presents),
         )
         new_nodes.append(attention)
         result = attention.outputs[0]
@@ -1071,8 +1119,8 @@ class _AttentionFusion(FusionPass):
             match.root,
             [node for node in nodes if node not in staying],
             new_nodes,
-            [match.output],
-            [result],
+            replaced_outputs,
+            [result, *attention.outputs[1:]],
         )
         if refused is not None:  # left out by a bisection (and counted): so are its new values
             for key in set(shared) - cached:
@@ -1124,13 +1172,16 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             shapes = [ctx.shape(v) for v in projections]
             if any(shape is None or len(shape) != 3 for shape in shapes):
                 return "a Q/K/V projection is not 3-D [batch, sequence, hidden]"
-            return projections, {"num_heads": heads}, key.nodes + value.nodes
+            return _Plan(projections, {"num_heads": heads}, key.nodes + value.nodes)
         # A KV cache (Concat(past, new)) or repeated KV heads: read [B, N, L, H] as it is.
         for operand, size in ((key, head_size), (value, None)):
             tensor = operand.tensor
             if tensor is None or not _is_heads(ctx, tensor, heads, size):
                 return "the key or value is not provably [batch, heads, length, head size]"
-        return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
+        appended = _appended_plan(ctx, match, heads, head_size)
+        if appended is not None:
+            return appended
+        return _Plan([match.query, key.tensor, value.tensor], {"num_heads": heads}, [])
 
     def _merge_operands(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
@@ -1148,6 +1199,25 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             return found
         operand.projection, nodes = found
         return nodes
+
+
+def _appended_plan(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> _Plan | None:
+    """MultiHeadAttention on a KV cache that both key and value append new heads to: the op
+    reads the new projections, takes the pasts as past_key / past_value, and its present_key /
+    present_value replace the Concats (the graph's presents), so neither the head splits nor
+    the Concats stay. None where the cache is not that, as the 4-D key and value are read."""
+    key, value = match.key, match.value
+    if key.cache is None or value.cache is None:
+        return None
+    for cache, size in ((key.cache, head_size), (value.cache, None)):
+        shape = ctx.shape(cache.projection)
+        if shape is None or len(shape) != 3 or not _is_heads(ctx, cache.past, heads, size):
+            return None
+    inputs = [match.query, key.cache.projection, value.cache.projection]
+    plan = _Plan(inputs, {"num_heads": heads}, key.cache.nodes + value.cache.nodes)
+    plan.pasts = [key.cache.past, value.cache.past]
+    plan.presents = [key.tensor, value.tensor]  # type: ignore[list-item]
+    return plan
 
 
 def _projection(
@@ -1257,7 +1327,7 @@ class QkvAttentionFusionPass(_AttentionFusion):
         packed.append(new_constant(graph, f"{base}/qkv_bias", bias.astype(dtype)))
         absorbed = key.nodes + value.nodes + scaled + [n for p in projections for n in p[3]]
         match.scale *= factor
-        return [source, *packed], {"num_heads": heads}, absorbed
+        return _Plan([source, *packed], {"num_heads": heads}, absorbed)
 
 
 def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
@@ -1348,7 +1418,7 @@ class AttentionFusionPass(_AttentionFusion):
             return kv_heads
         attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads}
         inputs = [match.query, key.projection, value.projection]
-        return inputs, attributes, key.nodes + value.nodes
+        return _Plan(inputs, attributes, key.nodes + value.nodes)
 
 
 # onnxruntime's CPU GroupQueryAttention kernel rejects other head sizes at run time.
@@ -1399,7 +1469,7 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         # causal=0: the model's own additive mask (attention_bias) masks everything it masked.
         attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "causal": 0}
         inputs = [match.query, key.projection, value.projection, None, None]
-        return inputs, attributes, key.nodes + value.nodes
+        return _Plan(inputs, attributes, key.nodes + value.nodes)
 
     def _merge_operands(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]

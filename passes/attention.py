@@ -19,7 +19,8 @@ The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]
 cache that key and value append a plain head split to, Concat(past, split(K)), is
 MultiHeadAttention's own (past_key / past_value in, present_key / present_value out); other keys
 and values that are not a plain head split of a projection (repeated KV heads, of a cache too)
-are read as they are, [B, N, L, H], by MultiHeadAttention.
+are read as they are, [B, N, L, H], by MultiHeadAttention. One key/value head for all the query
+heads (multi-query attention), however spelled, is GroupQueryAttention's kv_num_heads=1.
 
 Scores computed with the heads folded into the batch (Bloom: q, k, v Reshaped to [B*N, S, H],
 Add(alibi [B*N, 1, L], s * q @ k^T) Reshaped to [B, N, S, L] for the mask and Softmax, then
@@ -134,18 +135,21 @@ class _Heads:
     swapped: tuple[ir.Value, list[int]] | None = None
     # ``tensor`` is a KV cache with new heads appended, Concat(past, split(projection)).
     cache: _Cache | None = None
+    # The [B, KV, L, H] heads repeat_kv repeated into ``tensor``, with the repeat's nodes.
+    kv: tuple[ir.Value, list[ir.Node]] | None = None
 
 
 def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
     nodes: list[ir.Node] = []
     inner = _through_concat(value, nodes)
     repeated = _repeat_kv(inner, nodes)
+    kv = None if repeated is None else (repeated, list(nodes))
     if repeated is not None:
         inner = _through_concat(repeated, nodes)
     projection = _split_heads(ctx, inner, nodes)
     cache = _appended(ctx, value) if projection is None and repeated is None else None
     split = nodes if projection else []
-    return _Heads(value, projection, repeated is not None, split, cache=cache)
+    return _Heads(value, projection, repeated is not None, split, cache=cache, kv=kv)
 
 
 def _appended(ctx: PassContext, value: ir.Value) -> _Cache | None:
@@ -643,7 +647,9 @@ def _merged_heads(
     """The [B, S, N*H] operand the fused op reads, computed from heads that are not a plain
     head split of a projection (heads transformed after the split, or split from a fused QKV
     projection): [B, N, S, H] heads (``transposed``) go through Transpose([0, 2, 1, 3]) first,
-    [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers."""
+    [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers.
+    One head [B, 1, S, H] (multi-query attention's key and value) needs no Transpose: it is
+    Reshape(., [0, -1, H])."""
     shape = ctx.shape(heads)
     if shape is None or len(shape) != 4:
         return "the query or key heads are not provably 4-D"
@@ -651,15 +657,17 @@ def _merged_heads(
     count, size = axis_size(ctx, heads, heads_axis), axis_size(ctx, heads, 3)
     if count is None or size is None:
         return "the number of heads or the head size of the query or key is unknown"
-    key = ("merged heads", count * size)
+    one_head = transposed and count == 1
+    target = [0, -1, size] if one_head else [0, 0, count * size]
+    key = ("merged heads", *target)
     if key not in shared:
         graph = heads.graph
         assert graph is not None
-        name = f"{ctx.spec.name}/merged_heads_{count * size}"
-        shared[key] = (new_constant(graph, name, np.array([0, 0, count * size], np.int64)),)
+        name = f"{ctx.spec.name}/merged_heads_{'_'.join(map(str, target))}"
+        shared[key] = (new_constant(graph, name, np.array(target, np.int64)),)
     nodes: list[ir.Node] = []
     source = heads
-    if transposed:
+    if transposed and not one_head:
         swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
         typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
         nodes.append(swap)
@@ -800,15 +808,19 @@ def _disconnect(nodes: list[ir.Node]) -> None:
                 node.replace_input_with(index, None)
 
 
+def _one_head(ctx: PassContext, operand: _Heads) -> tuple[ir.Value, list[ir.Node]] | None:
+    """The one [B, 1, L, H] key or value head that every query head reads (multi-query
+    attention), whatever spells it out: repeated by repeat_kv (GPT-BigCode's sdpa) or
+    broadcast by the MatMul (Falcon); with the nodes of the repeat."""
+    heads, nodes = operand.kv if operand.kv is not None else (operand.tensor, [])
+    if heads is None or axis_size(ctx, heads, 1) != 1:
+        return None
+    return heads, nodes
+
+
 def _shared_head(ctx: PassContext, match: _Attention) -> bool:
-    """Multi-query attention: key and value hold one head, which the MatMuls broadcast over
-    the query heads (no repeat_kv)."""
-    return all(
-        not operand.repeated
-        and operand.tensor is not None
-        and axis_size(ctx, operand.tensor, 1) == 1
-        for operand in (match.key, match.value)
-    )
+    """Multi-query attention: key and value hold one head, shared by all the query heads."""
+    return all(_one_head(ctx, operand) is not None for operand in (match.key, match.value))
 
 
 def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int | None) -> bool:
@@ -1330,6 +1342,19 @@ class QkvAttentionFusionPass(_AttentionFusion):
         return _Plan([source, *packed], {"num_heads": heads}, absorbed)
 
 
+def _query_length(ctx: PassContext, match: _Attention, operand: _Heads) -> bool:
+    """Whether the key or value is provably as long as the query (self-attention, no cache):
+    the sizes as products of static and named dimensions (symbolic_size)."""
+    assert match.query is not None
+    heads = operand.kv[0] if operand.kv is not None else operand.tensor
+    length = (
+        symbolic_size(ctx, heads, 2)
+        if heads is not None
+        else symbolic_size(ctx, operand.projection, 1)  # type: ignore[arg-type]
+    )
+    return length is not None and length == symbolic_size(ctx, match.query, 1)
+
+
 def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
     """How many key/value heads the plain key and value projections hold (their width over the
     head size), or why that is unknown or does not divide the query heads."""
@@ -1431,7 +1456,8 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         name="GroupQueryAttentionFusionPass",
         category=Category.UB,
         description="written-out attention with repeated key/value heads (LLaMA-style "
-        "grouped-query attention, no KV cache), or soft-capped scores (Gemma-2) -> "
+        "grouped-query attention, no KV cache), one key/value head for all query heads "
+        "(multi-query: Falcon, GPT-BigCode), or soft-capped scores (Gemma-2) -> "
         "com.microsoft GroupQueryAttention",
         aliases=("group_query_attention_fusion", "GroupQueryAttentionFusion", "GQAFusion"),
         numerics=Numerics.REASSOCIATING,
@@ -1458,6 +1484,11 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
             return None  # one KV head per query head: MultiHeadAttention's (no softcap)
         if key.projection is None or value.projection is None:
             return "the grouped key/value are not plain projections (a KV cache)"
+        if not all(_query_length(ctx, match, operand) for operand in (key, value)):
+            return (
+                "the key/value length is not provably the query's (a KV cache, or "
+                "cross-attention), which GroupQueryAttention without a past assumes"
+            )
         if head_size % _GQA_HEAD_SIZE_MULTIPLE:
             return (
                 f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
@@ -1474,17 +1505,19 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     def _merge_operands(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> list[ir.Node] | str:
-        """One key/value head shared by every query head (multi-query attention, broadcast
-        by the MatMuls) and transformed after the split (rotary): read merged, [B, L, H]."""
+        """One key/value head shared by every query head (multi-query attention) that is no
+        plain head split (transformed after the split: rotary; sliced from a fused QKV
+        projection: GPT-BigCode): read merged, [B, L, H]; its repeat goes with the match."""
         if not _shared_head(ctx, match):
             return []
         nodes: list[ir.Node] = []
         for operand in (match.key, match.value):
-            if operand.projection is None and operand.tensor is not None:
-                found = _merged_heads(ctx, operand.tensor, shared, transposed=True)
+            one = _one_head(ctx, operand)
+            if operand.projection is None and one is not None:
+                found = _merged_heads(ctx, one[0], shared, transposed=True)
                 if isinstance(found, str):
                     return found
-                operand.projection, merged = found
+                (operand.projection, merged), operand.nodes = found, one[1]
                 nodes += merged
         return nodes
 

@@ -664,6 +664,102 @@ def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) 
     compare_on_feeds(model, run.output, _grouped_feeds(model))
 
 
+# ---------------------------------------------------------------------------------------------
+# Multi-query attention: one key/value head for every query head, however it is spelled out
+# (repeat_kv of it or the MatMuls' broadcast; a plain head split or not) -> GroupQueryAttention
+# with kv_num_heads=1 on the one head merged to [B, L, H].
+# ---------------------------------------------------------------------------------------------
+
+GPT_BIGCODE = ["arch/gpt_bigcode_ts17", "arch/gpt_bigcode_dynamo"]
+
+
+@pytest.mark.parametrize("name", GPT_BIGCODE)
+def test_gpt_bigcode_multi_query_attention_is_group_query_attention(
+    name: str, tmp_path: Path
+) -> None:
+    """GPT-BigCode slices its one key/value head [B, 1, S, 16] out of the fused QKV projection
+    (Linear, unsqueeze(1), split) and sdpa repeats it for the 2 query heads: GroupQueryAttention
+    with kv_num_heads=1 reads it as [B, S, 16] (one Reshape each), and no repeat is left."""
+    assert len(_repeat_kv_expands(_graph(fixture_path(name)))) == 4  # k and v, two layers
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    assert reasons(run, GQA) == {}
+    assert run.counts(MHA) == (0, 0)
+    graph = _graph(run.output)
+    assert _fused_ops(run)["GroupQueryAttention"] == 2
+    assert _fused_ops(run)["MultiHeadAttention"] == 0
+    assert _repeat_kv_expands(graph) == []
+    producers = _producers(graph)
+    for node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
+        assert attributes == {"num_heads": 2, "kv_num_heads": 1, "causal": 0}
+        for read in node.input[1:3]:
+            merge = producers[read]
+            assert merge.op_type == "Reshape"
+            assert producers[merge.input[0]].op_type == "Split"  # the one head, as sliced
+    # Another batch and length than the export's, the last row padded (named_dim_feeds)
+    feeds = named_dim_feeds(fixture_path(name), {"batch": 3, "sequence": 5})
+    compare_on_feeds(fixture_path(name), run.output, feeds)
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["repeated", "broadcast"])
+def test_one_key_value_head_becomes_group_query_attention(broadcast: bool, tmp_path: Path) -> None:
+    """One key/value head that is no head split (an Unsqueeze of a [B, S, 16] projection),
+    repeated by repeat_kv or broadcast by the MatMuls: GroupQueryAttention, kv_num_heads=1."""
+    model = _grouped(tmp_path / "one_head.onnx", kv_heads=1, kv="one_head", broadcast=broadcast)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (1, 1)
+    assert reasons(run, GQA) == {}
+    assert _fused_ops(run) == Counter({"GroupQueryAttention": 1})
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
+    attributes = _attributes(node)
+    assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
+    assert attributes == {"num_heads": 4, "kv_num_heads": 1, "causal": 0}
+    # x's three MatMuls, the one head merged back by one Reshape each (the Unsqueeze stays)
+    plain = Counter({"MatMul": 3, "Unsqueeze": 2, "Reshape": 2})
+    assert run.op_counts() == plain + SEQLENS_CHAIN + Counter({"GroupQueryAttention": 1})
+    for batch, seq in [(3, 5), (1, 1), (2, 7)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
+        compare_on_feeds(model, run.output, feeds)
+
+
+# name: (builder options, GroupQueryAttention's reason, past positions)
+ONE_HEAD_MISSES = {
+    "head_size_8": (
+        {"head": 8},
+        "head size 8: onnxruntime's GroupQueryAttention takes multiples of 16",
+        0,
+    ),
+    # GroupQueryAttention without a past takes as many keys as queries
+    "kv_cache": (
+        {"past": True},
+        "the key/value length is not provably the query's (a KV cache, or cross-attention), "
+        "which GroupQueryAttention without a past assumes",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(ONE_HEAD_MISSES))
+def test_one_key_value_head_near_misses_go_to_multi_head_attention(
+    miss: str, tmp_path: Path
+) -> None:
+    """GroupQueryAttention declines the one repeated key/value head with the reason; the
+    repeated [B, 4, L, H] key/value are read as they are by MultiHeadAttention."""
+    options, reason, past = ONE_HEAD_MISSES[miss]
+    model = _grouped(tmp_path / f"{miss}.onnx", kv_heads=1, kv="one_head", **options)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert_declined(run, GQA, reason, "probs")
+    assert run.counts(MHA) == (1, 1)
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "MultiHeadAttention"]
+    assert list(node.input) == ["Q", "k_all", "v_all", "", "", "mask"]
+    for batch, seq in [(2, 2), (3, 5)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq + past, past=past)
+        compare_on_feeds(model, run.output, feeds)
+
+
 GEMMA2 = ["arch/gemma2_ts17", "arch/gemma2_dynamo"]
 
 

@@ -15,9 +15,12 @@ anchored at the Softmax instead of being a pattern per spelling:
     p = Where(IsNaN(p), 0, p)                                 optional guard
     out = Reshape(Transpose(MatMul(p, v), [0,2,1,3]), [B,S,N*H])
 
-The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). Keys and
-values that are not a plain head split of a projection (a KV cache joined with Concat(past,
-new), repeated KV heads) are read as they are, [B, N, L, H], by MultiHeadAttention.
+The additive mask / position bias becomes attention_bias ([B or 1, N or 1, S, L]). A KV
+cache that key and value append a plain head split to, Concat(past, split(K)), is
+MultiHeadAttention's own (past_key / past_value in, present_key / present_value out); other keys
+and values that are not a plain head split of a projection (repeated KV heads, of a cache too)
+are read as they are, [B, N, L, H], by MultiHeadAttention. One key/value head for all the query
+heads (multi-query attention), however spelled, is GroupQueryAttention's kv_num_heads=1.
 
 Scores computed with the heads folded into the batch (Bloom: q, k, v Reshaped to [B*N, S, H],
 Add(alibi [B*N, 1, L], s * q @ k^T) Reshaped to [B, N, S, L] for the mask and Softmax, then
@@ -106,6 +109,17 @@ def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
 
 
 @dataclass
+class _Cache:
+    """New key or value heads appended to a KV cache: Concat(past [B, N, P, H], heads) on the
+    sequence axis, the heads a plain split of a [B, L, N*H] projection. MultiHeadAttention
+    takes the past and the projection and computes that Concat itself (its present output)."""
+
+    past: ir.Value
+    projection: ir.Value
+    nodes: list[ir.Node]  # the Concat and the head split
+
+
+@dataclass
 class _Heads:
     """A key or value operand of the attention: the [B, n, L, H] tensor it reads, and the
     [B, L, n*H] projection that tensor was split from when it is a plain head split."""
@@ -119,16 +133,37 @@ class _Heads:
     unsplit: ir.Value | None = None
     # 3-D K^T [X, H, L] read as K [X, L, H]: (the tensor, the perm that gives K from it).
     swapped: tuple[ir.Value, list[int]] | None = None
+    # ``tensor`` is a KV cache with new heads appended, Concat(past, split(projection)).
+    cache: _Cache | None = None
+    # The [B, KV, L, H] heads repeat_kv repeated into ``tensor``, with the repeat's nodes.
+    kv: tuple[ir.Value, list[ir.Node]] | None = None
 
 
 def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
     nodes: list[ir.Node] = []
     inner = _through_concat(value, nodes)
     repeated = _repeat_kv(inner, nodes)
+    kv = None if repeated is None else (repeated, list(nodes))
     if repeated is not None:
         inner = _through_concat(repeated, nodes)
     projection = _split_heads(ctx, inner, nodes)
-    return _Heads(value, projection, repeated is not None, nodes if projection else [])
+    cache = _appended(ctx, value) if projection is None and repeated is None else None
+    split = nodes if projection else []
+    return _Heads(value, projection, repeated is not None, split, cache=cache, kv=kv)
+
+
+def _appended(ctx: PassContext, value: ir.Value) -> _Cache | None:
+    """The cache behind ``value`` = Concat(past, split(projection)) on axis 2 of 4-D heads."""
+    concat = producer_of(value, "Concat")
+    shape = ctx.shape(value)
+    if concat is None or len(concat.inputs) != 2 or shape is None or len(shape) != 4:
+        return None
+    past, new = concat.inputs
+    if past is None or new is None or concat.attributes.get_int("axis", 0) not in (2, -2):
+        return None
+    nodes = [concat]
+    projection = _split_heads(ctx, new, nodes)
+    return None if projection is None else _Cache(past, projection, nodes)
 
 
 def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
@@ -612,7 +647,9 @@ def _merged_heads(
     """The [B, S, N*H] operand the fused op reads, computed from heads that are not a plain
     head split of a projection (heads transformed after the split, or split from a fused QKV
     projection): [B, N, S, H] heads (``transposed``) go through Transpose([0, 2, 1, 3]) first,
-    [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers."""
+    [B, S, N, H] ones straight to Reshape(., [0, 0, N*H]), the target shared by the layers.
+    One head [B, 1, S, H] (multi-query attention's key and value) needs no Transpose: it is
+    Reshape(., [0, -1, H])."""
     shape = ctx.shape(heads)
     if shape is None or len(shape) != 4:
         return "the query or key heads are not provably 4-D"
@@ -620,19 +657,21 @@ def _merged_heads(
     count, size = axis_size(ctx, heads, heads_axis), axis_size(ctx, heads, 3)
     if count is None or size is None:
         return "the number of heads or the head size of the query or key is unknown"
-    key = ("merged heads", count * size)
+    one_head = transposed and count == 1
+    target = [0, -1, size] if one_head else [0, 0, count * size]
+    key = ("merged heads", *target)
     if key not in shared:
         graph = heads.graph
         assert graph is not None
-        name = f"{ctx.spec.name}/merged_heads_{count * size}"
-        shared[key] = (new_constant(graph, name, np.array([0, 0, count * size], np.int64)),)
+        name = f"{ctx.spec.name}/merged_heads_{'_'.join(map(str, target))}"
+        shared[key] = (new_constant(graph, name, np.array(target, np.int64)),)
     nodes: list[ir.Node] = []
     source = heads
-    permuted = producer_of(heads, "Transpose") if transposed else None
+    permuted = producer_of(heads, "Transpose") if transposed and not one_head else None
     undone = permuted is not None and _perm(permuted) == _HEADS  # [B, S, N, H] permuted
     if undone and permuted is not None and permuted.inputs[0] is not None:
         source = permuted.inputs[0]  # read before the permute, which the merge would undo
-    elif transposed:
+    elif transposed and not one_head:
         swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
         typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
         nodes.append(swap)
@@ -773,15 +812,19 @@ def _disconnect(nodes: list[ir.Node]) -> None:
                 node.replace_input_with(index, None)
 
 
+def _one_head(ctx: PassContext, operand: _Heads) -> tuple[ir.Value, list[ir.Node]] | None:
+    """The one [B, 1, L, H] key or value head that every query head reads (multi-query
+    attention), whatever spells it out: repeated by repeat_kv (GPT-BigCode's sdpa) or
+    broadcast by the MatMul (Falcon); with the nodes of the repeat."""
+    heads, nodes = operand.kv if operand.kv is not None else (operand.tensor, [])
+    if heads is None or axis_size(ctx, heads, 1) != 1:
+        return None
+    return heads, nodes
+
+
 def _shared_head(ctx: PassContext, match: _Attention) -> bool:
-    """Multi-query attention: key and value hold one head, which the MatMuls broadcast over
-    the query heads (no repeat_kv)."""
-    return all(
-        not operand.repeated
-        and operand.tensor is not None
-        and axis_size(ctx, operand.tensor, 1) == 1
-        for operand in (match.key, match.value)
-    )
+    """Multi-query attention: key and value hold one head, shared by all the query heads."""
+    return all(_one_head(ctx, operand) is not None for operand in (match.key, match.value))
 
 
 def _is_heads(ctx: PassContext, value: ir.Value, heads: int, head_size: int | None) -> bool:
@@ -828,9 +871,12 @@ def _fused_shape(query: ir.Shape, replaced: ir.Shape) -> ir.Shape:
 _VIEWS = frozenset({"Reshape", "Transpose", "Concat"})
 
 
-def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set[ir.Node] | None:
-    """The matched nodes that must stay because a value they compute is read outside the
-    match, with the matched nodes they read; None if any of them is more than data movement
+def _still_read(
+    ctx: PassContext, nodes: list[ir.Node], outputs: list[ir.Value]
+) -> set[ir.Node] | None:
+    """The matched nodes that must stay because a value they compute (other than the
+    ``outputs`` the fused op replaces) is read outside the match, with the matched nodes they
+    read; None if any of them is more than data movement
     or integer shape arithmetic (keeping it would duplicate real work).
 
     TorchScript's T5 takes the key length for its position bias from a transposed copy of the
@@ -840,7 +886,7 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
 
     def read_outside(node: ir.Node) -> bool:
         return any(
-            value is not output
+            value not in outputs
             and (value.is_graph_output() or any(user not in members for user, _ in value.uses()))
             for value in node.outputs
         )
@@ -859,10 +905,21 @@ def _still_read(ctx: PassContext, nodes: list[ir.Node], output: ir.Value) -> set
     return staying
 
 
-# What an attention pass makes of a match: the fused op's leading inputs, its extra
-# attributes, and the matched nodes it also absorbs; or why it declines; or None when the site
-# is another pass's to take.
-_Plan = tuple[list[ir.Value | None], dict[str, int | float], list[ir.Node]]
+@dataclass
+class _Plan:
+    """What an attention pass makes of a match (or a reason it declines, or None when the
+    site is another pass's to take)."""
+
+    inputs: list[ir.Value | None]  # the fused op's leading inputs, before attention_bias
+    attributes: dict[str, int | float]  # besides scale
+    absorbed: list[ir.Node]  # matched nodes the op also replaces
+    # A KV cache the op appends to: (past_key, past_value), the inputs after attention_bias,
+    # and (present_key, present_value), the matched Concats' outputs its second and third
+    # outputs replace.
+    pasts: list[ir.Value] = field(default_factory=list)
+    presents: list[ir.Value] = field(default_factory=list)
+
+
 # Inputs computed for the fused op, with the nodes computing them (see _prelude).
 _Prelude = tuple[list[ir.Value], list[ir.Node]]
 
@@ -976,7 +1033,7 @@ class _AttentionFusion(FusionPass):
         plan = self._plan(ctx, match, heads, head_size, shared)
         if plan is None or isinstance(plan, str):
             return plan
-        inputs, attributes, absorbed = plan
+        inputs, attributes = plan.inputs, plan.attributes
         if match.softcap and not self.softcaps:
             return (
                 f"the scores are soft-capped (tanh), which {self.op_type} cannot express "
@@ -984,18 +1041,19 @@ class _AttentionFusion(FusionPass):
             )
         if match.softcap:
             attributes = {**attributes, "softcap": match.softcap}
-        nodes = match.nodes + absorbed
+        nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
-        keep |= set(match.biases) | set(match.folded)
+        keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
         flatten = match.split_back is None and len(replaced) != 3
         if flatten:
             keep.add(match.root.inputs[1])
         absorb_shape_arithmetic(ctx, nodes, keep)
-        staying = _still_read(ctx, nodes, match.output)
+        replaced_outputs = [match.output, *plan.presents]
+        staying = _still_read(ctx, nodes, replaced_outputs)
         if staying is None:
-            return uses_outside(nodes, [match.output])
+            return uses_outside(nodes, replaced_outputs)
         dtype = ctx.dtype(match.query)
         domain = self.spec.emits_domain
         opset = ctx.opset if domain == "" else 1
@@ -1034,7 +1092,8 @@ class _AttentionFusion(FusionPass):
             assert query_input is not None
             rows, expanding = _expanded_rows(ctx, match.root, biases[0], query_input, shared)
             biases, new_nodes = [rows], new_nodes + expanding
-        inputs = inputs + [None] * (self.bias_input - len(inputs)) + biases
+        inputs = inputs + [None] * (self.bias_input - len(inputs)) + (biases or [None])
+        inputs += plan.pasts
         while inputs[-1] is None:
             inputs.pop()
         attention = ir.node(
@@ -1042,6 +1101,7 @@ class _AttentionFusion(FusionPass):
             inputs,
             attributes={"scale": float(match.scale), **attributes},
             domain=domain,
+            num_outputs=1 + len(plan.presents),
         )
         new_nodes.append(attention)
         result = attention.outputs[0]
@@ -1075,8 +1135,8 @@ class _AttentionFusion(FusionPass):
             match.root,
             [node for node in nodes if node not in staying],
             new_nodes,
-            [match.output],
-            [result],
+            replaced_outputs,
+            [result, *attention.outputs[1:]],
         )
         if refused is not None:  # left out by a bisection (and counted): so are its new values
             for key in set(shared) - cached:
@@ -1128,13 +1188,16 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             shapes = [ctx.shape(v) for v in projections]
             if any(shape is None or len(shape) != 3 for shape in shapes):
                 return "a Q/K/V projection is not 3-D [batch, sequence, hidden]"
-            return projections, {"num_heads": heads}, key.nodes + value.nodes
+            return _Plan(projections, {"num_heads": heads}, key.nodes + value.nodes)
         # A KV cache (Concat(past, new)) or repeated KV heads: read [B, N, L, H] as it is.
         for operand, size in ((key, head_size), (value, None)):
             tensor = operand.tensor
             if tensor is None or not _is_heads(ctx, tensor, heads, size):
                 return "the key or value is not provably [batch, heads, length, head size]"
-        return [match.query, key.tensor, value.tensor], {"num_heads": heads}, []
+        appended = _appended_plan(ctx, match, heads, head_size)
+        if appended is not None:
+            return appended
+        return _Plan([match.query, key.tensor, value.tensor], {"num_heads": heads}, [])
 
     def _merge_operands(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
@@ -1152,6 +1215,25 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             return found
         operand.projection, nodes = found
         return nodes
+
+
+def _appended_plan(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> _Plan | None:
+    """MultiHeadAttention on a KV cache that both key and value append new heads to: the op
+    reads the new projections, takes the pasts as past_key / past_value, and its present_key /
+    present_value replace the Concats (the graph's presents), so neither the head splits nor
+    the Concats stay. None where the cache is not that, as the 4-D key and value are read."""
+    key, value = match.key, match.value
+    if key.cache is None or value.cache is None:
+        return None
+    for cache, size in ((key.cache, head_size), (value.cache, None)):
+        shape = ctx.shape(cache.projection)
+        if shape is None or len(shape) != 3 or not _is_heads(ctx, cache.past, heads, size):
+            return None
+    inputs = [match.query, key.cache.projection, value.cache.projection]
+    plan = _Plan(inputs, {"num_heads": heads}, key.cache.nodes + value.cache.nodes)
+    plan.pasts = [key.cache.past, value.cache.past]
+    plan.presents = [key.tensor, value.tensor]  # type: ignore[list-item]
+    return plan
 
 
 def _projection(
@@ -1261,7 +1343,20 @@ class QkvAttentionFusionPass(_AttentionFusion):
         packed.append(new_constant(graph, f"{base}/qkv_bias", bias.astype(dtype)))
         absorbed = key.nodes + value.nodes + scaled + [n for p in projections for n in p[3]]
         match.scale *= factor
-        return [source, *packed], {"num_heads": heads}, absorbed
+        return _Plan([source, *packed], {"num_heads": heads}, absorbed)
+
+
+def _query_length(ctx: PassContext, match: _Attention, operand: _Heads) -> bool:
+    """Whether the key or value is provably as long as the query (self-attention, no cache):
+    the sizes as products of static and named dimensions (symbolic_size)."""
+    assert match.query is not None
+    heads = operand.kv[0] if operand.kv is not None else operand.tensor
+    length = (
+        symbolic_size(ctx, heads, 2)
+        if heads is not None
+        else symbolic_size(ctx, operand.projection, 1)  # type: ignore[arg-type]
+    )
+    return length is not None and length == symbolic_size(ctx, match.query, 1)
 
 
 def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
@@ -1352,7 +1447,7 @@ class AttentionFusionPass(_AttentionFusion):
             return kv_heads
         attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads}
         inputs = [match.query, key.projection, value.projection]
-        return inputs, attributes, key.nodes + value.nodes
+        return _Plan(inputs, attributes, key.nodes + value.nodes)
 
 
 # onnxruntime's CPU GroupQueryAttention kernel rejects other head sizes at run time.
@@ -1365,7 +1460,8 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         name="GroupQueryAttentionFusionPass",
         category=Category.UB,
         description="written-out attention with repeated key/value heads (LLaMA-style "
-        "grouped-query attention, no KV cache), or soft-capped scores (Gemma-2) -> "
+        "grouped-query attention, no KV cache), one key/value head for all query heads "
+        "(multi-query: Falcon, GPT-BigCode), or soft-capped scores (Gemma-2) -> "
         "com.microsoft GroupQueryAttention",
         aliases=("group_query_attention_fusion", "GroupQueryAttentionFusion", "GQAFusion"),
         numerics=Numerics.REASSOCIATING,
@@ -1392,6 +1488,11 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
             return None  # one KV head per query head: MultiHeadAttention's (no softcap)
         if key.projection is None or value.projection is None:
             return "the grouped key/value are not plain projections (a KV cache)"
+        if not all(_query_length(ctx, match, operand) for operand in (key, value)):
+            return (
+                "the key/value length is not provably the query's (a KV cache, or "
+                "cross-attention), which GroupQueryAttention without a past assumes"
+            )
         if head_size % _GQA_HEAD_SIZE_MULTIPLE:
             return (
                 f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
@@ -1403,22 +1504,24 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         # causal=0: the model's own additive mask (attention_bias) masks everything it masked.
         attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "causal": 0}
         inputs = [match.query, key.projection, value.projection, None, None]
-        return inputs, attributes, key.nodes + value.nodes
+        return _Plan(inputs, attributes, key.nodes + value.nodes)
 
     def _merge_operands(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> list[ir.Node] | str:
-        """One key/value head shared by every query head (multi-query attention, broadcast
-        by the MatMuls) and transformed after the split (rotary): read merged, [B, L, H]."""
+        """One key/value head shared by every query head (multi-query attention) that is no
+        plain head split (transformed after the split: rotary; sliced from a fused QKV
+        projection: GPT-BigCode): read merged, [B, L, H]; its repeat goes with the match."""
         if not _shared_head(ctx, match):
             return []
         nodes: list[ir.Node] = []
         for operand in (match.key, match.value):
-            if operand.projection is None and operand.tensor is not None:
-                found = _merged_heads(ctx, operand.tensor, shared, transposed=True)
+            one = _one_head(ctx, operand)
+            if operand.projection is None and one is not None:
+                found = _merged_heads(ctx, one[0], shared, transposed=True)
                 if isinstance(found, str):
                     return found
-                operand.projection, merged = found
+                (operand.projection, merged), operand.nodes = found, one[1]
                 nodes += merged
         return nodes
 

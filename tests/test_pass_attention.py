@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import FIXTURES, Run, random_feeds, run_model
+from tests.conftest import FIXTURES, Run, named_dim_feeds, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
     compare_on_feeds,
@@ -308,21 +308,25 @@ def test_layer_left_unfused_is_reported(tmp_path: Path) -> None:
     assert run.op_counts()["GroupQueryAttention"] == 1
 
 
-@pytest.mark.parametrize("name", LLAMA_PAST + GPT2_PAST)
+def _compare_past_feeds(name: str, output: Path) -> None:
+    """The export shape (batch 2, past 4, sequence 3), then past 3 + sequence 5 and past 6 +
+    sequence 1; left padding, in the first check long enough to mask query row 0 entirely."""
+    for batch, past, sequence, padding in [(2, 4, 3, [0, 2]), (2, 3, 5, [0, 4]), (2, 6, 1, [0, 2])]:
+        feeds = _past_feeds(name, batch, past, sequence, padding)
+        compare_on_feeds(fixture_path(name), output, feeds)
+
+
+@pytest.mark.parametrize("name", LLAMA_PAST)
 def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: Path) -> None:
-    """Concat(past, new) keys and values ([B, KV, P+S, 16], graph outputs as the presents) are
-    read as they are by MultiHeadAttention: through LLaMA's repeat_kv of them (4 heads), GPT-2's
-    straight (2 heads). GroupQueryAttention declines LLaMA's: its key/value are no projections."""
+    """Concat(past, new) keys and values ([B, KV, P+S, 16], graph outputs as the presents)
+    repeated by LLaMA's repeat_kv are read as they are by MultiHeadAttention (4 heads).
+    GroupQueryAttention declines them: its key/value are no projections."""
     original = _graph(fixture_path(name))
-    llama = name.startswith("llama")
     run = optimize_checked(fixture_path(name), tmp_path, compare=False)
     assert run.counts(MHA) == (2, 2)
     assert reasons(run, MHA) == {}
-    if llama:
-        reason = "the grouped key/value are not plain projections (a KV cache)"
-        assert_declined(run, GQA, reason, _softmaxes(fixture_path(name))[0], count=2)
-    else:
-        assert run.counts(GQA) == (0, 0)
+    reason = "the grouped key/value are not plain projections (a KV cache)"
+    assert_declined(run, GQA, reason, _softmaxes(fixture_path(name))[0], count=2)
     graph = _graph(run.output)
     ops = Counter(n.op_type for n in graph.node)
     assert (ops["MultiHeadAttention"], ops["GroupQueryAttention"], ops["Softmax"]) == (2, 0, 0)
@@ -335,11 +339,9 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
         assert node.domain == MS
         attributes = _attributes(node)
         assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
-        assert attributes == {"num_heads": 4 if llama else 2}
+        assert attributes == {"num_heads": 4}
+        assert len(node.output) == 1
         presents = [f"present_key_{layer}", f"present_value_{layer}"]
-        if not llama:
-            assert list(node.input[1:3]) == presents
-            continue
         for read, present in zip(node.input[1:3], presents, strict=True):
             reshape = producers[read]
             expand = producers[reshape.input[0]]
@@ -350,11 +352,84 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
                 "Unsqueeze",
             ]
             assert unsqueeze.input[0] == present
-    # The export shape (batch 2, past 4, sequence 3), then past 3 + sequence 5 and past 6 +
-    # sequence 1; left padding, in the first check long enough to mask query row 0 entirely.
-    for batch, past, sequence, padding in [(2, 4, 3, [0, 2]), (2, 3, 5, [0, 4]), (2, 6, 1, [0, 2])]:
-        feeds = _past_feeds(name, batch, past, sequence, padding)
-        compare_on_feeds(fixture_path(name), run.output, feeds)
+    _compare_past_feeds(name, run.output)
+
+
+@pytest.mark.parametrize("name", GPT2_PAST)
+def test_kv_cache_appended_to_by_multi_head_attention(name: str, tmp_path: Path) -> None:
+    """GPT-2's cache, Concat(past, split(new)) per key and value, is MultiHeadAttention's own:
+    it reads the new key/value projections (3-D), takes the pasts as past_key / past_value and
+    makes the graph's presents (its outputs 1 and 2); no Concat, head split or Transpose of
+    the key and value is left."""
+    original = _graph(fixture_path(name))
+    before = Counter(n.op_type for n in original.node)
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(MHA) == (2, 2)
+    assert reasons(run, MHA) == {}
+    assert run.counts(GQA) == (0, 0)
+    graph = _graph(run.output)
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["MultiHeadAttention"], ops["GroupQueryAttention"], ops["Softmax"]) == (2, 0, 0)
+    assert before["Transpose"] > 0 and ops["Transpose"] == 0
+    assert [o.name for o in graph.output] == [o.name for o in original.output]
+    producers = _producers(graph)
+    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    for layer, node in enumerate(fused):
+        assert node.domain == MS
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
+        assert attributes == {"num_heads": 2}
+        assert [producers[v].op_type for v in node.input[:3]] == ["Split"] * 3
+        assert list(node.input[6:]) == [f"past_key_{layer}", f"past_value_{layer}"]
+        assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
+    for output in graph.output[1:]:
+        assert producers[output.name].op_type == "MultiHeadAttention"
+    _compare_past_feeds(name, run.output)
+
+
+BART_PAST = ["arch/bart_past_ts17", "arch/bart_past_dynamo"]
+
+
+@pytest.mark.parametrize("name", BART_PAST)
+def test_bart_decoder_cache_appended_to_by_multi_head_attention(name: str, tmp_path: Path) -> None:
+    """BART's decoder: both self-attentions append to their cache inside MultiHeadAttention
+    (the k/v projections read 3-D, the presents its outputs); the cross-attentions, which read
+    the encoder's states and have no cache, read their projections. No Concat of a past, and
+    no Transpose, is left."""
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(MHA) == (4, 4)
+    assert reasons(run, MHA) == {}
+    graph = _graph(run.output)
+    producers = _producers(graph)
+    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    cached = [n for n in fused if len(n.input) > 6]
+    assert len(fused) == 4 and len(cached) == 2
+    for layer, node in enumerate(cached):
+        assert list(node.input[6:]) == [f"past_key_{layer}", f"past_value_{layer}"]
+        assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
+        assert [producers[v].op_type for v in node.input[1:3]] == ["Add", "Add"]
+    pasts = {i.name for i in graph.input if i.name.startswith("past_")}
+    assert not [n for n in graph.node if n.op_type == "Concat" and pasts & set(n.input)]
+    assert Counter(n.op_type for n in graph.node)["Transpose"] == 0
+    dims = {"batch": 3, "sequence": 2, "past_sequence": 5, "encoder_sequence": 4}
+    feeds = named_dim_feeds(fixture_path(name), dims)
+    compare_on_feeds(fixture_path(name), run.output, feeds)
+
+
+def test_cache_of_split_heads_appended_to_by_multi_head_attention(tmp_path: Path) -> None:
+    """Concat(past [B, 4, P, 16], split(K)) read by the MatMuls as it is: MultiHeadAttention
+    takes K and the past, and its present replaces the Concat."""
+    model = _grouped(tmp_path / "cache.onnx", kv_heads=4, past=True, broadcast=True)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(MHA) == (1, 1)
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    assert run.op_counts() == Counter({"MatMul": 3, "MultiHeadAttention": 1})
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "MultiHeadAttention"]
+    assert list(node.input) == ["Q", "K", "V", "", "", "mask", "past_k", "past_v"]
+    assert len(node.output) == 3
+    for batch, seq, past in [(2, 2, 3), (3, 5, 1), (1, 1, 6)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq + past, past=past)
+        compare_on_feeds(model, run.output, feeds)
 
 
 @pytest.mark.parametrize("name", LLAMA)
@@ -403,10 +478,15 @@ def _grouped(
     scale: str = "mul",
     kv: str = "matmul",
     target: str = "constant",
+    past: bool = False,
+    broadcast: bool = False,
 ) -> Path:
     """``repeat``: copies of each key/value head (heads / kv_heads); ``scale``: Mul by
-    1/sqrt(H) or Div by sqrt(H); ``kv``: K and V projected (MatMul) or fed as inputs of unknown
-    width; ``target``: repeat_kv's Reshape target a constant or a graph input ``kv_shape``."""
+    1/sqrt(H) or Div by sqrt(H); ``kv``: K and V projected (MatMul) and split into heads, fed
+    as inputs of unknown width, or "one_head": projected to one head [B, 1, S, H] by an
+    Unsqueeze, no split (GPT-BigCode); ``target``: repeat_kv's Reshape target a constant or a
+    graph input ``kv_shape``; ``past``: the heads appended to a cache ``past_k`` / ``past_v``
+    [B, KV, P, H]; ``broadcast``: no repeat_kv, the MatMuls broadcast the key/value heads."""
     rng = np.random.default_rng(0)
     nodes = [
         _n("MatMul", ["x", "wq"], "Q"),
@@ -417,6 +497,7 @@ def _grouped(
     initializers = [
         const("wq", rng.normal(size=(HIDDEN, heads * head)) * 0.3),
         const("split", [0, 0, -1, head], np.int64),
+        const("axis1", [1], np.int64),
         const("axis2", [2], np.int64),
         const("copies", [1, 1, repeat or heads // kv_heads, 1, 1], np.int64),
         const("merge", [0, 0, heads * head], np.int64),
@@ -435,10 +516,23 @@ def _grouped(
             initializers.append(const(f"w{name}", rng.normal(size=(HIDDEN, width)) * 0.3))
             nodes.append(_n("MatMul", ["x", f"w{name}"], name))
         t = name.lower()
+        if kv == "one_head":
+            nodes.append(_n("Unsqueeze", [name, "axis1"], f"{t}_split"))
+        else:
+            nodes += [
+                _n("Reshape", [name, "split"], f"{t}_heads"),
+                _n("Transpose", [f"{t}_heads"], f"{t}_split", perm=[0, 2, 1, 3]),
+            ]
+        read = f"{t}_split"
+        if past:
+            inputs.append(value(f"past_{t}", ["batch", kv_heads, "past", head]))
+            nodes.append(_n("Concat", [f"past_{t}", read], f"{t}_cache", axis=2))
+            read = f"{t}_cache"
+        if broadcast:
+            nodes.append(_n("Identity", [read], f"{t}_all"))
+            continue
         nodes += [
-            _n("Reshape", [name, "split"], f"{t}_heads"),
-            _n("Transpose", [f"{t}_heads"], f"{t}_split", perm=[0, 2, 1, 3]),
-            _n("Unsqueeze", [f"{t}_split", "axis2"], f"{t}_5d"),
+            _n("Unsqueeze", [read, "axis2"], f"{t}_5d"),
             _n("Expand", [f"{t}_5d", "copies"], f"{t}_copies"),
             _n("Reshape", [f"{t}_copies", reshape], f"{t}_all"),
         ]
@@ -457,11 +551,17 @@ def _grouped(
 
 
 def _grouped_feeds(
-    path: Path, *, batch: int = 3, seq: int = 5, kv_len: int = 5, **fixed: np.ndarray
+    path: Path,
+    *,
+    batch: int = 3,
+    seq: int = 5,
+    kv_len: int = 5,
+    past: int = 0,
+    **fixed: np.ndarray,
 ) -> dict[str, np.ndarray]:
     """Random x, an arbitrary additive mask [B, 1, S, kv_len] (so the bias is really read),
-    K / V of width 32 where they are inputs."""
-    dims = {"batch": batch, "seq": seq, "kv_len": kv_len, "kv_hidden": 32}
+    K / V of width 32 where they are inputs, caches of ``past`` positions."""
+    dims = {"batch": batch, "seq": seq, "kv_len": kv_len, "kv_hidden": 32, "past": past}
     return random_feeds(path, seed=3, dims=dims) | fixed
 
 
@@ -562,6 +662,102 @@ def test_grouped_attention_with_gqa_off_is_multi_head_attention(tmp_path: Path) 
     assert run.counts(MHA) == (1, 1)
     assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
     compare_on_feeds(model, run.output, _grouped_feeds(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-query attention: one key/value head for every query head, however it is spelled out
+# (repeat_kv of it or the MatMuls' broadcast; a plain head split or not) -> GroupQueryAttention
+# with kv_num_heads=1 on the one head merged to [B, L, H].
+# ---------------------------------------------------------------------------------------------
+
+GPT_BIGCODE = ["arch/gpt_bigcode_ts17", "arch/gpt_bigcode_dynamo"]
+
+
+@pytest.mark.parametrize("name", GPT_BIGCODE)
+def test_gpt_bigcode_multi_query_attention_is_group_query_attention(
+    name: str, tmp_path: Path
+) -> None:
+    """GPT-BigCode slices its one key/value head [B, 1, S, 16] out of the fused QKV projection
+    (Linear, unsqueeze(1), split) and sdpa repeats it for the 2 query heads: GroupQueryAttention
+    with kv_num_heads=1 reads it as [B, S, 16] (one Reshape each), and no repeat is left."""
+    assert len(_repeat_kv_expands(_graph(fixture_path(name)))) == 4  # k and v, two layers
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    assert reasons(run, GQA) == {}
+    assert run.counts(MHA) == (0, 0)
+    graph = _graph(run.output)
+    assert _fused_ops(run)["GroupQueryAttention"] == 2
+    assert _fused_ops(run)["MultiHeadAttention"] == 0
+    assert _repeat_kv_expands(graph) == []
+    producers = _producers(graph)
+    for node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
+        assert attributes == {"num_heads": 2, "kv_num_heads": 1, "causal": 0}
+        for read in node.input[1:3]:
+            merge = producers[read]
+            assert merge.op_type == "Reshape"
+            assert producers[merge.input[0]].op_type == "Split"  # the one head, as sliced
+    # Another batch and length than the export's, the last row padded (named_dim_feeds)
+    feeds = named_dim_feeds(fixture_path(name), {"batch": 3, "sequence": 5})
+    compare_on_feeds(fixture_path(name), run.output, feeds)
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["repeated", "broadcast"])
+def test_one_key_value_head_becomes_group_query_attention(broadcast: bool, tmp_path: Path) -> None:
+    """One key/value head that is no head split (an Unsqueeze of a [B, S, 16] projection),
+    repeated by repeat_kv or broadcast by the MatMuls: GroupQueryAttention, kv_num_heads=1."""
+    model = _grouped(tmp_path / "one_head.onnx", kv_heads=1, kv="one_head", broadcast=broadcast)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (1, 1)
+    assert reasons(run, GQA) == {}
+    assert _fused_ops(run) == Counter({"GroupQueryAttention": 1})
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
+    attributes = _attributes(node)
+    assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
+    assert attributes == {"num_heads": 4, "kv_num_heads": 1, "causal": 0}
+    # x's three MatMuls, the one head merged back by one Reshape each (the Unsqueeze stays)
+    plain = Counter({"MatMul": 3, "Unsqueeze": 2, "Reshape": 2})
+    assert run.op_counts() == plain + SEQLENS_CHAIN + Counter({"GroupQueryAttention": 1})
+    for batch, seq in [(3, 5), (1, 1), (2, 7)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
+        compare_on_feeds(model, run.output, feeds)
+
+
+# name: (builder options, GroupQueryAttention's reason, past positions)
+ONE_HEAD_MISSES = {
+    "head_size_8": (
+        {"head": 8},
+        "head size 8: onnxruntime's GroupQueryAttention takes multiples of 16",
+        0,
+    ),
+    # GroupQueryAttention without a past takes as many keys as queries
+    "kv_cache": (
+        {"past": True},
+        "the key/value length is not provably the query's (a KV cache, or cross-attention), "
+        "which GroupQueryAttention without a past assumes",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(ONE_HEAD_MISSES))
+def test_one_key_value_head_near_misses_go_to_multi_head_attention(
+    miss: str, tmp_path: Path
+) -> None:
+    """GroupQueryAttention declines the one repeated key/value head with the reason; the
+    repeated [B, 4, L, H] key/value are read as they are by MultiHeadAttention."""
+    options, reason, past = ONE_HEAD_MISSES[miss]
+    model = _grouped(tmp_path / f"{miss}.onnx", kv_heads=1, kv="one_head", **options)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert_declined(run, GQA, reason, "probs")
+    assert run.counts(MHA) == (1, 1)
+    assert _fused_ops(run) == Counter({"MultiHeadAttention": 1})
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "MultiHeadAttention"]
+    assert list(node.input) == ["Q", "k_all", "v_all", "", "", "mask"]
+    for batch, seq in [(2, 2), (3, 5)]:
+        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq + past, past=past)
+        compare_on_feeds(model, run.output, feeds)
 
 
 GEMMA2 = ["arch/gemma2_ts17", "arch/gemma2_dynamo"]

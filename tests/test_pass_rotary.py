@@ -624,9 +624,15 @@ def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Pat
     _compare(fixture_path(name), run, batch=3, sequence=5)
 
 
-def _interleaved_model(path: Path, *, repeated_sin: bool = True) -> Path:
+def _interleaved_model(
+    path: Path,
+    *,
+    repeated_sin: bool = True,
+    table_target: tuple[int, ...] = (0, 0, 0, -1),
+) -> Path:
     """x [B, S, 2, 8] rotated every two with cos_t / sin_t [1, S, 1, 4] repeat_interleave'd
-    (Unsqueeze, Tile by 2, Reshape); without ``repeated_sin``, sin [1, S, 1, 8] is fed as is."""
+    (Unsqueeze, Tile by 2, Reshape to ``table_target``); without ``repeated_sin``, sin [1, S,
+    1, 8] is fed as is."""
     nodes = [
         _n("Slice", ["x", "zero", "max", "axis_last", "two_step"], "x_even"),
         _n("Slice", ["x", "one", "max", "axis_last", "two_step"], "x_odd"),
@@ -641,7 +647,7 @@ def _interleaved_model(path: Path, *, repeated_sin: bool = True) -> Path:
         nodes += [
             _n("Unsqueeze", [f"{table}_t", "axis_last"], f"{table}_5"),
             _n("Tile", [f"{table}_5", "twice"], f"{table}_pairs"),
-            _n("Reshape", [f"{table}_pairs", "merge_pairs"], table),
+            _n("Reshape", [f"{table}_pairs", "merge_table"], table),
         ]
     nodes += [
         _n("Mul", ["x", "cos"], "x_cos"),
@@ -659,6 +665,7 @@ def _interleaved_model(path: Path, *, repeated_sin: bool = True) -> Path:
         "two_step": [2],
         "twice": [1, 1, 1, 1, 2],
         "merge_pairs": [0, 0, 0, -1],
+        "merge_table": list(table_target),
     }
     constants = [const(name, numbers, np.int64) for name, numbers in ints.items()]
     return save_model(path, nodes, inputs, [value("y", shape)], constants)
@@ -670,6 +677,15 @@ def test_interleaved_rotary_synthetic(tmp_path: Path) -> None:
     assert run.counts(ROTARY) == (1, 1)
     assert run.op_counts() == Counter({"RotaryEmbedding": 1, "Reshape": 4})  # x and 2 caches
     _compare(model, run, batch=2, seq=5)
+
+
+def test_interleaved_rotary_positions_not_provably_kept(tmp_path: Path) -> None:
+    """The tables' pairs merged by a target that infers the position axis (-1): unlike a 0,
+    which copies it (TorchScript's run-time target in canonical form), that proves nothing."""
+    model = _interleaved_model(tmp_path / "inferred.onnx", table_target=(1, -1, 1, 8))
+    run = optimize_checked(model, tmp_path)
+    reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
+    assert_declined(run, ROTARY, reason, "y")
 
 
 def test_interleaved_rotary_needs_repeated_angles(tmp_path: Path) -> None:

@@ -360,10 +360,13 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
     if dim.value and not dim.value.startswith("unk__"):
         return 1, (dim.value,)
     node = value.producer()
-    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+    if node is None or depth == 0:
+        return None
+    rotary = node.domain == MS and node.op_type == "RotaryEmbedding"  # shape-preserving
+    if node.domain not in ("", "ai.onnx") and not rotary:
         return None
     inputs = list(node.inputs)
-    same = node.op_type in _SAME_SHAPE or node.op_type == "LayerNormalization"
+    same = node.op_type in _SAME_SHAPE or node.op_type == "LayerNormalization" or rotary
     if same and value is node.outputs[0] and inputs[0] is not None:
         return symbolic_size(ctx, inputs[0], axis, depth - 1)
     if node.op_type == "Gather" and None not in inputs[:2]:  # a scalar index drops its axis
@@ -392,6 +395,16 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
         return None
     if node.op_type == "Reshape" and None not in inputs[:2]:
         return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
+    if node.op_type == "Unsqueeze" and inputs[0] is not None:  # GPT-BigCode's x.unsqueeze(1)
+        operand = constant_value(inputs[1]) if len(inputs) > 1 else None
+        axes = operand if operand is not None else node.attributes.get_ints("axes", None)
+        if axes is None:
+            return None
+        inserted = {int(a) % len(shape) for a in np.asarray(axes).reshape(-1)}
+        if axis in inserted:
+            return None
+        kept = axis - sum(a < axis for a in inserted)
+        return symbolic_size(ctx, inputs[0], kept, depth - 1)  # type: ignore[arg-type]
     if node.op_type in ("Concat", "Slice", "Split") and inputs[0] is not None:
         # an axis they do not cut or join keeps the (first) input's size
         cut = node.attributes.get_int("axis", 0) % len(shape) if node.op_type != "Slice" else None

@@ -178,6 +178,7 @@ class _CompiledRule:
         self.skeleton = _skeleton(graph_pattern.output_node)
         # One input order only: the exact test of the single variant is the whole test.
         self.single_order = not rule.commute or not _commutes(self.skeleton)
+        self._first_level: dict[tuple[str, tuple[str | None, ...]], bool] = {}
 
     @functools.cached_property
     def variants(self) -> list[_Variant]:
@@ -185,6 +186,18 @@ class _CompiledRule:
         for each order is the costly part of compiling, and most rules never meet their ops."""
         rules = self._base.commute() if self.rule.commute else [self._base]
         return [_Variant(variant) for variant in rules]
+
+    def first_level_fits(self, op_type: str, input_ops: tuple[str | None, ...]) -> bool:
+        """Whether a node of ``op_type`` whose inputs nodes of ``input_ops`` compute (None:
+        none does) fits the skeleton's first level: the skeleton test's most frequent
+        failure, answered once per distinct key instead of once per node."""
+        key = (op_type, input_ops)
+        verdict = self._first_level.get(key)
+        if verdict is None:
+            verdict = self._first_level[key] = _first_level_fits(
+                self.skeleton, op_type, input_ops, commute=not self.single_order
+            )
+        return verdict
 
     def _condition(self, context: oxs_basics.MatchContext, **bindings: Any) -> bool:
         """onnxscript's condition, for the patterns its own matcher matches."""
@@ -356,6 +369,7 @@ class _DirectMatcher:
         self._root = self._program(pattern.output_node)
         self._root_name = pattern.output_node.outputs[0].name
         self._inputs = tuple(value.name for value in pattern.inputs)
+        self._first_level: dict[tuple[str | None, ...], bool] = {}
 
     def _program(self, node: oxs_ir.NodePattern) -> _Program:
         inputs = tuple(
@@ -369,6 +383,23 @@ class _DirectMatcher:
         )
         op = (node.op.value(), node.domain.value())  # commuted copies have no op_identifier
         return self._slots[node], op, node.allow_other_inputs, inputs
+
+    def first_level_fits(self, input_ops: tuple[str | None, ...]) -> bool:
+        """Whether a root whose inputs nodes of ``input_ops`` compute (None: none does) has
+        the inputs the pattern's root reads: most input orders of a commutative pattern fail
+        here, and the answer is kept per distinct ``input_ops``."""
+        verdict = self._first_level.get(input_ops)
+        if verdict is None:
+            _, _, more_inputs, inputs = self._root
+            verdict = self._first_level[input_ops] = (
+                len(inputs) <= len(input_ops)
+                and (more_inputs or len(input_ops) == len(inputs))
+                and all(
+                    producer is None or input_ops[position] == producer[1][0]
+                    for position, (_, producer) in enumerate(inputs)
+                )
+            )
+        return verdict
 
     def match(self, root: ir.Node, graph: ir.Graph) -> tuple[list[ir.Node], dict[str, Any]] | None:
         """The matched nodes (root first, then depth-first by input) and the bindings (each
@@ -446,6 +477,45 @@ def _skeleton(pattern: Any) -> _Skeleton:
     return op[1] if op is not None else None, op, count, either_order, tuple(children)
 
 
+def _first_level_fits(
+    skeleton: _Skeleton, op_type: str, input_ops: tuple[str | None, ...], commute: bool
+) -> bool:
+    """_fits one level deep, on op types alone: a node of ``op_type`` whose inputs nodes of
+    ``input_ops`` compute (None: none does)."""
+    root_type, _, count, either_order, children = skeleton
+    if (root_type is not None and op_type != root_type) or len(input_ops) < count:
+        return False
+    if commute and (
+        either_order if root_type is not None else count == 2 and op_type in _COMMUTATIVE
+    ):
+        swaps: tuple[int, ...] = (0, 1)
+    else:
+        swaps = (0,)
+    return any(
+        all(
+            input_ops[index ^ swap] is not None and child[0] in (None, input_ops[index ^ swap])
+            for index, child in children
+        )
+        for swap in swaps
+    )
+
+
+def _input_ops(
+    node: ir.Node, seen: dict[ir.Node, tuple[Sequence[ir.Value | None], tuple[str | None, ...]]]
+) -> tuple[str | None, ...]:
+    """The op types of the nodes computing ``node``'s inputs (None: none does), kept in
+    ``seen`` for as long as the node reads the same inputs (a rewrite gives its readers new
+    input tuples)."""
+    inputs = node.inputs
+    found = seen.get(node)
+    if found is not None and found[0] is inputs:
+        return found[1]
+    producers = (value.producer() if value is not None else None for value in inputs)
+    ops = tuple(None if producer is None else producer.op_type for producer in producers)
+    seen[node] = (inputs, ops)
+    return ops
+
+
 def _commutes(skeleton: _Skeleton) -> bool:
     """Whether some node of the skeleton may take its inputs in either order."""
     _, _, _, either_order, children = skeleton
@@ -520,6 +590,7 @@ class PatternPass(FusionPass):
         # A candidate counts once per pass: declined by one pattern and rewritten by a later,
         # smaller one, it is an effect; declined by several, it keeps the first reason.
         declined: dict[ir.Node, tuple[PatternStats, str]] = {}
+        input_ops: dict[ir.Node, tuple[Sequence[ir.Value | None], tuple[str | None, ...]]] = {}
         # Each node can be rewritten once per rule; more rewrites than that means a
         # replacement that its own search matches again (a plugin mistake), not progress.
         budget = (len(graph) + 1) * (len(self.compiled_rules()) + 1)
@@ -538,7 +609,10 @@ class PatternPass(FusionPass):
                 position += 1
                 if node.graph is not graph:
                     continue  # removed by an earlier rewrite of this pass
-                outcome = self._try_node(model, node, compiled, stats)
+                ops = _input_ops(node, input_ops)
+                if not compiled.first_level_fits(node.op_type, ops):
+                    continue
+                outcome = self._try_node(model, node, ops, compiled, stats)
                 if isinstance(outcome, str):
                     if node in declined:  # already counted by an earlier pattern
                         stats.withdraw(outcome, node_label(node))
@@ -560,20 +634,24 @@ class PatternPass(FusionPass):
 
     @staticmethod
     def _try_node(
-        model: ir.Model, node: ir.Node, compiled: _CompiledRule, stats: PatternStats
+        model: ir.Model,
+        node: ir.Node,
+        input_ops: tuple[str | None, ...],
+        compiled: _CompiledRule,
+        stats: PatternStats,
     ) -> Sequence[ir.Node] | str:
-        """Try every input order of the rule at ``node``: the new nodes if one rewrote it,
-        the reason if the rule matched and declined, else nothing."""
+        """Try every input order of the rule at ``node`` (whose inputs nodes of ``input_ops``
+        compute): the new nodes if one rewrote it, the reason if the rule matched and
+        declined, else nothing."""
         assert compiled.ctx is not None
         if not _fits(compiled.skeleton, node, commute=not compiled.single_order):
             return ()
         declined: str | None = None
         for variant in compiled.variants:
-            if (
-                variant.direct is None  # the direct matcher tests the op types itself
-                and not compiled.single_order
-                and not _fits(variant.skeleton, node, commute=False)
-            ):
+            if variant.direct is not None:
+                if not variant.direct.first_level_fits(input_ops):
+                    continue
+            elif not compiled.single_order and not _fits(variant.skeleton, node, commute=False):
                 continue
             compiled.outcome = _Outcome()
             delta = variant.try_rewrite(model, node, compiled)

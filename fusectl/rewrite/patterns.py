@@ -176,6 +176,7 @@ class _CompiledRule:
             if (op := graph_pattern.node(index).op_identifier()) is not None
         }
         self.skeleton = _skeleton(graph_pattern.output_node)
+        self.direct = _directly_matchable(graph_pattern)  # so are its commuted copies
         # One input order only: the exact test of the single variant is the whole test.
         self.single_order = not rule.commute or not _commutes(self.skeleton)
         self._first_level: dict[tuple[str, tuple[str | None, ...]], bool] = {}
@@ -186,6 +187,14 @@ class _CompiledRule:
         for each order is the costly part of compiling, and most rules never meet their ops."""
         rules = self._base.commute() if self.rule.commute else [self._base]
         return [_Variant(variant) for variant in rules]
+
+    @property
+    def pretested(self) -> bool:
+        """Whether a candidate takes the skeleton test before the input orders are tried:
+        until they are built (which costs more than the test, and most rules never fit),
+        and always for orders onnxscript matches; the direct matchers of built orders reject
+        a candidate for less than the test costs."""
+        return not self.direct or "variants" not in self.__dict__
 
     def first_level_fits(self, op_type: str, input_ops: tuple[str | None, ...]) -> bool:
         """Whether a node of ``op_type`` whose inputs nodes of ``input_ops`` compute (None:
@@ -644,7 +653,9 @@ class PatternPass(FusionPass):
         compute): the new nodes if one rewrote it, the reason if the rule matched and
         declined, else nothing."""
         assert compiled.ctx is not None
-        if not _fits(compiled.skeleton, node, commute=not compiled.single_order):
+        if compiled.pretested and not _fits(
+            compiled.skeleton, node, commute=not compiled.single_order
+        ):
             return ()
         declined: str | None = None
         for variant in compiled.variants:

@@ -355,6 +355,8 @@ class RepositoryGate:
     _vetoed: dict[tuple[str, ir.Node], str] = field(default_factory=dict)
 
     _families: dict[tuple, list[tuple[list[str], str]]] = field(default_factory=dict)
+    # lookup's answers: a model's sites fall in a handful of classes.
+    _found: dict[SiteClass, tuple[str, dict[str, Any]] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._passes = frozenset(key.split("/", 1)[0] for key in self.section.sites if "/" in key)
@@ -370,6 +372,11 @@ class RepositoryGate:
         most specific measured class of the same fusion whose inputs cover the site's (a
         dimension measured symbolic, ``?``, covers any size: a class measured for every
         batch size holds for batch 1)."""
+        if found not in self._found:
+            self._found[found] = self._measured(found)
+        return self._found[found]
+
+    def _measured(self, found: SiteClass) -> tuple[str, dict[str, Any]] | None:
         entry = self.section.sites.get(found.key)
         if entry is not None:
             return found.key, entry

@@ -91,6 +91,12 @@ def layer_of(node: ir.Node) -> str | None:
     return None
 
 
+def _json_strings(items: Sequence[str]) -> str:
+    """``json.dumps(items)`` for a list of strings, byte for byte, at a third of its cost
+    (it is written three times per rewrite)."""
+    return "[" + ", ".join(map(json.encoder.encode_basestring_ascii, items)) + "]"
+
+
 class NodeNames:
     """The node names in use, collected on first need, so that the names passes give new
     nodes never collide (``<Pass>/Add`` + ``_1`` vs ``<Pass>/Add_1``). With ``graphs`` (every
@@ -324,9 +330,9 @@ class PassContext:
             passes.append(self.spec.name)
         if new_nodes:
             lineage = {
-                LINEAGE_PASSES: json.dumps(passes),
-                LINEAGE_NAMES: json.dumps(names),
-                LINEAGE_TYPES: json.dumps(types),
+                LINEAGE_PASSES: _json_strings(passes),
+                LINEAGE_NAMES: _json_strings(names),
+                LINEAGE_TYPES: _json_strings(types),
             }
             for node in new_nodes:
                 node.metadata_props.update(lineage)

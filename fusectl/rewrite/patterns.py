@@ -364,7 +364,7 @@ def _plain_variable(value: Any) -> bool:
 # type and domain, whether the graph node may have more inputs than the pattern lists, and per
 # listed input the name it binds (None: an unnamed node output) and the compiled producer
 # (None: the input is a variable).
-_Program = tuple[int, Any, bool, tuple[tuple["str | None", "_Program | None"], ...]]
+_Program = tuple[int, tuple[str, str], bool, tuple[tuple["str | None", "_Program | None"], ...]]
 
 
 class _DirectMatcher:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
+import pytest
 from onnx import helper
 
+from fusectl.rewrite import shapes
 from fusectl.rewrite.shapes import ShapeOracle
 from tests.pass_helpers import IR_VERSION, const, value
 
@@ -72,3 +74,23 @@ def test_symbolic_dims_follow_the_arithmetic_of_the_graph_as_loaded() -> None:
     values = {v.name: v for node in model.graph for v in node.outputs}
     assert oracle.symbolic_dims([values["positions"], values["rows"]]) == [["S"], ["Min(16, S)"]]
     assert oracle.symbolic_dims([ir.Value(name="made_by_a_pass")]) == [None]
+
+
+def test_symbolic_dims_within_a_node_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the budget the inference is not run (a slow proof on a huge graph is not made)."""
+    monkeypatch.setattr(shapes, "SYMBOLIC_NODE_LIMIT", 1)
+    proto = _model(
+        [
+            helper.make_node("Shape", ["a"], ["shape"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        ],
+        [value("a", ["S"])],
+        [value("zeros", None)],
+        [],
+    )
+    model = ir.serde.deserialize_model(proto)
+    oracle = ShapeOracle(model, proto)
+    (zeros,) = model.graph.node(1).outputs
+    assert oracle.symbolic_dims([zeros]) == [None]
+    monkeypatch.setattr(shapes, "SYMBOLIC_NODE_LIMIT", 2)
+    assert ShapeOracle(model, proto).symbolic_dims([zeros]) == [["S"]]

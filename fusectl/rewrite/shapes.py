@@ -159,6 +159,9 @@ class ShapeOracle:
                 proto = _without_weights(loaded, self._model)
             if targets is not None:
                 proto = _cone(proto, targets)
+            if proto is not None and len(proto.graph.node) > SYMBOLIC_NODE_LIMIT:
+                logger.debug("symbolic shape inference skipped: %d nodes", len(proto.graph.node))
+                return {}
             return _symbolic_dims(proto) if proto is not None else None
         except Exception as error:  # a best effort: without it, the proof is not made
             logger.debug("symbolic shape inference failed: %s", error)
@@ -249,6 +252,10 @@ def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Gr
 
 
 _SMALL_CONSTANT = 64
+
+# onnxruntime's symbolic inference takes about a millisecond a node (sympy): past this many
+# nodes on the graph it would read, a proof that needs it is not made (a near-miss instead).
+SYMBOLIC_NODE_LIMIT = 5000
 
 
 def _own_symbols(shape: ir.Shape, run: int) -> ir.Shape:

@@ -334,12 +334,7 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
     producers = _producers(graph)
     for output in graph.output[1:]:
         assert producers[output.name].op_type == "Concat"  # the presents stay
-    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
-    for layer, node in enumerate(fused):
-        assert node.domain == MS
-        attributes = _attributes(node)
-        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
-        assert attributes == {"num_heads": 4}
+    for layer, node in enumerate(_multi_head_attentions(graph, heads=4)):
         assert len(node.output) == 1
         presents = [f"present_key_{layer}", f"present_value_{layer}"]
         for read, present in zip(node.input[1:3], presents, strict=True):
@@ -353,6 +348,18 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
             ]
             assert unsqueeze.input[0] == present
     _compare_past_feeds(name, run.output)
+
+
+def _multi_head_attentions(graph: onnx.GraphProto, *, heads: int) -> list[onnx.NodeProto]:
+    """The fused MultiHeadAttention nodes, in order, each com.microsoft with this many heads
+    and the 1/sqrt(16) scale of the 16-wide heads of the KV-cache fixtures."""
+    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    for node in fused:
+        assert node.domain == MS
+        attributes = _attributes(node)
+        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
+        assert attributes == {"num_heads": heads}
+    return fused
 
 
 @pytest.mark.parametrize("name", GPT2_PAST)
@@ -373,12 +380,7 @@ def test_kv_cache_appended_to_by_multi_head_attention(name: str, tmp_path: Path)
     assert before["Transpose"] > 0 and ops["Transpose"] == 0
     assert [o.name for o in graph.output] == [o.name for o in original.output]
     producers = _producers(graph)
-    fused = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
-    for layer, node in enumerate(fused):
-        assert node.domain == MS
-        attributes = _attributes(node)
-        assert attributes.pop("scale") == pytest.approx(16**-0.5, rel=1e-5)
-        assert attributes == {"num_heads": 2}
+    for layer, node in enumerate(_multi_head_attentions(graph, heads=2)):
         assert [producers[v].op_type for v in node.input[:3]] == ["Split"] * 3
         assert list(node.input[6:]) == [f"past_key_{layer}", f"past_value_{layer}"]
         assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
@@ -578,16 +580,23 @@ def test_grouped_attention_becomes_group_query_attention(scale: str, tmp_path: P
     assert reasons(run, GQA) == {}
     assert run.counts(MHA) == (0, 0)
     assert run.op_counts() == Counter({"MatMul": 3, "GroupQueryAttention": 1}) + SEQLENS_CHAIN
-    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
+    node = _group_query_attention(run, model, kv_heads=2)
     assert node.domain == MS
     assert list(node.input[:5]) == ["Q", "K", "V", "", ""]
     assert node.input[10] == "mask"
+
+
+def _group_query_attention(run: Run, model: Path, *, kv_heads: int) -> onnx.NodeProto:
+    """The one GroupQueryAttention (4 query heads, scale 1/4, not causal), its outputs equal
+    to the original's at three batch and sequence sizes."""
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
     attributes = _attributes(node)
     assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
-    assert attributes == {"num_heads": 4, "kv_num_heads": 2, "causal": 0}
+    assert attributes == {"num_heads": 4, "kv_num_heads": kv_heads, "causal": 0}
     for batch, seq in [(3, 5), (1, 1), (2, 7)]:
         feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
         compare_on_feeds(model, run.output, feeds)
+    return node
 
 
 # name: (builder options, GroupQueryAttention's reason, key length per query position)
@@ -712,16 +721,10 @@ def test_one_key_value_head_becomes_group_query_attention(broadcast: bool, tmp_p
     assert run.counts(GQA) == (1, 1)
     assert reasons(run, GQA) == {}
     assert _fused_ops(run) == Counter({"GroupQueryAttention": 1})
-    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
-    attributes = _attributes(node)
-    assert attributes.pop("scale") == pytest.approx(0.25, rel=1e-6)
-    assert attributes == {"num_heads": 4, "kv_num_heads": 1, "causal": 0}
+    _group_query_attention(run, model, kv_heads=1)
     # x's three MatMuls, the one head merged back by one Reshape each (the Unsqueeze stays)
     plain = Counter({"MatMul": 3, "Unsqueeze": 2, "Reshape": 2})
     assert run.op_counts() == plain + SEQLENS_CHAIN + Counter({"GroupQueryAttention": 1})
-    for batch, seq in [(3, 5), (1, 1), (2, 7)]:
-        feeds = _grouped_feeds(model, batch=batch, seq=seq, kv_len=seq)
-        compare_on_feeds(model, run.output, feeds)
 
 
 # name: (builder options, GroupQueryAttention's reason, past positions)

@@ -58,6 +58,7 @@ from fusectl.rewrite.graph import (
     uses_outside,
 )
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
@@ -671,7 +672,7 @@ def _merged_heads(
     undone = permuted is not None and _perm(permuted) == _HEADS  # [B, S, N, H] permuted
     if undone and permuted is not None and permuted.inputs[0] is not None:
         source = permuted.inputs[0]  # read before the permute, which the merge would undo
-    elif transposed and not one_head:
+    elif transposed and not one_head:  # typed with the sizes proven above, not inferred ones
         swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
         typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
         nodes.append(swap)
@@ -727,7 +728,7 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
     mine, theirs = result[index], shape[axis]
     if isinstance(mine, int) or isinstance(theirs, int):
         return mine == theirs
-    if mine.value and not mine.value.startswith("unk__") and mine.value == theirs.value:
+    if named(mine) and mine.value == theirs.value:
         return True
     parts = target_parts(ctx, reshape.inputs[1])
     part = parts[index] if parts is not None and index < len(parts) else None

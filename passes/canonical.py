@@ -38,6 +38,7 @@ from fusectl.rewrite.graph import (
     typed,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.shapes import named
 
 
 def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, bool]] | None:
@@ -206,8 +207,8 @@ def _constant_target(
             and same_dimension((value, axis), size, data, position, source)
         ):
             resolved.append(0)
-            if not _named(size):  # proven the same size: keep the name that says more
-                dims[-1] = source[position]
+            if not isinstance(size, int) and not named(size):  # proven the same size: keep
+                dims[-1] = source[position]  # the name that says more
         else:
             resolved.append(None)
     unknown = resolved.count(None)
@@ -218,13 +219,6 @@ def _constant_target(
         )
     target = np.array([-1 if size is None else size for size in resolved], dtype=np.int64)
     return target, dims
-
-
-def _named(dim: int | ir.SymbolicDim | None) -> bool:
-    """A size, or a name that ties the dim to others (not one onnx made up for one value)."""
-    if isinstance(dim, int):
-        return True
-    return dim is not None and bool(dim.value) and not str(dim.value).startswith("unk__")
 
 
 def _keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) -> None:

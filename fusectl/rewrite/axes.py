@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, producer_of
+from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max
@@ -272,8 +273,7 @@ def same_dimension(
     if value is data and axis % len(source) == position:
         return True
     mine = source[position]
-    named = isinstance(size, ir.SymbolicDim) and size.value and not size.value.startswith("unk__")
-    return bool(named) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value
+    return named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value  # type: ignore[union-attr]
 
 
 def _copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
@@ -357,8 +357,8 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
     dim = shape[axis]
     if isinstance(dim, int):
         return dim, ()
-    if dim.value and not dim.value.startswith("unk__"):
-        return 1, (dim.value,)
+    if named(dim):
+        return 1, (str(dim.value),)
     node = value.producer()
     if node is None or depth == 0:
         return None

@@ -264,7 +264,7 @@ def _own_symbols(shape: ir.Shape, run: int) -> ir.Shape:
     return ir.Shape(
         [
             ir.SymbolicDim(f"unk__{run}.{dim.value[5:]}")
-            if isinstance(dim, ir.SymbolicDim) and dim.value and dim.value.startswith("unk__")
+            if isinstance(dim, ir.SymbolicDim) and dim.value and not named(dim)
             else dim
             for dim in shape
         ]
@@ -288,13 +288,16 @@ def _more_static(new: ir.Shape | None, old: ir.Shape) -> bool:
     return any(_rank_of(n) > _rank_of(o) for n, o in pairs)
 
 
+def named(dim: int | ir.SymbolicDim | None) -> bool:
+    """Whether a symbolic dim has a name that ties it to other values: not none, and not one
+    onnx shape inference made up for one value (``unk__N``)."""
+    name = dim.value if isinstance(dim, ir.SymbolicDim) else None
+    return bool(name) and not str(name).startswith("unk__")
+
+
 def _rank_of(dim: int | ir.SymbolicDim) -> int:
-    """How much a dimension says: a size, a name shared with other values, or nothing (no name,
-    or one onnx shape inference made up for this value alone)."""
-    if isinstance(dim, int):
-        return 2
-    name = dim.value
-    return 0 if name is None or name.startswith("unk__") else 1
+    """How much a dimension says: a size, a name shared with other values, or nothing."""
+    return 2 if isinstance(dim, int) else int(named(dim))
 
 
 @functools.cache

@@ -26,6 +26,11 @@ Scores computed with the heads folded into the batch (Bloom: q, k, v Reshaped to
 Add(alibi [B*N, 1, L], s * q @ k^T) Reshaped to [B, N, S, L] for the mask and Softmax, then
 folded again for the context) are read through those Reshapes, each proven to keep the sizes
 it does not fold (_unfolded); a bias added in the folded layout is unfolded to 4-D once.
+
+Eager code spells the scores in more ways, read by what they compute (_scores): masked_fill
+Where(c, s, m) is s + Where(c, 0, m); Max(s, -FLT_MAX) a floor that only keeps -inf out; a
+constant [N, 1, 1] factor a per-head scale the query heads can carry; a fold to [B*N, S, L]
+before the Softmax the fold after it (the Softmax is over the last axis, which it keeps).
 """
 
 from __future__ import annotations
@@ -230,6 +235,14 @@ class _Attention:
     # 3-D attention [X, S, H] (heads folded into the batch and never unfolded, torch's
     # nn.MultiheadAttention with need_weights): one head over a batch of X.
     single_head: bool = False
+    # masked_fill of the scores, Where(c, scores, m) or Where(c, m, scores): each becomes the
+    # additive bias Where(c, 0, m) or Where(c, m, 0) (_fill_biases).
+    fills: list[ir.Node] = field(default_factory=list)
+    # The scores went through Max(x, c) with c <= -1e30 (-FLT_MAX), which keeps -inf out.
+    floored: bool = False
+    # The scores scaled per head by this constant [N, 1, 1] / [1, N, 1, 1]: the query heads
+    # are, instead (_fuse), and the fused op reads them merged back.
+    head_scale: ir.Value | None = None
 
 
 def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
@@ -275,25 +288,79 @@ def _ranks(ctx: PassContext, node: ir.Node) -> tuple[int, int] | None:
     return None if source is None or result is None else (len(source), len(result))
 
 
+# A masked_fill value: a score set to it gets no weight (exp(-1e4 - max) is 0 in fp32).
+_FILL_LIMIT = -1e4
+# Max(scores, c) with c at most this (-FLT_MAX, as eager attention writes it) only turns -inf
+# into a finite value.
+_FLOOR_LIMIT = -1e30
+
+
+def _masked_fill(value: ir.Value) -> tuple[ir.Node, int] | None:
+    """(the Where, the input index of the scores) when ``value`` is Where(c, scores, m) or
+    Where(c, m, scores) with m a scalar constant of at most -1e4: masked_fill, which is
+    scores + Where(c, 0, m) or scores + Where(c, m, 0)."""
+    where = producer_of(value, "Where")
+    if where is None:
+        return None
+    for index in (1, 2):
+        fill = _scalar(where.inputs[3 - index])
+        if fill is not None and fill <= _FILL_LIMIT and _leads_to_matmul(where.inputs[index]):
+            return where, index
+    return None
+
+
+def _floored(value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+    """(the Max, x) when ``value`` is Max(x, c) with c a scalar constant of at most -1e30."""
+    floor = producer_of(value, "Max")
+    if floor is None or len(floor.inputs) != 2:
+        return None
+    for index in (0, 1):
+        bound = _scalar(floor.inputs[1 - index])
+        if bound is not None and bound <= _FLOOR_LIMIT and _leads_to_matmul(floor.inputs[index]):
+            return floor, floor.inputs[index]  # type: ignore[return-value]
+    return None
+
+
+@dataclass
+class _Walk:
+    """What the walk from the Softmax up to the scores' MatMul collected besides its nodes."""
+
+    biases: list[ir.Value] = field(default_factory=list)
+    folds: list[ir.Node] = field(default_factory=list)
+    fills: list[ir.Node] = field(default_factory=list)
+    floored: bool = False
+    head_scale: ir.Value | None = None  # a constant [N, 1, 1] or [1, N, 1, 1]
+
+
 def _scores(
-    ctx: PassContext,
-    value: ir.Value,
-    nodes: list[ir.Node],
-    biases: list[ir.Value],
-    folds: list[ir.Node],
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node], walk: _Walk
 ) -> tuple[ir.Node | None, float, ir.Value, float]:
-    """Walk Add(bias), a soft-capping and a scaling of the product (Div or Mul by a constant,
-    as eager attention writes it) back to the MatMul of the scores: the MatMul, that scale,
-    the value the walk stopped at and the soft cap (0: none). A Reshape from 3-D to 4-D on the
-    way unfolds scores computed with the heads folded into the batch: it goes to ``folds``
-    (the biases after it in ``nodes`` are added in that layout)."""
-    for _ in range(4):
+    """Walk Add(bias), masked_fill (_masked_fill), a floor (_floored), a soft-capping and a
+    scaling of the product (Div or Mul by a constant, as eager attention writes it) back to the
+    MatMul of the scores: the MatMul, that scale, the value the walk stopped at and the soft
+    cap (0: none). A Reshape from 3-D to 4-D on the way unfolds scores computed with the heads
+    folded into the batch: it goes to ``folds`` (the biases after it in ``nodes`` are added in
+    that layout, where a masked_fill or a floor is not read)."""
+    biases, folds = walk.biases, walk.folds
+    for _ in range(6):
         add = producer_of(value, "Add")
         unfold = producer_of(value, "Reshape")
         if add is None and unfold is not None and not folds and _ranks(ctx, unfold) == (3, 4):
             folds.append(unfold)
             nodes.append(unfold)
             value = unfold.inputs[0]
+            continue
+        fill = _masked_fill(value) if not folds else None
+        floor = _floored(value) if not folds else None
+        if fill is not None:
+            nodes.append(fill[0])
+            walk.fills.append(fill[0])
+            value = fill[0].inputs[fill[1]]  # type: ignore[assignment]
+            continue
+        if floor is not None:
+            nodes.append(floor[0])
+            walk.floored = True
+            value = floor[1]
             continue
         if add is None:
             break
@@ -319,12 +386,28 @@ def _scores(
         product, factor = _unscale(value, nodes)
         if product is not value:
             scale, value = factor, product
+        elif (per_head := _per_head_scale(value)) is not None:
+            nodes.append(per_head[0])
+            walk.head_scale, value = per_head[1], per_head[0].inputs[0]  # type: ignore[assignment]
     return producer_of(value, "MatMul"), scale, value, softcap
 
 
+def _per_head_scale(value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+    """(the Mul, the factor) when ``value`` is Mul(scores, c) with c a constant [N, 1, 1] or
+    [1, N, 1, 1]: one scale per head (Swin-v2's learned logit scale), which the query heads
+    can carry instead (scores are linear in the query)."""
+    mul = producer_of(value, "Mul")
+    factor = constant_value(mul.inputs[1]) if mul is not None else None
+    if factor is None or factor.ndim not in (3, 4) or factor.shape[-2:] != (1, 1):
+        return None
+    if (factor.ndim == 4 and factor.shape[0] != 1) or not _leads_to_matmul(mul.inputs[0]):
+        return None
+    return mul, mul.inputs[1]  # type: ignore[return-value]
+
+
 def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
-    """Whether a few Adds / Muls / Divs (a Tanh: soft-capping) up from ``value`` there is the
-    scores' MatMul."""
+    """Whether a few Adds / Muls / Divs (a Tanh: soft-capping; a Where: masked_fill; a Max:
+    a floor) up from ``value`` there is the scores' MatMul."""
     node = value.producer() if value is not None else None
     if node is None or depth == 0:
         return False
@@ -332,7 +415,7 @@ def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
         return True
     if node.op_type == "Reshape":  # scores unfolded from [B*N, S, L]
         return _leads_to_matmul(node.inputs[0], depth - 1)
-    if node.op_type not in ("Add", "Div", "Mul", "Tanh"):
+    if node.op_type not in ("Add", "Div", "Mul", "Tanh", "Where", "Max"):
         return False
     return any(_leads_to_matmul(v, depth - 1) for v in node.inputs)
 
@@ -370,9 +453,21 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     """The attention around this Softmax, or why what is around it is not one (the caller
     reports the reason only where the Softmax sits between two MatMuls: attention_shaped)."""
     nodes: list[ir.Node] = [softmax]
-    biases: list[ir.Value] = []
-    folds: list[ir.Node] = []
-    matmul, product_scale, reached, softcap = _scores(ctx, softmax.inputs[0], nodes, biases, folds)
+    walk = _Walk()
+    axis = softmax.attributes.get_int("axis", -1 if ctx.opset >= 13 else 1)
+    shape = ctx.shape(softmax.inputs[0])
+    if axis != -1 and (shape is None or axis != len(shape) - 1):
+        return "the Softmax is not provably over the last axis (the key positions)"
+    # Folded to [B*N, S, L] before the Softmax (fairseq-style eager attention): the Softmax
+    # over the last axis is the same on either side of that fold (_unfolded proves it keeps L).
+    prefold = producer_of(softmax.inputs[0], "Reshape")
+    if prefold is None or _ranks(ctx, prefold) != (4, 3) or prefold.inputs[0] is None:
+        prefold = None
+    scored = softmax.inputs[0] if prefold is None else prefold.inputs[0]
+    matmul, product_scale, reached, softcap = _scores(ctx, scored, nodes, walk)
+    biases, folds = walk.biases, walk.folds
+    if prefold is not None and not folds:
+        return "the scores are folded to [batch*heads, ...] before the Softmax but not unfolded"
     if matmul is None:
         found = reached.producer()
         return (
@@ -413,7 +508,12 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         nodes += [guard, where]
         probabilities = where.outputs[0]
         uses = [user for user, _ in probabilities.uses()]
-    if folds and len(uses) == 1 and uses[0].op_type == "Reshape":  # folded again, [B*N, S, L]
+    probabilities = _reshaped_back(ctx, probabilities, nodes)
+    uses = [user for user, _ in probabilities.uses()]
+    if prefold is not None:  # the fold before the Softmax is the one after it, moved up
+        nodes.append(prefold)
+        folds.append(prefold)
+    elif folds and len(uses) == 1 and uses[0].op_type == "Reshape":  # folded again [B*N, S, L]
         nodes.append(uses[0])
         folds.append(uses[0])
         probabilities = uses[0].outputs[0]
@@ -430,7 +530,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         value3 = _Heads(None, values, False, [])
         return _Attention(
             heads, guard is not None, query, key, value3, scale, biases, result, context,
-            nodes, softcap, single_head=True,
+            nodes, softcap, single_head=True, fills=walk.fills, floored=walk.floored,
+            head_scale=walk.head_scale,
         )  # fmt: skip
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
@@ -461,7 +562,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             return "the context's head size is unknown"
         return _Attention(
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
-            softcap, split_back=(split_back, value_size),
+            softcap, split_back=(split_back, value_size), fills=walk.fills, floored=walk.floored,
+            head_scale=walk.head_scale,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -478,7 +580,42 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         softcap,
         folds,
         folded,
+        fills=walk.fills,
+        floored=walk.floored,
+        head_scale=walk.head_scale,
     )
+
+
+def _reshaped_back(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """``value`` again at the end of up to three Reshapes that provably give its shape back
+    (eager attention views the probabilities as [B, N, S, L] and back for
+    output_attentions); the Reshapes go to ``nodes``. Otherwise ``value`` itself."""
+    current, chain = value, []
+    for _ in range(3):
+        reshape = _producer_user(current, "Reshape")
+        if reshape is None:
+            break
+        chain.append(reshape)
+        current = reshape.outputs[0]
+        if _same_sizes(ctx, value, current):
+            nodes += chain
+            return current
+    return value
+
+
+def _same_sizes(ctx: PassContext, first: ir.Value, second: ir.Value) -> bool:
+    """Whether two values provably have one shape: per axis one static size, or one product
+    of named dimensions (symbolic_size)."""
+    shapes = ctx.shape(first), ctx.shape(second)
+    if shapes[0] is None or shapes[1] is None or len(shapes[0]) != len(shapes[1]):
+        return False
+    for axis, (size, other) in enumerate(zip(*shapes, strict=True)):
+        if isinstance(size, int) and size == other:
+            continue
+        traced = symbolic_size(ctx, first, axis)
+        if traced is None or traced != symbolic_size(ctx, second, axis):
+            return False
+    return True
 
 
 def _producer_user(value: ir.Value, op_type: str) -> ir.Node | None:
@@ -505,6 +642,40 @@ def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | No
             return [], "the additive mask or bias is not [batch, heads, query, key] or less"
         kept.append(bias)
     return kept, None
+
+
+def _rank(ctx: PassContext, value: ir.Value | None) -> int | None:
+    """The value's rank where inferred and at most 4 (what attention_bias can broadcast)."""
+    shape = ctx.shape(value) if value is not None else None
+    return len(shape) if shape is not None and len(shape) <= 4 else None
+
+
+def _fill_bias(
+    ctx: PassContext, fill: ir.Node, shared: dict[object, tuple[ir.Value, ...]]
+) -> tuple[ir.Value, list[ir.Node]]:
+    """The additive bias a masked_fill Where(c, scores, m) / Where(c, m, scores) is:
+    Where(c, 0, m) / Where(c, m, 0), once for every layer that fills by that condition."""
+    found = _masked_fill(fill.outputs[0])
+    assert found is not None
+    condition, scores = fill.inputs[0], found[1]
+    fill_value = fill.inputs[3 - scores]  # the constant m
+    key = ("mask fill", condition, _scalar(fill_value), scores)
+    if key in shared:
+        return shared[key][0], []
+    graph = fill.graph
+    assert graph is not None and condition is not None and fill_value is not None
+    dtype = ctx.dtype(fill.outputs[0]) or ir.DataType.FLOAT
+    if ("fill zero", dtype) not in shared:
+        zero = np.zeros((), dtype.numpy())
+        shared["fill zero", dtype] = (new_constant(graph, f"{ctx.spec.name}/fill_zero", zero),)
+    zero_value = shared["fill zero", dtype][0]
+    inputs = [condition, zero_value, fill_value]
+    if scores == 2:
+        inputs = [condition, fill_value, zero_value]
+    where = ir.node("Where", inputs)
+    typed(where.outputs[0], dtype, ctx.shape(condition))
+    shared[key] = (where.outputs[0],)
+    return where.outputs[0], [where]
 
 
 def _widened(
@@ -662,7 +833,8 @@ def _merged_heads(
     target = [0, -1, size] if one_head else [0, 0, count * size]
     key = ("merged heads", *target)
     if key not in shared:
-        graph = heads.graph
+        scaled = heads.producer()  # a Mul built for the site (per-head scale) is not in it yet
+        graph = heads.graph or (scaled.inputs[0].graph if scaled and scaled.inputs[0] else None)
         assert graph is not None
         name = f"{ctx.spec.name}/merged_heads_{'_'.join(map(str, target))}"
         shared[key] = (new_constant(graph, name, np.array(target, np.int64)),)
@@ -740,7 +912,23 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
         if same_dimension(part, size, value, axis, shape):
             return True
     traced = symbolic_size(ctx, reshape.outputs[0], index)
-    return traced is not None and traced == symbolic_size(ctx, value, axis)
+    if traced is not None and traced == symbolic_size(ctx, value, axis):
+        return True
+    return _onnxruntime_equal(ctx, (reshape.outputs[0], index), (value, axis))
+
+
+def _onnxruntime_equal(ctx: PassContext, *sizes: tuple[ir.Value, int]) -> bool:
+    """Whether onnxruntime's symbolic shape inference (on the graph as loaded) derives one
+    expression for these (value, axis) sizes: TorchScript computes them at run time from other
+    tensors' shapes, through broadcasts, where onnx's inference names each anew."""
+    if ctx.shapes is None:
+        return False
+    dims = ctx.shapes.symbolic_dims([value for value, _ in sizes])
+    found = {
+        str(shape[axis]) if shape is not None and -len(shape) <= axis < len(shape) else None
+        for shape, (_, axis) in zip(dims, sizes, strict=True)
+    }
+    return len(found) == 1 and None not in found and "None" not in found
 
 
 def _unfolded(ctx: PassContext, match: _Attention, heads: int) -> str | None:
@@ -979,11 +1167,19 @@ class _AttentionFusion(FusionPass):
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> str | None:
         merged: list[ir.Node] = []
+        if match.head_scale is not None:  # scale the query heads instead of the scores
+            if match.single_head or match.folds:
+                return "the scores are scaled per head, but the heads are folded into the batch"
+            scaled = ir.node("Mul", [match.heads, match.head_scale])
+            typed(scaled.outputs[0], ctx.dtype(match.heads), ctx.shape(match.heads))
+            merged.append(scaled)
+            match.heads, match.query = scaled.outputs[0], None
         if match.query is None:
             found = _merged_heads(ctx, match.heads, shared, transposed=True)
             if isinstance(found, str):
                 return found
-            match.query, merged = found
+            match.query, query_nodes = found
+            merged += query_nodes
         if match.key.swapped is not None:
             match.key.projection, swap = _transposed(ctx, *match.key.swapped)
             merged.append(swap)
@@ -1045,6 +1241,7 @@ class _AttentionFusion(FusionPass):
         nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
         keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
+        keep |= {fill.inputs[0] for fill in match.fills if fill.inputs[0] is not None}
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
         flatten = match.split_back is None and len(replaced) != 3
@@ -1064,14 +1261,22 @@ class _AttentionFusion(FusionPass):
         biases, reason = _bias(ctx, match)
         if reason is not None:
             return reason
+        if self.clamps_mask and any(_bias_values(b) is None for b in biases):
+            return (
+                "the additive mask is not a constant or a Where of constants, so it may "
+                "hold -FLT_MAX, which the standard Attention kernel takes for -inf"
+            )
+        if match.floored and not all(_finite(b) for b in biases):
+            return "the scores are floored by Max(., -FLT_MAX) and the additive mask may hold -inf"
+        if any(_rank(ctx, fill.inputs[0]) is None for fill in match.fills):
+            return "a masked_fill's condition has an unknown rank or more than 4 axes"
         cached = set(shared)
         new_nodes: list[ir.Node] = list(merged)
+        for fill in match.fills:  # last: no site declines past this point
+            bias, built = _fill_bias(ctx, fill, shared)
+            biases.append(bias)
+            new_nodes += built
         if self.clamps_mask:
-            if any(_bias_values(b) is None for b in biases):
-                return (
-                    "the additive mask is not a constant or a Where of constants, so it may "
-                    "hold -FLT_MAX, which the standard Attention kernel takes for -inf"
-                )
             clamped = [_clamped(b, match.root, shared) for b in biases]
             biases = [value for value, _ in clamped]
             new_nodes += [node for _, nodes in clamped for node in nodes]

@@ -63,6 +63,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gemma_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gpt_bigcode_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "gpt_bigcode_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "gpt_neo_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "gpt_neo_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
@@ -73,6 +75,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_dynamo": ((2, 5, 0, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
+    "mpt_dynamo": ((2, 5, 0, 2, 0), (2, 5, None, 2, 0)),
+    "mpt_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "phi3_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi3_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
@@ -85,18 +89,32 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "qwen3_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "roberta_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "roberta_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "roformer_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 4)),
+    "roformer_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 4)),
     "siglip_vision_dynamo": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "siglip_vision_ts17": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "swin_dynamo": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
     "swin_ts17": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
+    "swinv2_dynamo": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
+    "swinv2_ts17": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
     "wav2vec2_dynamo": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "wav2vec2_ts17": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "whisper_dynamo": ((6, 12, 12, 6, 0), (6, 12, None, 6, 0)),
     "whisper_ts17": ((6, 12, 12, 6, 0), (6, 12, None, 6, 0)),
+    "xglm_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "xglm_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
 }
 
 # (fixture, class) below target today: the near-misses of that class's fusectl passes.
 WHY: dict[tuple[str, str], str] = {
+    ("roformer_dynamo", "rotary"): (
+        "RotaryEmbeddingFusionPass: cos / sin are not each angle repeated twice in a row "
+        "(repeat_interleave)"
+    ),
+    ("roformer_ts17", "rotary"): (
+        "RotaryEmbeddingFusionPass: cos / sin are not each angle repeated twice in a row "
+        "(repeat_interleave)"
+    ),
     ("deberta_v2_dynamo", "attention"): (
         "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
         "biases and a constant scale (they come from Where); "

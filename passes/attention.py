@@ -137,7 +137,7 @@ class _Heads:
     # K^T read straight from [B, L, N, H] heads that are no plain split (rotary applied after
     # the split, GPT-J): the fused op reads them merged to [B, L, N*H] (_merged_heads).
     unsplit: ir.Value | None = None
-    # 3-D K^T [X, H, L] read as K [X, L, H]: (the tensor, the perm that gives K from it).
+    # K^T [X, H, L] or [B, N, H, L] read as K: (the tensor, the perm that gives K from it).
     swapped: tuple[ir.Value, list[int]] | None = None
     # ``tensor`` is a KV cache with new heads appended, Concat(past, split(projection)).
     cache: _Cache | None = None
@@ -172,9 +172,13 @@ def _appended(ctx: PassContext, value: ir.Value) -> _Cache | None:
     return None if projection is None else _Cache(past, projection, nodes)
 
 
-def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Heads | None:
+def _key_source(
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node], *, any_4d: bool = False
+) -> _Heads | None:
     """The key behind K^T [B,N,H,L] in the three spellings exporters use; the transposing
-    nodes go to ``nodes``."""
+    nodes go to ``nodes``. With ``any_4d``, K^T computed any other way (SqueezeBERT's
+    channel-first convolution reshaped straight to [B, N, H, L]) is read as its transpose, the
+    key heads [B, N, L, H] (MatMul(q, K^T) fixes its axes' meaning)."""
     transpose = producer_of(value, "Transpose")
     if transpose is not None and _perm(transpose) == [0, 2, 3, 1]:
         nodes.append(transpose)
@@ -189,7 +193,9 @@ def _key_source(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> _Hea
     swap = producer_of(back.inputs[0], "Transpose") if back is not None else None
     flat = producer_of(swap.inputs[0], "Reshape") if swap is not None else None
     if flat is None or _perm(swap) != [0, 2, 1]:
-        return None
+        shape = ctx.shape(value) if any_4d else None
+        four = shape is not None and len(shape) == 4
+        return _Heads(None, None, False, [], swapped=(value, [0, 1, 3, 2])) if four else None
     nodes += [back, swap, flat]
     return _heads(ctx, flat.inputs[0])
 
@@ -235,9 +241,10 @@ class _Attention:
     # 3-D attention [X, S, H] (heads folded into the batch and never unfolded, torch's
     # nn.MultiheadAttention with need_weights): one head over a batch of X.
     single_head: bool = False
-    # masked_fill of the scores, Where(c, scores, m) or Where(c, m, scores): each becomes the
-    # additive bias Where(c, 0, m) or Where(c, m, 0) (_fill_biases).
-    fills: list[ir.Node] = field(default_factory=list)
+    # Biases the scores are combined with otherwise than by Add, each read as the additive
+    # bias it is (_derived_bias): masked_fill Where(c, scores, m) or Where(c, m, scores) as
+    # Where(c, 0, m) or Where(c, m, 0), Sub(scores, b) as Neg(b).
+    derived: list[ir.Node] = field(default_factory=list)
     # The scores went through Max(x, c) with c <= -1e30 (-FLT_MAX), which keeps -inf out.
     floored: bool = False
     # The scores scaled per head by this constant [N, 1, 1] / [1, N, 1, 1]: the query heads
@@ -327,7 +334,7 @@ class _Walk:
 
     biases: list[ir.Value] = field(default_factory=list)
     folds: list[ir.Node] = field(default_factory=list)
-    fills: list[ir.Node] = field(default_factory=list)
+    derived: list[ir.Node] = field(default_factory=list)
     floored: bool = False
     head_scale: ir.Value | None = None  # a constant [N, 1, 1] or [1, N, 1, 1]
 
@@ -335,12 +342,12 @@ class _Walk:
 def _scores(
     ctx: PassContext, value: ir.Value, nodes: list[ir.Node], walk: _Walk
 ) -> tuple[ir.Node | None, float, ir.Value, float]:
-    """Walk Add(bias), masked_fill (_masked_fill), a floor (_floored), a soft-capping and a
-    scaling of the product (Div or Mul by a constant, as eager attention writes it) back to the
-    MatMul of the scores: the MatMul, that scale, the value the walk stopped at and the soft
-    cap (0: none). A Reshape from 3-D to 4-D on the way unfolds scores computed with the heads
-    folded into the batch: it goes to ``folds`` (the biases after it in ``nodes`` are added in
-    that layout, where a masked_fill or a floor is not read)."""
+    """Walk Add(bias), Sub(bias), masked_fill (_masked_fill), a floor (_floored), a
+    soft-capping and a scaling of the product (Div or Mul by a constant, as eager attention
+    writes it) back to the MatMul of the scores: the MatMul, that scale, the value the walk
+    stopped at and the soft cap (0: none). A Reshape from 3-D to 4-D on the way unfolds scores
+    computed with the heads folded into the batch: it goes to ``folds`` (the biases after it in
+    ``nodes`` are added in that layout, where a Sub, a masked_fill or a floor is not read)."""
     biases, folds = walk.biases, walk.folds
     for _ in range(6):
         add = producer_of(value, "Add")
@@ -352,9 +359,12 @@ def _scores(
             continue
         fill = _masked_fill(value) if not folds else None
         floor = _floored(value) if not folds else None
+        subtract = producer_of(value, "Sub") if not folds else None
+        if subtract is not None and _leads_to_matmul(subtract.inputs[0]):
+            fill = (subtract, 0)
         if fill is not None:
             nodes.append(fill[0])
-            walk.fills.append(fill[0])
+            walk.derived.append(fill[0])
             value = fill[0].inputs[fill[1]]  # type: ignore[assignment]
             continue
         if floor is not None:
@@ -492,7 +502,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     elif single_head:
         key = _unswapped_key(k_scaled, nodes)
     else:
-        key = _key_source(ctx, k_scaled, nodes)
+        key = _key_source(ctx, k_scaled, nodes, any_4d=True)
     heads = q_scaled
     # None: the heads are merged back (_merged_heads); 3-D, the query is read as it is.
     query = q_scaled if single_head else _split_heads(ctx, q_scaled, nodes)
@@ -530,7 +540,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         value3 = _Heads(None, values, False, [])
         return _Attention(
             heads, guard is not None, query, key, value3, scale, biases, result, context,
-            nodes, softcap, single_head=True, fills=walk.fills, floored=walk.floored,
+            nodes, softcap, single_head=True, derived=walk.derived, floored=walk.floored,
             head_scale=walk.head_scale,
         )  # fmt: skip
     value = _heads(ctx, values)
@@ -562,8 +572,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             return "the context's head size is unknown"
         return _Attention(
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
-            softcap, split_back=(split_back, value_size), fills=walk.fills, floored=walk.floored,
-            head_scale=walk.head_scale,
+            softcap, split_back=(split_back, value_size), derived=walk.derived,
+            floored=walk.floored, head_scale=walk.head_scale,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -580,7 +590,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         softcap,
         folds,
         folded,
-        fills=walk.fills,
+        derived=walk.derived,
         floored=walk.floored,
         head_scale=walk.head_scale,
     )
@@ -604,8 +614,8 @@ def _reshaped_back(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> i
 
 
 def _same_sizes(ctx: PassContext, first: ir.Value, second: ir.Value) -> bool:
-    """Whether two values provably have one shape: per axis one static size, or one product
-    of named dimensions (symbolic_size)."""
+    """Whether two values provably have one shape: per axis one static size, one product of
+    named dimensions (symbolic_size), or one onnxruntime symbolic expression."""
     shapes = ctx.shape(first), ctx.shape(second)
     if shapes[0] is None or shapes[1] is None or len(shapes[0]) != len(shapes[1]):
         return False
@@ -613,7 +623,9 @@ def _same_sizes(ctx: PassContext, first: ir.Value, second: ir.Value) -> bool:
         if isinstance(size, int) and size == other:
             continue
         traced = symbolic_size(ctx, first, axis)
-        if traced is None or traced != symbolic_size(ctx, second, axis):
+        if traced is not None and traced == symbolic_size(ctx, second, axis):
+            continue
+        if not _onnxruntime_equal(ctx, (first, axis), (second, axis)):
             return False
     return True
 
@@ -650,30 +662,45 @@ def _rank(ctx: PassContext, value: ir.Value | None) -> int | None:
     return len(shape) if shape is not None and len(shape) <= 4 else None
 
 
-def _fill_bias(
-    ctx: PassContext, fill: ir.Node, shared: dict[object, tuple[ir.Value, ...]]
+def _bias_source(node: ir.Node) -> ir.Value:
+    """What a derived bias is computed from: a masked_fill's condition, a subtracted mask."""
+    source = node.inputs[1] if node.op_type == "Sub" else node.inputs[0]
+    assert source is not None
+    return source
+
+
+def _derived_bias(
+    ctx: PassContext, node: ir.Node, shared: dict[object, tuple[ir.Value, ...]]
 ) -> tuple[ir.Value, list[ir.Node]]:
-    """The additive bias a masked_fill Where(c, scores, m) / Where(c, m, scores) is:
-    Where(c, 0, m) / Where(c, m, 0), once for every layer that fills by that condition."""
-    found = _masked_fill(fill.outputs[0])
+    """The additive bias of Sub(scores, b), Neg(b), or of a masked_fill Where(c, scores, m) /
+    Where(c, m, scores), Where(c, 0, m) / Where(c, m, 0); once for every layer that shares it."""
+    dtype = ctx.dtype(node.outputs[0]) or ir.DataType.FLOAT
+    source = _bias_source(node)
+    if node.op_type == "Sub":
+        key: tuple = ("negated", source)
+        if key not in shared:
+            negate = ir.node("Neg", [source])
+            typed(negate.outputs[0], dtype, ctx.shape(source))
+            shared[key] = (negate.outputs[0],)
+            return negate.outputs[0], [negate]
+        return shared[key][0], []
+    found = _masked_fill(node.outputs[0])
     assert found is not None
-    condition, scores = fill.inputs[0], found[1]
-    fill_value = fill.inputs[3 - scores]  # the constant m
-    key = ("mask fill", condition, _scalar(fill_value), scores)
+    fill_value = node.inputs[3 - found[1]]  # the constant m
+    key = ("mask fill", source, _scalar(fill_value), found[1])
     if key in shared:
         return shared[key][0], []
-    graph = fill.graph
-    assert graph is not None and condition is not None and fill_value is not None
-    dtype = ctx.dtype(fill.outputs[0]) or ir.DataType.FLOAT
+    graph = node.graph
+    assert graph is not None and fill_value is not None
     if ("fill zero", dtype) not in shared:
         zero = np.zeros((), dtype.numpy())
         shared["fill zero", dtype] = (new_constant(graph, f"{ctx.spec.name}/fill_zero", zero),)
     zero_value = shared["fill zero", dtype][0]
-    inputs = [condition, zero_value, fill_value]
-    if scores == 2:
-        inputs = [condition, fill_value, zero_value]
+    inputs = [source, zero_value, fill_value]
+    if found[1] == 2:
+        inputs = [source, fill_value, zero_value]
     where = ir.node("Where", inputs)
-    typed(where.outputs[0], dtype, ctx.shape(condition))
+    typed(where.outputs[0], dtype, ctx.shape(source))
     shared[key] = (where.outputs[0],)
     return where.outputs[0], [where]
 
@@ -1180,9 +1207,13 @@ class _AttentionFusion(FusionPass):
                 return found
             match.query, query_nodes = found
             merged += query_nodes
-        if match.key.swapped is not None:
-            match.key.projection, swap = _transposed(ctx, *match.key.swapped)
+        if match.key.swapped is not None:  # K from K^T: the projection (3-D) or the heads
+            swapped, swap = _transposed(ctx, *match.key.swapped)
             merged.append(swap)
+            if len(match.key.swapped[1]) == 4:
+                match.key.tensor = swapped
+            else:
+                match.key.projection = swapped
         if match.key.unsplit is not None and match.key.projection is None:
             found = _merged_heads(ctx, match.key.unsplit, shared, transposed=False)
             if isinstance(found, str):
@@ -1241,7 +1272,7 @@ class _AttentionFusion(FusionPass):
         nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
         keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
-        keep |= {fill.inputs[0] for fill in match.fills if fill.inputs[0] is not None}
+        keep |= {_bias_source(node) for node in match.derived}
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
         flatten = match.split_back is None and len(replaced) != 3
@@ -1268,12 +1299,17 @@ class _AttentionFusion(FusionPass):
             )
         if match.floored and not all(_finite(b) for b in biases):
             return "the scores are floored by Max(., -FLT_MAX) and the additive mask may hold -inf"
-        if any(_rank(ctx, fill.inputs[0]) is None for fill in match.fills):
-            return "a masked_fill's condition has an unknown rank or more than 4 axes"
+        if any(_rank(ctx, _bias_source(node)) is None for node in match.derived):
+            return "a masked_fill's condition or a subtracted mask has an unknown rank or > 4 axes"
+        if self.clamps_mask and any(node.op_type == "Sub" for node in match.derived):
+            return (
+                "a mask is subtracted from the scores, its values unknown, so it may hold "
+                "FLT_MAX, which the standard Attention kernel takes for inf"
+            )
         cached = set(shared)
         new_nodes: list[ir.Node] = list(merged)
-        for fill in match.fills:  # last: no site declines past this point
-            bias, built = _fill_bias(ctx, fill, shared)
+        for node in match.derived:  # last: no site declines past this point
+            bias, built = _derived_bias(ctx, node, shared)
             biases.append(bias)
             new_nodes += built
         if self.clamps_mask:

@@ -330,3 +330,69 @@ _RANDOM = frozenset(
         "Bernoulli",
     }
 )
+
+
+# Element-wise ops that broadcast their inputs to one shape, and one-input element-wise ops that
+# keep a shape (what may stand between an Expand and the op that broadcasts it anyway).
+_BROADCASTING = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal",
+     "Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+)  # fmt: skip
+_SHAPE_KEEPING = frozenset({"Cast", "Not", "Neg", "Identity"})
+
+
+@register_pass
+class BroadcastExpandEliminationPass(FusionPass):
+    """Not a pattern: each Expand to another tensor's run-time shape is judged alone."""
+
+    spec = PassSpec(
+        name="BroadcastExpandEliminationPass",
+        category=Category.GRAPH,
+        description="Expand(x, Shape(y)) read (through casts) by an element-wise op that also "
+        "reads y -> x: the op broadcasts to y's shape anyway (masked_fill with expand_as)",
+        aliases=("ExpandAsElimination",),
+        priority=3035,
+        emits=(),
+        canonical=True,
+    )
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for expand in ctx.op_index.of_type(model.graph, "Expand"):
+            if expand.graph is not model.graph:
+                continue
+            shape = expand.inputs[1].producer() if expand.inputs[1] is not None else None
+            if shape is None or shape.op_type != "Shape" or shape.attributes:
+                continue
+            first = _broadcast_reader(expand.outputs[0], shape.inputs[0])
+            if first is None or expand.outputs[0].is_graph_output():
+                continue
+            site = expand.name or "Expand"
+            if not ctx.may_rewrite("BroadcastExpand", site):
+                continue
+            reader, index = first
+            reader.replace_input_with(index, expand.inputs[0])
+            ctx.record_fusion("BroadcastExpand", [expand], [])
+            remove_dead(model.graph, [expand])
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+
+def _broadcast_reader(value: ir.Value, target: ir.Value | None) -> tuple[ir.Node, int] | None:
+    """(the node, its input index) reading ``value`` when ``value`` is read only through
+    shape-keeping one-input ops (each the only reader of the last) by a broadcasting op that
+    also reads ``target``: the Expand to ``target``'s shape changes nothing that op computes."""
+    current, reader = value, None
+    for _ in range(4):
+        uses = list(current.uses())
+        if len(uses) != 1 or current.is_graph_output():
+            return None
+        node, index = uses[0]
+        reader = reader or (node, index)
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type in _BROADCASTING:
+            return reader if target is not None and target in node.inputs else None
+        if node.op_type not in _SHAPE_KEEPING:
+            return None
+        current = node.outputs[0]
+    return None

@@ -608,11 +608,9 @@ def test_symbolic_head_size_is_not_matched(tmp_path: Path) -> None:
 GPTJ = ["arch/gptj_ts17", "arch/gptj_dynamo"]
 
 
-@pytest.mark.parametrize("name", GPTJ)
-def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Path) -> None:
-    """q and k of both layers: the rotated quarter of each head (R = 4 of 8) goes through
-    RotaryEmbedding(interleaved=1, num_heads=4); no rotate_every_two is left (TorchScript's
-    Shape arithmetic for its Reshape back dies with it)."""
+def _four_rotaries(name: str, tmp_path: Path) -> tuple[Run, onnx.GraphProto, list[onnx.NodeProto]]:
+    """The export's four rotations (q and k of two layers) each fused, no near-miss and no
+    rotation left: the run, the output graph and its RotaryEmbedding nodes."""
     assert Counter(n.op_type for n in _graph(fixture_path(name)).node)["Neg"] == 4
     run = optimize_checked(fixture_path(name), tmp_path)
     assert run.counts(ROTARY) == (4, 4)
@@ -620,7 +618,15 @@ def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Pat
     graph = _graph(run.output)
     ops = Counter(n.op_type for n in graph.node)
     assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
-    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    return run, graph, [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+
+
+@pytest.mark.parametrize("name", GPTJ)
+def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Path) -> None:
+    """q and k of both layers: the rotated quarter of each head (R = 4 of 8) goes through
+    RotaryEmbedding(interleaved=1, num_heads=4); no rotate_every_two is left (TorchScript's
+    Shape arithmetic for its Reshape back dies with it)."""
+    run, _, rotaries = _four_rotaries(name, tmp_path)
     for node in rotaries:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"interleaved": 1, "num_heads": 4}
@@ -639,15 +645,7 @@ def _interleaved_model(
     """x [B, S, 2, 8] rotated every two with cos_t / sin_t [1, S, 1, 4] repeat_interleave'd
     (Unsqueeze, Tile by 2, Reshape to ``table_target``); without ``repeated_sin``, sin [1, S,
     1, 8] is fed as is."""
-    nodes = [
-        _n("Slice", ["x", "zero", "max", "axis_last", "two_step"], "x_even"),
-        _n("Slice", ["x", "one", "max", "axis_last", "two_step"], "x_odd"),
-        _n("Neg", ["x_odd"], "x_neg"),
-        _n("Unsqueeze", ["x_neg", "axis_last"], "x_neg_5"),
-        _n("Unsqueeze", ["x_even", "axis_last"], "x_even_5"),
-        _n("Concat", ["x_neg_5", "x_even_5"], "x_pairs", axis=-1),
-        _n("Reshape", ["x_pairs", "merge_pairs"], "x_rot"),
-    ]
+    nodes = []
     tables = ["cos", "sin"] if repeated_sin else ["cos"]
     for table in tables:
         nodes += [
@@ -655,13 +653,9 @@ def _interleaved_model(
             _n("Tile", [f"{table}_5", "twice"], f"{table}_pairs"),
             _n("Reshape", [f"{table}_pairs", "merge_table"], table),
         ]
-    nodes += [
-        _n("Mul", ["x", "cos"], "x_cos"),
-        _n("Mul", ["x_rot", "sin" if repeated_sin else "sin_t"], "x_sin"),
-        _n("Add", ["x_cos", "x_sin"], "y"),
-    ]
+    nodes += _rotate_pairs("x", target="constant")
     shape = ["batch", "seq", HEADS, HEAD]
-    sin = ("sin_t", [1, "seq", 1, HALF if repeated_sin else HEAD])
+    sin = ("sin_t", [1, "seq", 1, HALF]) if repeated_sin else ("sin", [1, "seq", 1, HEAD])
     inputs = [value("x", shape), value("cos_t", [1, "seq", 1, HALF]), value(*sin)]
     ints = {
         "zero": [0],
@@ -674,7 +668,7 @@ def _interleaved_model(
         "merge_table": list(table_target),
     }
     constants = [const(name, numbers, np.int64) for name, numbers in ints.items()]
-    return save_model(path, nodes, inputs, [value("y", shape)], constants)
+    return save_model(path, nodes, inputs, [value("x_out", shape)], constants)
 
 
 def test_interleaved_rotary_synthetic(tmp_path: Path) -> None:
@@ -703,7 +697,7 @@ def test_interleaved_rotary_needs_repeated_angles(tmp_path: Path) -> None:
     model = _interleaved_model(tmp_path / "unrepeated.onnx", repeated_sin=False)
     run = optimize_checked(model, tmp_path)
     reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
-    assert_declined(run, ROTARY, reason, "y")
+    assert_declined(run, ROTARY, reason, "x_out")
     assert run.op_counts()["Neg"] == 1
     assert run.report["coverage"]["rotary"] == {
         "fused": 0,
@@ -726,17 +720,10 @@ INTERLEAVED_TRANSPOSED = ["arch/roformer_ts17", "arch/roformer_dynamo", "rotary/
 def test_interleaved_rotary_on_transposed_heads_in_every_layer(name: str, tmp_path: Path) -> None:
     """q and k of both layers; the rotaries read the projections (RoFormer's bias Add, Cohere's
     MatMul) and feed the fused attention directly, sharing one cache pair."""
-    assert Counter(n.op_type for n in _graph(fixture_path(name)).node)["Neg"] == 4
-    run = optimize_checked(fixture_path(name), tmp_path)
-    assert run.counts(ROTARY) == (4, 4)
-    assert reasons(run, ROTARY) == {}
-    graph = _graph(run.output)
-    ops = Counter(n.op_type for n in graph.node)
-    assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
+    run, graph, rotaries = _four_rotaries(name, tmp_path)
     producers = {out: n for n in graph.node for out in n.output}
     readers = _readers(graph)
     attention = "GroupQueryAttention" if "cohere" in name else "MultiHeadAttention"
-    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
     for node in rotaries:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"interleaved": 1}
@@ -795,9 +782,10 @@ def _cohere_tables(heads_axis: str = "axis1") -> list[onnx.NodeProto]:
 def _rotate_pairs(x: str, *, target: str = "shape") -> list[onnx.NodeProto]:
     """x_out = x * cos + rotate_every_two(x) * sin, the pairs Reshaped back to x's shape
     (Shape(x), or [0, 0, 0, -1])."""
+    shape = [_n("Shape", [x], f"{x}_shape")] if target == "shape" else []
     merge = f"{x}_shape" if target == "shape" else "merge_pairs"
     return [
-        _n("Shape", [x], f"{x}_shape"),
+        *shape,
         _n("Slice", [x, "zero", "max", "axis_last", "two_step"], f"{x}_even"),
         _n("Slice", [x, "one", "max", "axis_last", "two_step"], f"{x}_odd"),
         _n("Neg", [f"{x}_odd"], f"{x}_neg"),

@@ -13,14 +13,21 @@ for query row s, whatever positions the model computed the angles from (a KV-cac
 included). The rotation is applied to the [B, S, N*H] projection, before the head split, so
 the attention fusions still find their Transpose(Reshape(X)) head split above it.
 
-GPT-J rotates every two elements instead (``interleaved``), on heads [B, S, N, R] not yet
-transposed, with cos / sin [1, S, 1, R] repeated element-wise (repeat_interleave):
+GPT-J, RoFormer and Cohere rotate every two elements instead (``interleaved``):
 
     rotated = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., 0::2], -1), -1), x)
-    out = x * repeat_interleave(cos_t, 2) + rotated * repeat_interleave(sin_t, 2)
+    out = x * cos + rotated * sin
 
-which is RotaryEmbedding(interleaved=1) on x merged to [B, S, N*R], with cos_t / sin_t
-[1, S, 1, R/2] as the per-row caches.
+with each angle twice in a row in cos / sin (repeat_interleave, or torch.stack([t, t], -1)
+flattened), so every second element, flattened, is the cache, and RotaryEmbedding(interleaved=1)
+computes it.
+
+What is checked is what cos / sin hold, whatever spells it: each angle twice along the last axis
+(its two halves equal, or pairs), proven by propagation from a Concat(f, f), a merge of equal
+copies or a constant's values through element-wise and layout ops (``_repeats``); and which axis
+of x their rows run along, from how they broadcast against it. Either rotation goes with either
+layout: heads transposed to [B, N, S, H] (RotaryEmbedding on the projection before their head
+split, or on the 4-D heads) or not, [B, S, N, H] (GPT-J: merged to [B, S, N*H] around it).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
-from fusectl.rewrite.axes import shape_element
+from fusectl.rewrite.axes import Size, shape_element, slice_operands, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
@@ -46,8 +53,14 @@ from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, r
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
-# Element-wise steps between the duplicated angles and cos / sin that keep the two halves equal.
-_HALF_PRESERVING = frozenset({"Cos", "Sin", "Cast", "Identity"})
+# How the last axis of cos / sin holds each angle twice: its two halves equal (rotate_half's
+# cos(Concat(f, f))), or each element twice in a row (the interleaved form's repeat_interleave).
+HALVES, PAIRS = "halves", "pairs"
+# Element-wise ops of one operand: equal inputs give equal outputs.
+_UNARY = frozenset(
+    {"Cos", "Sin", "Cast", "Identity", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Tanh"}
+)
+_ARITHMETIC = frozenset({"Mul", "Div", "Add", "Sub"})
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
@@ -79,12 +92,11 @@ def _last_axis_slice(node: ir.Node, rank: int, step: int = 1) -> tuple[int, int]
     return starts[0], ends[0]
 
 
-def _last_axis_unsqueeze(value: ir.Value, rank: int, alone: bool = True) -> ir.Value | None:
-    """x from Unsqueeze(x, axes) whose rank-``rank`` output's last axis is a new one (the only
-    new one unless not ``alone``)."""
+def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
+    """x from Unsqueeze(x, [axis]) whose rank-``rank`` output's last axis is the new one."""
     node = producer_of(value, "Unsqueeze")
     axes = _ints(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
-    if axes is None or (alone and len(axes) != 1):
+    if axes is None or len(axes) != 1:
         return None
     return node.inputs[0] if rank - 1 in [a % rank for a in axes] else None
 
@@ -125,30 +137,6 @@ def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, l
     return x, nodes + [v.producer() for v in concat.inputs]
 
 
-def _repeated_pairs(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, ir.Shape] | None:
-    """(t, the shape of ``value``) when ``value`` [..., R] repeats each element of t [..., R/2]
-    twice along the last axis (repeat_interleave: Reshape(Tile(Unsqueeze(t, -1), [1, .., 2]))
-    or Expand to [.., 2])."""
-    reshape = producer_of(value, "Reshape")
-    if reshape is None:
-        return None
-    copies = reshape.inputs[0].producer()
-    if copies is None or copies.op_type not in ("Tile", "Expand") or copies.domain != "":
-        return None
-    table_shape = ctx.shape(copies.inputs[0])
-    pairs, merged = ctx.shape(copies.outputs[0]), ctx.shape(value)
-    if table_shape is None or pairs is None or merged is None or len(pairs) != len(merged) + 1:
-        return None
-    if pairs[-1] != 2 or table_shape[-1] != 1 or not isinstance(pairs[-2], int):
-        return None
-    # Leading axes kept (and the element count), so the last one is the pairs merged.
-    if not _keeps_leading(ctx, reshape, pairs, merged, len(merged) - 1):
-        return None
-    # The table's other new axes (heads, of size 1) leave its S x R/2 elements in row order.
-    table = _last_axis_unsqueeze(copies.inputs[0], len(pairs), alone=False)
-    return None if table is None else (table, ir.Shape([*pairs[:-2], 2 * pairs[-2]]))
-
-
 def _keeps_leading(
     ctx: PassContext, reshape: ir.Node, before: ir.Shape, after: ir.Shape, count: int
 ) -> bool:
@@ -156,11 +144,11 @@ def _keeps_leading(
     both sides, or a target element 0 that copies it."""
     target = reshape.inputs[1]
     copying = not reshape.attributes.get_int("allowzero", 0) and target is not None
-    return all(
-        _same_dim(before[axis], after[axis])
-        or (copying and shape_element(ctx, target, axis) == 0)  # type: ignore[arg-type]
-        for axis in range(count)
-    )
+
+    def copied(axis: int) -> bool:
+        return copying and shape_element(ctx, target, axis) == 0  # type: ignore[arg-type]
+
+    return all(_same_dim(before[axis], after[axis]) or copied(axis) for axis in range(count))
 
 
 def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
@@ -209,37 +197,180 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
     return None
 
 
-def _duplicated_halves(ctx: PassContext, value: ir.Value, depth: int = 8) -> bool:
-    """Whether the last axis of ``value`` is Concat(f, f) passed through element-wise steps
-    (cos, sin, casts, scaling by a scalar) and Unsqueezes that keep that axis last; or a
-    constant whose two halves are equal (the table folded from a static-shape export)."""
+def _repeats(ctx: PassContext, value: ir.Value, kind: str, depth: int = 16) -> bool:
+    """Whether the last axis of ``value`` holds each element twice: its two halves are equal
+    (HALVES) or each element is there twice in a row (PAIRS). Proven from what computes it, not
+    from one exporter's spelling: a constant is compared by value; Concat(f, f) on the last
+    axis gives halves, a Reshape merging [..., R/2, 2] whose last axis holds equal copies gives
+    pairs; element-wise ops of such values (or of values broadcast along the last axis) keep
+    the property, and so do the layout ops that leave the last axis as it is."""
     table = constant_value(value)
     if table is not None:
-        half = table.shape[-1] // 2 if table.ndim else 0
-        return (
-            half > 0
-            and table.shape[-1] == 2 * half
-            and bool(np.array_equal(table[..., :half], table[..., half:]))
-        )
+        return _repeated_in(table, kind)
     node = value.producer()
-    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+    shape = ctx.shape(value)
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx") or not shape:
         return False
-    inner = node.inputs[0]
-    if node.op_type == "Concat":
-        rank = len(shape) if (shape := ctx.shape(inner)) is not None else 0
-        last = node.attributes.get_int("axis") in (-1, rank - 1)
-        return len(node.inputs) == 2 and node.inputs[1] is inner and last
-    if node.op_type == "Unsqueeze":
+    op, inputs, last = node.op_type, node.inputs, len(shape) - 1
+    data = inputs[0] if inputs else None
+    if data is None:
+        return False
+    if op in _UNARY:
+        return _repeats(ctx, data, kind, depth - 1)
+    if op in _ARITHMETIC:  # each operand repeats, or is the same along the last axis
+        return all(
+            v is not None and (_flat(ctx, v) or _repeats(ctx, v, kind, depth - 1)) for v in inputs
+        )
+    if op == "Concat":
+        if node.attributes.get_int("axis", 0) % len(shape) == last:
+            return kind == HALVES and len(inputs) == 2 and _same_tensor(inputs[1], data)
+        parts = [v is not None and _repeats(ctx, v, kind, depth - 1) for v in inputs]
+        return all(parts)  # joined along another axis: each part's rows repeat
+    if op == "Reshape":
+        size, kept = symbolic_size(ctx, value, last), symbolic_size(ctx, data, -1)
+        if size is not None and size == kept:  # the rows are kept whole
+            return _repeats(ctx, data, kind, depth - 1)
+        return kind == PAIRS and _merged_pairs(ctx, data, size)
+    if op == "Expand":
+        return _flat(ctx, data) or _repeats(ctx, data, kind, depth - 1)
+    return _keeps_last_axis(ctx, node, len(shape)) and _repeats(ctx, data, kind, depth - 1)
+
+
+def _repeated_in(table: np.ndarray, kind: str) -> bool:
+    """Whether a constant's last axis holds each element twice, as ``kind`` says."""
+    if table.ndim == 0 or table.shape[-1] < 2 or table.shape[-1] % 2:
+        return False
+    half = table.shape[-1] // 2
+    first, second = (
+        (table[..., :half], table[..., half:])
+        if kind == HALVES
+        else (table[..., 0::2], table[..., 1::2])
+    )
+    return bool(np.array_equal(first, second))
+
+
+def _merged_pairs(ctx: PassContext, data: ir.Value, size: Size | None) -> bool:
+    """Whether a Reshape of ``data`` [..., R/2, 2] to a last axis of ``size`` R merges its last
+    two axes, and the last axis of ``data`` holds two equal copies."""
+    shape = ctx.shape(data)
+    if size is None or shape is None or len(shape) < 2:
+        return False
+    pair, half = symbolic_size(ctx, data, -1), symbolic_size(ctx, data, -2)
+    if pair != (2, ()) or half is None or size != (2 * half[0], half[1]):
+        return False
+    return _equal_copies(ctx, data)
+
+
+def _equal_copies(ctx: PassContext, value: ir.Value) -> bool:
+    """Whether all elements along the last axis of ``value`` are equal: a Concat on that axis
+    of one tensor with a last axis of size 1 (the same value, or the same Unsqueeze of one),
+    a Tile or Expand of a last axis of size 1 (torch.stack([t, t], -1), repeat_interleave)."""
+    node = value.producer()
+    table = constant_value(value)
+    if table is not None:
+        return table.ndim > 0 and bool(np.all(table == table[..., :1]))
+    shape = ctx.shape(value)
+    if node is None or node.domain not in ("", "ai.onnx") or not shape:
+        return False
+    if node.op_type in ("Tile", "Expand"):
+        return node.inputs[0] is not None and _flat(ctx, node.inputs[0])
+    if (
+        node.op_type != "Concat"
+        or node.attributes.get_int("axis", 0) % len(shape) != len(shape) - 1
+    ):
+        return False
+    first = node.inputs[0]
+    return (
+        first is not None
+        and _flat(ctx, first)
+        and all(v is not None and _same_tensor(v, first) for v in node.inputs)
+    )
+
+
+def _same_tensor(a: ir.Value, b: ir.Value) -> bool:
+    """Whether two values are the same tensor: one value, or the same Unsqueeze of one value
+    (TorchScript writes torch.stack([t, t]) with an Unsqueeze per operand)."""
+    if a is b:
+        return True
+    left, right = producer_of(a, "Unsqueeze"), producer_of(b, "Unsqueeze")
+    if left is None or right is None or left.inputs[0] is not right.inputs[0]:
+        return False
+    axes = _ints(left.inputs[1]) if len(left.inputs) > 1 else None
+    return axes is not None and len(right.inputs) > 1 and _ints(right.inputs[1]) == axes
+
+
+def _flat(ctx: PassContext, value: ir.Value) -> bool:
+    """Whether ``value`` is broadcast along the last axis: a scalar, or a last axis of 1."""
+    shape = ctx.shape(value)
+    return shape is not None and (len(shape) == 0 or symbolic_size(ctx, value, -1) == (1, ()))
+
+
+def _keeps_last_axis(ctx: PassContext, node: ir.Node, rank: int) -> bool:
+    """Whether a layout op leaves its data's last axis as it is, and last (``rank``: its
+    output's rank): Unsqueeze and Squeeze of other axes, Slice and Gather on other axes,
+    Transpose keeping it in place."""
+    op, data = node.op_type, node.inputs[0]
+    data_shape = ctx.shape(data) if data is not None else None
+    if not data_shape:
+        return False
+    if op in ("Unsqueeze", "Squeeze"):  # their axes count in the larger rank
         axes = _ints(node.inputs[1]) if len(node.inputs) > 1 else None
-        if axes is None or -1 in axes:
-            return False
-    elif node.op_type in ("Mul", "Div"):
-        factor = constant_value(node.inputs[1])
-        if factor is None or factor.size != 1:
-            return False
-    elif node.op_type not in _HALF_PRESERVING:
-        return False
-    return inner is not None and _duplicated_halves(ctx, inner, depth - 1)
+        axes = node.attributes.get_ints("axes", None) if axes is None else axes
+        larger = max(rank, len(data_shape))
+        return axes is not None and larger - 1 not in [a % larger for a in axes]
+    if op == "Slice":
+        operands = slice_operands(node, rank)
+        return operands is not None and all(axis != rank - 1 for axis, *_ in operands)
+    if op == "Gather":
+        return node.attributes.get_int("axis", 0) % len(data_shape) != len(data_shape) - 1
+    if op == "Transpose":
+        perm = node.attributes.get_ints("perm", None)
+        return perm is not None and perm[-1] == rank - 1
+    return False
+
+
+_NOT_REPEATED = {
+    HALVES: "cos / sin are not the same angles repeated in both halves (Concat(f, f))",
+    PAIRS: "cos / sin are not each angle repeated twice in a row (repeat_interleave)",
+}
+
+
+def _dims(ctx: PassContext, value: ir.Value) -> list[int | ir.SymbolicDim] | None:
+    """The value's sizes, those onnx left unknown or made up traced through the ops that
+    computed them (a Reshape target's -1, a shape read at run time) where that finds a static
+    size or one named dimension."""
+    shape = ctx.shape(value)
+    if shape is None:
+        return None
+    dims: list[int | ir.SymbolicDim] = []
+    for axis, dim in enumerate(shape):
+        size = symbolic_size(ctx, value, axis)
+        if size is not None and not size[1]:
+            dim = size[0]
+        elif size is not None and size[0] == 1 and len(size[1]) == 1:
+            dim = ir.SymbolicDim(size[1][0])
+        dims.append(dim)
+    return dims
+
+
+def _position_axis(
+    table: list[int | ir.SymbolicDim], x: ir.Shape, candidates: tuple[int, ...]
+) -> tuple[int, int | ir.SymbolicDim] | str:
+    """(axis, rows): the axis of x [B, ., ., R] the cos / sin table's rows run along, of
+    ``candidates`` (2 for heads transposed to [B, N, S, R], 1 for [B, S, N, R]) the first along
+    which alone the table may vary (broadcast along its others but the last), and the table's
+    size there; else why there is none."""
+    padded = [1] * (4 - len(table)) + list(table)
+    fitting = [
+        axis for axis in candidates if all(d == 1 for i, d in enumerate(padded[:3]) if i != axis)
+    ]
+    if not fitting:
+        return "cos / sin differ per batch row or head (position ids per row)"
+    for axis in fitting:
+        rows, positions = padded[axis], x[axis]
+        if rows == positions or (rows != 1 and not isinstance(positions, int)):
+            return axis, rows
+    return "cos / sin do not have one row per query position"
 
 
 def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
@@ -274,8 +405,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
         name="RotaryEmbeddingFusionPass",
         category=Category.UB,
         description="rotate_half rotary position embedding (LLaMA-style q/k) -> com.microsoft "
-        "RotaryEmbedding on the projection, before the head split; GPT-J's rotate_every_two "
-        "-> RotaryEmbedding(interleaved=1)",
+        "RotaryEmbedding on the projection, before the head split; rotate_every_two (GPT-J, "
+        "RoFormer, Cohere) -> RotaryEmbedding(interleaved=1)",
         aliases=("rotary_embedding_fusion", "RotaryEmbeddingFusion"),
         numerics=Numerics.REASSOCIATING,
         priority=4400,
@@ -299,47 +430,35 @@ class RotaryEmbeddingFusionPass(FusionPass):
 
     @staticmethod
     def _cache(
-        ctx: PassContext, angles: ir.Value, half: int, label: str, interleaved: bool
+        ctx: PassContext,
+        angles: ir.Value,
+        kind: str,
+        shape: tuple[int | ir.SymbolicDim, int],
+        label: str,
     ) -> tuple[list[ir.Node], ir.Value]:
-        """[S, H/2] rows of cos or sin: the first half of the last axis, flattened; for the
-        interleaved form the table before repeat_interleave, flattened."""
+        """``shape`` [S, R/2] rows of cos or sin: one copy of each angle of the last axis (its
+        first half, or every second element), flattened; a constant table gives a constant."""
         graph = angles.graph
         assert graph is not None
-        if interleaved:
-            repeated = _repeated_pairs(ctx, angles)
-            assert repeated is not None
-            angles = repeated[0]
+        half, step = shape[1], (1 if kind == HALVES else 2)
+        ends = half if kind == HALVES else 2 * half
         table = constant_value(angles)
         if table is not None:  # a constant table: its cache is a constant too
-            rows = table if interleaved else table[..., :half]
-            rows = np.ascontiguousarray(rows.reshape(-1, half))
-            return [], new_constant(graph, f"{label}/cache", rows)
-        bounds = (
-            {"rows": [-1, half]}
-            if interleaved
-            else {
-                "starts": [0],
-                "ends": [half],
-                "axes": [-1],
-                "rows": [-1, half],
-            }
-        )
+            copy = np.ascontiguousarray(table[..., 0:ends:step].reshape(-1, half))
+            return [], new_constant(graph, f"{label}/cache", copy)
+        bounds = {"starts": [0], "ends": [ends], "axes": [-1], "steps": [step], "rows": [-1, half]}
         constants = {
             suffix: new_constant(graph, f"{label}/{suffix}", np.array(numbers, np.int64))
             for suffix, numbers in bounds.items()
         }
-        if interleaved:  # the table's rank varies; shape inference gives the rows
-            flat = ir.node("Reshape", [angles, constants["rows"]])
-            return [flat], flat.outputs[0]
-        first_half = ir.node(
-            "Slice", [angles, constants["starts"], constants["ends"], constants["axes"]]
-        )
-        flat = ir.node("Reshape", [first_half.outputs[0], constants["rows"]])
-        shape, dtype = ctx.shape(angles), ctx.dtype(angles)
-        if shape is not None:
-            typed(first_half.outputs[0], dtype, ir.Shape([*shape[:-1], half]))
-            typed(flat.outputs[0], dtype, ir.Shape([shape[-2], half]))
-        return [first_half, flat], flat.outputs[0]
+        names = ("starts", "ends", "axes", "steps")
+        first = ir.node("Slice", [angles, *(constants[name] for name in names)])
+        flat = ir.node("Reshape", [first.outputs[0], constants["rows"]])
+        table_shape, dtype = ctx.shape(angles), ctx.dtype(angles)
+        if table_shape is not None:
+            typed(first.outputs[0], dtype, ir.Shape([*table_shape[:-1], half]))
+        typed(flat.outputs[0], dtype, ir.Shape(list(shape)))
+        return [first, flat], flat.outputs[0]
 
     @classmethod
     def _fuse(
@@ -351,37 +470,33 @@ class RotaryEmbeddingFusionPass(FusionPass):
         shape = ctx.shape(match.x)
         assert shape is not None
         head_size = int(shape[3])
-        # The position axis: x [B, N, S, H] after the head transpose; GPT-J's [B, S, N, R].
-        sequence = 1 if match.interleaved else 2
+        kind = PAIRS if match.interleaved else HALVES
+        # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
+        split = _head_split(ctx, match.x)
+        axes = set()
         for angles in (match.cos, match.sin):
-            angle_shape = ctx.shape(angles)
-            if match.interleaved:
-                repeated = _repeated_pairs(ctx, angles)
-                if repeated is None:
-                    return (
-                        "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
-                    )
-                angle_shape = repeated[1]
-            elif not _duplicated_halves(ctx, angles):
-                return "cos / sin are not the same angles repeated in both halves (Concat(f, f))"
-            if angle_shape is None or len(angle_shape) < 2 or angle_shape[-1] != head_size:
+            if not _repeats(ctx, angles, kind):
+                return _NOT_REPEATED[kind]
+            dims = _dims(ctx, angles)
+            if dims is None or not 2 <= len(dims) <= 4 or dims[-1] != head_size:
                 return "cos / sin do not have the head size as their last axis"
-            rows_axis = len(angle_shape) - 4 + sequence
-            others = [d for i, d in enumerate(angle_shape[:-1]) if i != rows_axis]
-            if rows_axis < 0 or any(d != 1 for d in others):
-                return "cos / sin differ per batch row or head (position ids per row)"
-            rows, positions = angle_shape[rows_axis], shape[sequence]
-            if rows != positions and (rows == 1 or isinstance(positions, int)):
-                return "cos / sin do not have one row per query position"
-        if match.interleaved and not isinstance(shape[2], int):
-            return "the number of heads of the interleaved rotary's input is unknown"
+            found = _position_axis(dims, shape, (2,) if split is not None else (2, 1))
+            if isinstance(found, str):
+                return found
+            axes.add(found[0])
+            rows = found[1]
+        if len(axes) != 1:
+            return "cos and sin run along different axes of the input"
+        # [B, S, N, H] heads not transposed: merged to [B, S, N*H] around the rotary.
+        merging = axes == {1}
+        if merging and not isinstance(shape[2], int):
+            return "the number of heads of the rotary's [B, S, N, H] input is unknown"
         dtype = ctx.dtype(match.x)
         if ctx.target == "ort" and not runtime.has_kernel("RotaryEmbedding", MS, 1, dtype):
             return f"onnxruntime has no com.microsoft.RotaryEmbedding kernel for {dtype}"
-        split = None if match.interleaved else _head_split(ctx, match.x)
         old_nodes = list(match.nodes)
-        if match.interleaved:  # TorchScript's Reshape back reads Shape(Concat): dies with it
-            absorb_shape_arithmetic(ctx, old_nodes, {match.x, match.cos, match.sin})
+        # A Reshape back of the rotated pairs to x's shape reads Shape(x): dies with it.
+        absorb_shape_arithmetic(ctx, old_nodes, {match.x, match.cos, match.sin})
         if (
             split is not None
             and uses_outside([*old_nodes, *split], [match.root.outputs[0]]) is None
@@ -395,17 +510,16 @@ class RotaryEmbeddingFusionPass(FusionPass):
         new_cache = key not in caches
         if new_cache:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
-            half = head_size // 2
-            pairs = match.interleaved
-            cos_nodes, cos_cache = cls._cache(ctx, match.cos, half, f"{label}/cos", pairs)
-            sin_nodes, sin_cache = cls._cache(ctx, match.sin, half, f"{label}/sin", pairs)
+            rows_shape = (rows, head_size // 2)
+            cos_nodes, cos_cache = cls._cache(ctx, match.cos, kind, rows_shape, f"{label}/cos")
+            sin_nodes, sin_cache = cls._cache(ctx, match.sin, kind, rows_shape, f"{label}/sin")
             new_nodes += cos_nodes + sin_nodes
             caches[key] = (cos_cache, sin_cache)
         cos_cache, sin_cache = caches[key]
         offset = _position_offset(match.root.graph)
         source = split[0].inputs[0] if split is not None else match.x
-        attributes = {"interleaved": 0}
-        if match.interleaved:  # [B, S, N, R] -> [B, S, N*R], as the kernel's 3-D input
+        attributes = {"interleaved": int(match.interleaved)}
+        if merging:  # [B, S, N, H] -> [B, S, N*H], as the kernel's 3-D input
             graph = match.root.graph
             assert graph is not None
             heads = int(shape[2])
@@ -421,7 +535,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             new_nodes.append(merged)
             merged_shape = ir.Shape([shape[0], shape[1], heads * head_size])
             source = typed(merged.outputs[0], ctx.dtype(match.x), merged_shape)
-            attributes = {"interleaved": 1, "num_heads": heads}
+            attributes["num_heads"] = heads
         rotary = ir.node(
             "RotaryEmbedding",
             [source, offset, cos_cache, sin_cache],
@@ -430,7 +544,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         )
         new_nodes.append(rotary)
         result = typed(rotary.outputs[0], ctx.dtype(source), ctx.shape(source))
-        if match.interleaved:
+        if merging:
             unmerged = ir.node("Reshape", [result, back])
             new_nodes.append(unmerged)
             result = typed(unmerged.outputs[0], ctx.dtype(match.x), shape)

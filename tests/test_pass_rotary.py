@@ -4,6 +4,7 @@ RotaryEmbedding, applied to the projection before the head split."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -198,10 +199,15 @@ def _n(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodePro
 
 
 def _angles(
-    *, second: str = "f", scale: str | None = None, dtype: int = TensorProto.FLOAT
+    *,
+    second: str = "f",
+    scale: str | None = None,
+    dtype: int = TensorProto.FLOAT,
+    heads_axis: str = "axis1",
 ) -> list[onnx.NodeProto]:
     """cos / sin [1 or B, 1, S, H] from positions pos [1 or B, S]; emb = Concat(f, second),
-    cos and sin multiplied by the constant ``scale`` when given (LLaMA's attention_scaling)."""
+    cos and sin multiplied by the constant ``scale`` when given (LLaMA's attention_scaling);
+    the heads axis of size 1 inserted at ``heads_axis`` ([1, S, 1, H] for "axis2")."""
     nodes = [
         _n("Cast", ["pos"], "pos_f", to=dtype),
         _n("Unsqueeze", ["pos_f", "axis2"], "pos_3"),  # [., S, 1]
@@ -222,8 +228,8 @@ def _angles(
     suffix = "_3" if scale is None else "_scaled"
     return [
         *nodes,
-        _n("Unsqueeze", [f"cos{suffix}", "axis1"], "cos"),
-        _n("Unsqueeze", [f"sin{suffix}", "axis1"], "sin"),
+        _n("Unsqueeze", [f"cos{suffix}", heads_axis], "cos"),
+        _n("Unsqueeze", [f"sin{suffix}", heads_axis], "sin"),
     ]
 
 
@@ -602,11 +608,9 @@ def test_symbolic_head_size_is_not_matched(tmp_path: Path) -> None:
 GPTJ = ["arch/gptj_ts17", "arch/gptj_dynamo"]
 
 
-@pytest.mark.parametrize("name", GPTJ)
-def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Path) -> None:
-    """q and k of both layers: the rotated quarter of each head (R = 4 of 8) goes through
-    RotaryEmbedding(interleaved=1, num_heads=4); no rotate_every_two is left (TorchScript's
-    Shape arithmetic for its Reshape back dies with it)."""
+def _four_rotaries(name: str, tmp_path: Path) -> tuple[Run, onnx.GraphProto, list[onnx.NodeProto]]:
+    """The export's four rotations (q and k of two layers) each fused, no near-miss and no
+    rotation left: the run, the output graph and its RotaryEmbedding nodes."""
     assert Counter(n.op_type for n in _graph(fixture_path(name)).node)["Neg"] == 4
     run = optimize_checked(fixture_path(name), tmp_path)
     assert run.counts(ROTARY) == (4, 4)
@@ -614,7 +618,15 @@ def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Pat
     graph = _graph(run.output)
     ops = Counter(n.op_type for n in graph.node)
     assert (ops["RotaryEmbedding"], ops["Neg"]) == (4, 0)
-    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    return run, graph, [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+
+
+@pytest.mark.parametrize("name", GPTJ)
+def test_gptj_interleaved_partial_rotary_in_every_layer(name: str, tmp_path: Path) -> None:
+    """q and k of both layers: the rotated quarter of each head (R = 4 of 8) goes through
+    RotaryEmbedding(interleaved=1, num_heads=4); no rotate_every_two is left (TorchScript's
+    Shape arithmetic for its Reshape back dies with it)."""
+    run, _, rotaries = _four_rotaries(name, tmp_path)
     for node in rotaries:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"interleaved": 1, "num_heads": 4}
@@ -633,15 +645,7 @@ def _interleaved_model(
     """x [B, S, 2, 8] rotated every two with cos_t / sin_t [1, S, 1, 4] repeat_interleave'd
     (Unsqueeze, Tile by 2, Reshape to ``table_target``); without ``repeated_sin``, sin [1, S,
     1, 8] is fed as is."""
-    nodes = [
-        _n("Slice", ["x", "zero", "max", "axis_last", "two_step"], "x_even"),
-        _n("Slice", ["x", "one", "max", "axis_last", "two_step"], "x_odd"),
-        _n("Neg", ["x_odd"], "x_neg"),
-        _n("Unsqueeze", ["x_neg", "axis_last"], "x_neg_5"),
-        _n("Unsqueeze", ["x_even", "axis_last"], "x_even_5"),
-        _n("Concat", ["x_neg_5", "x_even_5"], "x_pairs", axis=-1),
-        _n("Reshape", ["x_pairs", "merge_pairs"], "x_rot"),
-    ]
+    nodes = []
     tables = ["cos", "sin"] if repeated_sin else ["cos"]
     for table in tables:
         nodes += [
@@ -649,13 +653,9 @@ def _interleaved_model(
             _n("Tile", [f"{table}_5", "twice"], f"{table}_pairs"),
             _n("Reshape", [f"{table}_pairs", "merge_table"], table),
         ]
-    nodes += [
-        _n("Mul", ["x", "cos"], "x_cos"),
-        _n("Mul", ["x_rot", "sin" if repeated_sin else "sin_t"], "x_sin"),
-        _n("Add", ["x_cos", "x_sin"], "y"),
-    ]
+    nodes += _rotate_pairs("x", target="constant")
     shape = ["batch", "seq", HEADS, HEAD]
-    sin = ("sin_t", [1, "seq", 1, HALF if repeated_sin else HEAD])
+    sin = ("sin_t", [1, "seq", 1, HALF]) if repeated_sin else ("sin", [1, "seq", 1, HEAD])
     inputs = [value("x", shape), value("cos_t", [1, "seq", 1, HALF]), value(*sin)]
     ints = {
         "zero": [0],
@@ -668,34 +668,309 @@ def _interleaved_model(
         "merge_table": list(table_target),
     }
     constants = [const(name, numbers, np.int64) for name, numbers in ints.items()]
-    return save_model(path, nodes, inputs, [value("y", shape)], constants)
+    return save_model(path, nodes, inputs, [value("x_out", shape)], constants)
 
 
 def test_interleaved_rotary_synthetic(tmp_path: Path) -> None:
     model = _interleaved_model(tmp_path / "interleaved.onnx")
     run = optimize_checked(model, tmp_path)
     assert run.counts(ROTARY) == (1, 1)
-    assert run.op_counts() == Counter({"RotaryEmbedding": 1, "Reshape": 4})  # x and 2 caches
+    # x merged and split back; each cache every second angle of the table the model repeated
+    # (Unsqueeze, Tile, Reshape), flattened: computed once, whatever the number of layers
+    repeats = {"Unsqueeze": 2, "Tile": 2, "Reshape": 2}
+    assert run.op_counts() == Counter({"RotaryEmbedding": 1, "Slice": 2, "Reshape": 4}) + Counter(
+        repeats
+    )
     _compare(model, run, batch=2, seq=5)
 
 
-def test_interleaved_rotary_positions_not_provably_kept(tmp_path: Path) -> None:
-    """The tables' pairs merged by a target that infers the position axis (-1): unlike a 0,
-    which copies it (TorchScript's run-time target in canonical form), that proves nothing."""
+def test_interleaved_rotary_positions_inferred_by_the_merge(tmp_path: Path) -> None:
+    """The tables' pairs merged by a target that infers the position axis (-1), as dynamo
+    writes it: the element count ([1, S, 1, 4, 2] into [1, -1, 1, 8]) makes it S."""
     model = _interleaved_model(tmp_path / "inferred.onnx", table_target=(1, -1, 1, 8))
     run = optimize_checked(model, tmp_path)
-    reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
-    assert_declined(run, ROTARY, reason, "y")
+    assert run.counts(ROTARY) == (1, 1)
+    _compare(model, run, batch=2, seq=5)
 
 
 def test_interleaved_rotary_needs_repeated_angles(tmp_path: Path) -> None:
     model = _interleaved_model(tmp_path / "unrepeated.onnx", repeated_sin=False)
     run = optimize_checked(model, tmp_path)
     reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
-    assert_declined(run, ROTARY, reason, "y")
+    assert_declined(run, ROTARY, reason, "x_out")
     assert run.op_counts()["Neg"] == 1
     assert run.report["coverage"]["rotary"] == {
         "fused": 0,
         "total": 1,
         "unfused": [{"node": "x_pairs", "reason": f"{ROTARY}: {reason}"}],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Either rotation on either layout. RoFormer and Cohere rotate every two elements of heads
+# transposed to [B, N, S, H]: RotaryEmbedding(interleaved=1) on the projection, before the head
+# split, whatever spells each angle twice in a row in cos / sin (torch.stack([t, t], -1)
+# flattened, repeat_interleave).
+# ---------------------------------------------------------------------------------------------
+
+INTERLEAVED_TRANSPOSED = ["arch/roformer_ts17", "arch/roformer_dynamo", "rotary/cohere_dynamo"]
+
+
+@pytest.mark.parametrize("name", INTERLEAVED_TRANSPOSED)
+def test_interleaved_rotary_on_transposed_heads_in_every_layer(name: str, tmp_path: Path) -> None:
+    """q and k of both layers; the rotaries read the projections (RoFormer's bias Add, Cohere's
+    MatMul) and feed the fused attention directly, sharing one cache pair."""
+    run, graph, rotaries = _four_rotaries(name, tmp_path)
+    producers = {out: n for n in graph.node for out in n.output}
+    readers = _readers(graph)
+    attention = "GroupQueryAttention" if "cohere" in name else "MultiHeadAttention"
+    for node in rotaries:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"interleaved": 1}
+        assert producers[node.input[0]].op_type in ("MatMul", "Add")  # hoisted above the split
+        assert attention in {r.op_type for r in readers[node.output[0]]}
+    assert len({tuple(n.input[1:]) for n in rotaries}) == 1
+    _compare(fixture_path(name), run, batch=3, sequence=5)
+
+
+def _pairs_of(table: str, *, stack: str = "same") -> list[onnx.NodeProto]:
+    """``table`` [.., R/2] with each element twice in a row, as ``table``_pairs [.., R/2, 2]:
+    torch.stack([t, t], -1) as dynamo writes it (one Unsqueeze, "same") or TorchScript (one per
+    operand, "two"); repeat_interleave by Expand ("expand"); stack([t, t * 2]) ("differ")."""
+    second = {"same": f"{table}_5", "two": f"{table}_5b", "expand": "", "differ": f"{table}_5d"}
+    nodes = [_n("Unsqueeze", [table, "axis_last"], f"{table}_5")]
+    if stack == "expand":
+        return [*nodes, _n("Expand", [f"{table}_5", "twice"], f"{table}_pairs")]
+    if stack == "two":
+        nodes.append(_n("Unsqueeze", [table, "axis_last"], f"{table}_5b"))
+    if stack == "differ":
+        nodes.append(_n("Mul", [f"{table}_5", "two"], f"{table}_5d"))
+    return [*nodes, _n("Concat", [f"{table}_5", second[stack]], f"{table}_pairs", axis=-1)]
+
+
+def _roformer_tables(*, stack: str = "same", merge: str = "shape") -> list[onnx.NodeProto]:
+    """RoFormer: sin, cos = table [1, 1, S, H].chunk(2, -1), each repeated twice in a row by a
+    stack merged back to the table's shape (reshape_as: Shape(table), or [1, 1, -1, H])."""
+    target = {"shape": "table_shape", "constant": "table_target"}[merge]
+    nodes = [
+        _n("Shape", ["table"], "table_shape"),
+        _n("Slice", ["table", "zero", "half", "axis_last"], "sin_t"),
+        _n("Slice", ["table", "half", "max", "axis_last"], "cos_t"),
+    ]
+    for name in ("cos", "sin"):
+        nodes += _pairs_of(f"{name}_t", stack=stack)
+        nodes.append(_n("Reshape", [f"{name}_t_pairs", target], name))
+    return nodes
+
+
+def _cohere_tables(heads_axis: str = "axis1") -> list[onnx.NodeProto]:
+    """Cohere: emb = repeat_interleave(f, 2, -1) for the angles f = positions * inv_freq
+    [1, S, H/2]; cos / sin = Unsqueeze(Cos / Sin(emb), 1) [1, 1, S, H] (or at ``heads_axis``)."""
+    return [
+        _n("Cast", ["pos"], "pos_f", to=TensorProto.FLOAT),
+        _n("Unsqueeze", ["pos_f", "axis2"], "pos_3"),
+        _n("Mul", ["pos_3", "inv_freq"], "f"),
+        *_pairs_of("f", stack="expand"),
+        _n("Reshape", ["f_pairs", "emb_target"], "emb"),
+        _n("Cos", ["emb"], "cos_3"),
+        _n("Sin", ["emb"], "sin_3"),
+        _n("Unsqueeze", ["cos_3", heads_axis], "cos"),
+        _n("Unsqueeze", ["sin_3", heads_axis], "sin"),
+    ]
+
+
+def _rotate_pairs(x: str, *, target: str = "shape") -> list[onnx.NodeProto]:
+    """x_out = x * cos + rotate_every_two(x) * sin, the pairs Reshaped back to x's shape
+    (Shape(x), or [0, 0, 0, -1])."""
+    shape = [_n("Shape", [x], f"{x}_shape")] if target == "shape" else []
+    merge = f"{x}_shape" if target == "shape" else "merge_pairs"
+    return [
+        *shape,
+        _n("Slice", [x, "zero", "max", "axis_last", "two_step"], f"{x}_even"),
+        _n("Slice", [x, "one", "max", "axis_last", "two_step"], f"{x}_odd"),
+        _n("Neg", [f"{x}_odd"], f"{x}_neg"),
+        _n("Unsqueeze", [f"{x}_neg", "axis_last"], f"{x}_neg_5"),
+        _n("Unsqueeze", [f"{x}_even", "axis_last"], f"{x}_even_5"),
+        _n("Concat", [f"{x}_neg_5", f"{x}_even_5"], f"{x}_pairs", axis=-1),
+        _n("Reshape", [f"{x}_pairs", merge], f"{x}_rot"),
+        _n("Mul", [x, "cos"], f"{x}_cos"),
+        _n("Mul", [f"{x}_rot", "sin"], f"{x}_sin"),
+        _n("Add", [f"{x}_cos", f"{x}_sin"], f"{x}_out"),
+    ]
+
+
+def _layout_model(
+    path: Path,
+    tables: list[onnx.NodeProto],
+    rotation: list[onnx.NodeProto],
+    *,
+    layout: str = "split",
+    table: list[int | str] | None = None,
+    heads: int | str = HEADS,
+) -> Path:
+    """The rotary of x ("q" for the "split" layout, else "x") with cos / sin from ``tables``,
+    which read the positions pos [1, S] or the position table [1, 1, S, H] (or ``table``);
+    x is the head split of Q [B, S, N*H] ("split"), heads [B, N, S, H] fed as they are
+    ("heads") or heads not transposed, [B, S, N, H] ("untransposed")."""
+    x = "q" if layout == "split" else "x"
+    nodes = [*tables, *rotation]
+    if layout == "split":
+        nodes = [*_split_heads("Q", x, "q_target"), *nodes]
+        inputs = [value("Q", ["batch", "seq", HEADS * HEAD])]
+    shape = {
+        "split": ["batch", HEADS, "seq", HEAD],
+        "heads": ["batch", HEADS, "seq", HEAD],
+        "untransposed": ["batch", "seq", heads, HEAD],
+    }[layout]
+    if layout != "split":
+        inputs = [value(x, shape)]
+    read = {name for node in nodes for name in node.input}
+    if "table" in read:
+        inputs.append(value("table", table or [1, 1, "seq", HEAD]))
+    if "pos" in read:
+        inputs.append(value("pos", [1, "seq"], TensorProto.INT64))
+    ints = {
+        "one": [1],
+        "two_step": [2],
+        "twice": [1, 1, 1, 2],
+        "merge_pairs": [0, 0, 0, -1],
+        "table_target": [1, 1, -1, HEAD],
+        "emb_target": [1, -1, HEAD],
+    }
+    constants = [
+        *_constants(nodes),
+        *(const(name, v, np.int64) for name, v in ints.items() if name in read),
+    ]
+    return save_model(path, nodes, inputs, [value(f"{x}_out", shape)], constants)
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    ["stack_same", "stack_two", "stack_constant_target", "cohere", "reshape_target_constant"],
+)
+def test_interleaved_rotary_before_the_head_split(spelling: str, tmp_path: Path) -> None:
+    """Every spelling of each angle twice in a row, and of the rotated pairs' merge: one
+    RotaryEmbedding(interleaved=1) on the projection Q, split into heads after it."""
+    tables = {
+        "stack_same": _roformer_tables(),
+        "stack_two": _roformer_tables(stack="two"),
+        "stack_constant_target": _roformer_tables(merge="constant"),
+        "cohere": _cohere_tables(),
+        "reshape_target_constant": _roformer_tables(),
+    }[spelling]
+    target = "constant" if spelling == "reshape_target_constant" else "shape"
+    model = _layout_model(tmp_path / f"{spelling}.onnx", tables, _rotate_pairs("q", target=target))
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert (node.domain, node.input[0], attrs) == (MS, "Q", {"interleaved": 1})
+    assert [n.op_type for n in _readers(graph)[node.output[0]]] == ["Reshape"]
+    assert run.op_counts()["Neg"] == 0
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_interleaved_rotary_on_heads_without_a_split(tmp_path: Path) -> None:
+    """x [B, N, S, H] fed as is: RotaryEmbedding(interleaved=1) reads the 4-D heads."""
+    rotation = _rotate_pairs("x")
+    model = _layout_model(tmp_path / "heads.onnx", _roformer_tables(), rotation, layout="heads")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    assert (node.input[0], node.output[0]) == ("x", "x_out")
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_rotate_half_on_heads_not_transposed(tmp_path: Path) -> None:
+    """rotate_half of x [B, S, N, H] with cos / sin [1, S, 1, H] (Concat(f, f) unsqueezed at
+    the heads axis): RotaryEmbedding(interleaved=0, num_heads=N) on x merged to [B, S, N*H]."""
+    nodes = [*_angles(heads_axis="axis2"), *_rotate("x")]
+    model = _layout_model(tmp_path / "untransposed.onnx", [], nodes, layout="untransposed")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs == {"interleaved": 0, "num_heads": HEADS}
+    _compare(model, run, batch=3, seq=5)
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["equal_pairs", "unequal_pairs"])
+def test_constant_interleaved_tables(equal: bool, tmp_path: Path) -> None:
+    """cos / sin given as constants [1, 1, 3, H]: their pairs are compared by value, and the
+    caches are every second element, constants too."""
+    angles = np.outer(np.arange(3), 1.0 / 10000 ** (np.arange(HALF) / HALF))
+    table = np.repeat(angles, 2, axis=-1) if equal else np.concatenate([angles, angles], -1)
+    nodes = _rotate_pairs("x", target="constant")
+    model = save_model(
+        tmp_path / "tables.onnx",
+        nodes,
+        [value("x", ["batch", HEADS, 3, HEAD])],
+        [value("x_out", ["batch", HEADS, 3, HEAD])],
+        [
+            const("cos", np.cos(table).reshape(1, 1, 3, HEAD)),
+            const("sin", np.sin(table).reshape(1, 1, 3, HEAD)),
+            *_constants(nodes),
+            *(const(n, v, np.int64) for n, v in [("one", [1]), ("two_step", [2])]),
+            const("merge_pairs", [0, 0, 0, -1], np.int64),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    if not equal:
+        reason = "cos / sin are not each angle repeated twice in a row (repeat_interleave)"
+        assert_declined(run, ROTARY, reason, "x_out")
+        return
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    np.testing.assert_allclose(initializers[node.input[2]], np.cos(angles), rtol=1e-6)
+    _compare(model, run, batch=3)
+
+
+LAYOUT_MISSES: dict[str, tuple[Callable[[], list[onnx.NodeProto]], dict, str]] = {
+    # name: (cos / sin, model options, decline reason)
+    "pairs_differ": (
+        lambda: _roformer_tables(stack="differ"),
+        {},
+        "cos / sin are not each angle repeated twice in a row (repeat_interleave)",
+    ),
+    # a rotate_half table (Concat(f, f)) with the interleaved rotation: halves are no pairs
+    "halves_for_pairs": (
+        _angles,
+        {},
+        "cos / sin are not each angle repeated twice in a row (repeat_interleave)",
+    ),
+    "table_varies_along_heads": (
+        _roformer_tables,
+        {"table": [1, HEADS, "seq", HEAD]},
+        "cos / sin differ per batch row or head (position ids per row)",
+    ),
+    "table_per_batch_row": (
+        _roformer_tables,
+        {"table": ["batch", 1, "seq", HEAD]},
+        "cos / sin differ per batch row or head (position ids per row)",
+    ),
+    "one_row_for_every_position": (
+        _roformer_tables,
+        {"table": [1, 1, 1, HEAD]},
+        "cos / sin do not have one row per query position",
+    ),
+    "heads_not_transposed_unknown_count": (
+        lambda: _cohere_tables(heads_axis="axis2"),
+        {"layout": "untransposed", "heads": "heads"},
+        "the number of heads of the rotary's [B, S, N, H] input is unknown",
+    ),
+}
+
+
+@pytest.mark.parametrize("miss", sorted(LAYOUT_MISSES))
+def test_interleaved_near_misses(miss: str, tmp_path: Path) -> None:
+    tables, options, reason = LAYOUT_MISSES[miss]
+    x = "q" if options.get("layout", "split") == "split" else "x"
+    rotation = _rotate_pairs(x, target="constant")
+    model = _layout_model(tmp_path / f"{miss}.onnx", tables(), rotation, **options)
+    run = optimize_checked(model, tmp_path)
+    assert_declined(run, ROTARY, reason, f"{x}_out")
+    assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (0, 1)
+    _compare(model, run, batch=3, seq=5, heads=HEADS)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import symbolic_size
+from fusectl.rewrite.axes import size_sources, symbolic_size
 from fusectl.rewrite.graph import constant_value
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
@@ -292,6 +292,22 @@ def _worth_deriving(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
 # compares only with its own kind, sizes with sizes.
 
 
+def _source_dims(
+    site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
+) -> list[list[list[_Dim]]]:
+    """With each axis's size as every (value, axis) it is copied from unchanged: the residual
+    and the branch that adds to it meet where the branch reads the residual stream (the
+    attention's query, a projection's input), however many layers lie behind it."""
+    derived = [[list(sizes) for sizes in known] for known in dims]
+    for value, known in zip(values, derived, strict=True):
+        for axis, sizes in enumerate(known):
+            sizes += [
+                ir.SymbolicDim(f"copy:{id(source)}:{index}")
+                for source, index in size_sources(site.ctx, value, axis)
+            ]
+    return derived
+
+
 def _product_dims(
     site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
 ) -> list[list[list[_Dim]]]:
@@ -373,7 +389,7 @@ def _skip(
     # The kernel also broadcasts a skip of [1, S, H] or [S, H] (a position table) over the
     # batch of a [B, S, H] input.
     if not _fits(dims_a, dims_b) and _worth_deriving(dims_a, dims_b):
-        for derived in (_product_dims, _onnxruntime_dims):  # cheap first
+        for derived in (_source_dims, _product_dims, _onnxruntime_dims):  # cheap first
             dims_a, dims_b = derived(site, [a, b], [dims_a, dims_b])
             if _fits(dims_a, dims_b):
                 break

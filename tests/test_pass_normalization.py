@@ -26,6 +26,7 @@ from tests.pass_helpers import (
     const,
     fixture_path,
     optimize_checked,
+    pattern_counts,
     reasons,
     save_model,
     value,
@@ -153,10 +154,11 @@ def _projected(
     bias_shape: tuple[int, ...] | None = None,
     bias_read: bool = False,
     fed_bias: bool = False,
+    beta: bool = True,
 ) -> Path:
     """MatMul(x, w) + bias, then the residual Add and LayerNormalization: BERT's output block.
     ``bias_read`` makes the biased projection a second graph output; ``fed_bias`` feeds the
-    bias as a graph input."""
+    bias as a graph input; without ``beta`` the norm has no bias (MPT's, OLMo's)."""
     rng = np.random.default_rng(1)
     hidden = SHAPE[-1]
     shape = bias_shape or (hidden,)
@@ -164,7 +166,9 @@ def _projected(
         _n("MatMul", ["x", "w"], "proj"),
         _n("Add", ["proj", "bias"], "dense"),
         _n("Add", ["dense", "residual"], "total"),
-        helper.make_node("LayerNormalization", ["total", "gamma", "beta"], ["y"], axis=-1),
+        helper.make_node(
+            "LayerNormalization", ["total", "gamma", "beta"][: 3 if beta else 2], ["y"], axis=-1
+        ),
     ]
     inputs = [value("x", SHAPE), value("residual", SHAPE)]
     outputs = [value("y", SHAPE)] + ([value("dense", SHAPE)] if bias_read else [])
@@ -186,6 +190,26 @@ def test_projection_bias_goes_into_the_skip_kernel(tmp_path: Path) -> None:
     assert run.op_counts() == Counter({"MatMul": 1, "SkipLayerNormalization": 1})
     skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
     assert list(skip.input) == ["proj", "residual", "gamma", "beta", "bias"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "inputs"),
+    [
+        ({}, ["proj", "residual", "gamma", "", "bias"]),
+        ({"bias_read": True}, ["dense", "residual", "gamma"]),
+    ],
+    ids=["with_the_projection_bias", "alone"],
+)
+def test_layer_norm_without_beta_is_a_skip_norm_without_beta(
+    kwargs: dict, inputs: list[str], tmp_path: Path
+) -> None:
+    """LayerNormalization(x, gamma) (MPT's and OLMo's dynamo exports; OLMo's gamma is ones):
+    SkipLayerNormalization's beta is optional, left empty where the projection bias follows."""
+    run = optimize_checked(_projected(tmp_path / "no_beta.onnx", beta=False, **kwargs), tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert pattern_counts(run, SKIP)["AddLayerNormalizationNoBeta"] == (1, 1)
+    skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
+    assert list(skip.input) == inputs
 
 
 @pytest.mark.parametrize(
@@ -769,6 +793,19 @@ def test_residual_sizes_copied_through_contrib_ops(
     (miss,) = run.passed(SKIP)["near_misses"]
     assert miss["reason"] == "the residual Add's inputs are not two 3-D tensors of one shape"
     assert miss["examples"] == [declined]
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_dynamo_layer_norms_without_beta(tmp_path: Path) -> None:
+    """MPT's dynamo export: LayerNormalization(x, gamma) after every residual Add."""
+    name = "holdout/mpt_dynamo"
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(SKIP) == (4, 4)
+    assert run.op_counts()[SKIP_OP] == 4
     feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
     for want, got in zip(
         run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import symbolic_size
+from fusectl.rewrite.axes import size_sources, symbolic_size
 from fusectl.rewrite.graph import constant_value
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
@@ -292,6 +292,22 @@ def _worth_deriving(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
 # compares only with its own kind, sizes with sizes.
 
 
+def _source_dims(
+    site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
+) -> list[list[list[_Dim]]]:
+    """With each axis's size as every (value, axis) it is copied from unchanged: the residual
+    and the branch that adds to it meet where the branch reads the residual stream (the
+    attention's query, a projection's input), however many layers lie behind it."""
+    derived = [[list(sizes) for sizes in known] for known in dims]
+    for value, known in zip(values, derived, strict=True):
+        for axis, sizes in enumerate(known):
+            sizes += [
+                ir.SymbolicDim(f"copy:{id(source)}:{index}")
+                for source, index in size_sources(site.ctx, value, axis)
+            ]
+    return derived
+
+
 def _product_dims(
     site: Site, values: list[ir.Value], dims: list[list[list[_Dim]]]
 ) -> list[list[list[_Dim]]]:
@@ -359,9 +375,12 @@ def _skip(
     beta: ir.Value | None,
     epsilon: float,
     rounded_to: ir.DataType | None = None,
+    centred: bool | None = None,
 ) -> ir.Value:
-    """onnxruntime's SkipLayerNormalization (SkipSimplifiedLayerNormalization when there is
-    no beta: the RMS form): norm(a + b) over the last axis of a 3-D input.
+    """onnxruntime's SkipLayerNormalization (SkipSimplifiedLayerNormalization for the RMS
+    form, not ``centred``; by default, the form without beta): norm(a + b) over the last axis
+    of a 3-D input. A layer norm without beta (MPT's, OLMo's) is SkipLayerNormalization
+    without its optional beta input.
 
     With ``rounded_to`` (the Cast form of an RMS norm, see ``_rounded_to``) the kernel runs
     in float32 on a and b cast to float32, with gamma as float32, and its output (and the sum
@@ -373,7 +392,7 @@ def _skip(
     # The kernel also broadcasts a skip of [1, S, H] or [S, H] (a position table) over the
     # batch of a [B, S, H] input.
     if not _fits(dims_a, dims_b) and _worth_deriving(dims_a, dims_b):
-        for derived in (_product_dims, _onnxruntime_dims):  # cheap first
+        for derived in (_source_dims, _product_dims, _onnxruntime_dims):  # cheap first
             dims_a, dims_b = derived(site, [a, b], [dims_a, dims_b])
             if _fits(dims_a, dims_b):
                 break
@@ -382,13 +401,14 @@ def _skip(
         a, b, dims_a, dims_b = b, a, dims_b, dims_a
     if broadcast and not _batch_broadcast(dims_a, dims_b):
         raise Decline("the residual Add's inputs are not two 3-D tensors of one shape")
-    op_type = "SkipLayerNormalization" if beta is not None else "SkipSimplifiedLayerNormalization"
+    centred = beta is not None if centred is None else centred
+    op_type = "SkipLayerNormalization" if centred else "SkipSimplifiedLayerNormalization"
     site.require_kernel(op_type, site.dtype(a) if rounded_to is None else _FLOAT, MS)
     hidden = next((d for d in dims_a[-1] + dims_b[-1] if isinstance(d, int)), None)
     widen = rounded_to is not None
     params = [_param(site, op, gamma, "gamma", hidden, widen)]
-    if beta is not None:
-        params.append(_param(site, op, beta, "beta", hidden, widen))
+    if centred:  # beta, or the empty input that stands for none
+        params.append(None if beta is None else _param(site, op, beta, "beta", hidden, widen))
     # The bias variant: a projection's bias Add in front of the residual goes into the kernel.
     projected = None if widen else _projection_bias(site, a, hidden)
     if projected is None and not widen and not broadcast:
@@ -398,6 +418,8 @@ def _skip(
     if projected is not None:
         a, bias = projected
         params.append(bias)
+    while params[-1] is None:  # no trailing empty input
+        params.pop()
     if widen:
         a, b = (op.Cast(v, to=_FLOAT) if site.dtype(v) != _FLOAT else v for v in (a, b))
     # The sum a + b often feeds the next residual too: the kernel's fourth output keeps it.
@@ -466,6 +488,11 @@ def _add_layer_normalization(op: Any, a: Any, b: Any, gamma: Any, beta: Any) -> 
     return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True)
 
 
+def _add_layer_normalization_without_beta(op: Any, a: Any, b: Any, gamma: Any) -> Any:
+    total = op.Add(a, b, _outputs=["total"])
+    return op.LayerNormalization(total, gamma, _allow_other_attributes=True)
+
+
 def _skip_native(
     op: Any,
     site: Site,
@@ -473,7 +500,7 @@ def _skip_native(
     b: ir.Value,
     total: ir.Value,
     gamma: ir.Value,
-    beta: ir.Value,
+    beta: ir.Value | None = None,
 ) -> ir.Value:
     norm = site.node("LayerNormalization")
     shape = site.shape(total)
@@ -483,8 +510,10 @@ def _skip_native(
     if norm.attributes.get_int("stash_type", 1) != 1:
         raise Decline("LayerNormalization computes in another precision (stash_type)")
     site.require_constant(gamma, "gamma")
-    site.require_constant(beta, "beta")
-    return _skip(op, site, a, b, total, gamma, beta, norm.attributes.get_float("epsilon", 1e-5))
+    if beta is not None:
+        site.require_constant(beta, "beta")
+    epsilon = norm.attributes.get_float("epsilon", 1e-5)
+    return _skip(op, site, a, b, total, gamma, beta, epsilon, centred=True)
 
 
 @register_pass
@@ -505,6 +534,12 @@ class AddLayerNormFusionPass(PatternPass):
         Rule("AddLayerNormPow", _pattern("Pow", True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormMul", _pattern("Mul", True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormalization", _add_layer_normalization, _skip_native, exposes=("total",)),
+        Rule(
+            "AddLayerNormalizationNoBeta",
+            _add_layer_normalization_without_beta,
+            _skip_native,
+            exposes=("total",),
+        ),
     )
 
     def keep_unfused(self, nodes: Sequence[ir.Node]) -> bool:

@@ -73,7 +73,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "mistral_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
-    "modernbert_dynamo": ((2, 5, 0, 2, 4), (2, 5, None, 2, 4)),
+    "modernbert_dynamo": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "mpt_dynamo": ((2, 5, 0, 2, 0), (2, 5, None, 2, 0)),
     "mpt_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
+from fusectl.rewrite import shapes
 from tests.conftest import (
     Run,
     assert_same_outputs,
@@ -25,6 +26,7 @@ from tests.pass_helpers import (
     const,
     fixture_path,
     optimize_checked,
+    pattern_counts,
     reasons,
     save_model,
     value,
@@ -152,10 +154,11 @@ def _projected(
     bias_shape: tuple[int, ...] | None = None,
     bias_read: bool = False,
     fed_bias: bool = False,
+    beta: bool = True,
 ) -> Path:
     """MatMul(x, w) + bias, then the residual Add and LayerNormalization: BERT's output block.
     ``bias_read`` makes the biased projection a second graph output; ``fed_bias`` feeds the
-    bias as a graph input."""
+    bias as a graph input; without ``beta`` the norm has no bias (MPT's, OLMo's)."""
     rng = np.random.default_rng(1)
     hidden = SHAPE[-1]
     shape = bias_shape or (hidden,)
@@ -163,7 +166,9 @@ def _projected(
         _n("MatMul", ["x", "w"], "proj"),
         _n("Add", ["proj", "bias"], "dense"),
         _n("Add", ["dense", "residual"], "total"),
-        helper.make_node("LayerNormalization", ["total", "gamma", "beta"], ["y"], axis=-1),
+        helper.make_node(
+            "LayerNormalization", ["total", "gamma", "beta"][: 3 if beta else 2], ["y"], axis=-1
+        ),
     ]
     inputs = [value("x", SHAPE), value("residual", SHAPE)]
     outputs = [value("y", SHAPE)] + ([value("dense", SHAPE)] if bias_read else [])
@@ -185,6 +190,26 @@ def test_projection_bias_goes_into_the_skip_kernel(tmp_path: Path) -> None:
     assert run.op_counts() == Counter({"MatMul": 1, "SkipLayerNormalization": 1})
     skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
     assert list(skip.input) == ["proj", "residual", "gamma", "beta", "bias"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "inputs"),
+    [
+        ({}, ["proj", "residual", "gamma", "", "bias"]),
+        ({"bias_read": True}, ["dense", "residual", "gamma"]),
+    ],
+    ids=["with_the_projection_bias", "alone"],
+)
+def test_layer_norm_without_beta_is_a_skip_norm_without_beta(
+    kwargs: dict, inputs: list[str], tmp_path: Path
+) -> None:
+    """LayerNormalization(x, gamma) (MPT's and OLMo's dynamo exports; OLMo's gamma is ones):
+    SkipLayerNormalization's beta is optional, left empty where the projection bias follows."""
+    run = optimize_checked(_projected(tmp_path / "no_beta.onnx", beta=False, **kwargs), tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert pattern_counts(run, SKIP)["AddLayerNormalizationNoBeta"] == (1, 1)
+    skip = next(n for n in onnx.load(str(run.output)).graph.node if n.op_type == SKIP_OP)
+    assert list(skip.input) == inputs
 
 
 @pytest.mark.parametrize(
@@ -740,4 +765,133 @@ def test_residual_sizes_proven_by_their_arithmetic(name: str, skip: int, tmp_pat
     for want, got in zip(
         run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
     ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+# Architectures outside the matrix (tests/fixtures/holdout, TorchScript, opset 17). ConvBERT
+# reshapes each attention context back with sizes read at run time from a Concat of the fused
+# MultiHeadAttention's heads and its convolution heads; GPT-Neo's pre-LN residual is the sum a
+# SkipLayerNormalization keeps, and its scores a FusedMatMul. The branch reaches the residual
+# stream only through those contrib ops, and layer 1's only after as many ops as layer 0 has:
+# the sizes are proven by where the branch copies them from (its query, its projection's
+# input), which is where the residual is. Left: ConvBERT's embedding sum (a token-type row
+# expanded to a computed shape) and GPT-Neo's second post-attention norm (its local-attention
+# mask broadcasts the scores to a length no op ties to the query's).
+@pytest.mark.parametrize(
+    ("name", "skip", "declined"),
+    [
+        ("holdout/convbert_ts17", 4, "/inner/embeddings/LayerNorm/LayerNormalization"),
+        ("holdout/gpt_neo_ts17", 4, "/inner/h.1/ln_2/LayerNormalization"),
+    ],
+)
+def test_residual_sizes_copied_through_contrib_ops(
+    name: str, skip: int, declined: str, tmp_path: Path
+) -> None:
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(SKIP) == (skip + 1, skip)
+    assert run.op_counts()[SKIP_OP] == skip
+    (miss,) = run.passed(SKIP)["near_misses"]
+    assert miss["reason"] == "the residual Add's inputs are not two 3-D tensors of one shape"
+    assert miss["examples"] == [declined]
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_dynamo_layer_norms_without_beta(tmp_path: Path) -> None:
+    """MPT's dynamo export: LayerNormalization(x, gamma) after every residual Add."""
+    name = "holdout/mpt_dynamo"
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert run.counts(SKIP) == (4, 4)
+    assert run.op_counts()[SKIP_OP] == 4
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def _suffixed(nodes: list[onnx.NodeProto], suffix: str, keep: set[str]) -> list[onnx.NodeProto]:
+    """The nodes with every value name not in ``keep`` suffixed (one norm per layer)."""
+    for node in nodes:
+        for names in (node.input, node.output):
+            names[:] = [name if name in keep else name + suffix for name in names]
+        node.name += suffix
+    return nodes
+
+
+def _copied_residual_model(path: Path, layers: int, extra: bool = False) -> Path:
+    """``layers`` residual blocks h' = norm(h + Relu(Transpose(Transpose(h @ W)))), the inner
+    Transpose declared with sizes of its own (as onnx names a contrib op's output), so that
+    neither inferred nor named sizes tie the branch to h: only where the branch copies them
+    from does. With ``extra`` the last branch adds an input of its own shape [X, T, 8] first,
+    which may broadcast the branch (X or T may be 1, or h's may be)."""
+    rng = np.random.default_rng(0)
+    nodes: list[onnx.NodeProto] = []
+    inits = _norm_constants(rng)
+    infos, residual = [], "a"
+    for layer in range(layers):
+        k = f"_{layer}"
+        nodes += [
+            _n("MatMul", [residual, f"w{k}"], f"m{k}"),
+            _n("Transpose", [f"m{k}"], f"t{k}", perm=[1, 0, 2]),
+            _n("Transpose", [f"t{k}"], f"u{k}", perm=[1, 0, 2]),
+        ]
+        branch = f"u{k}"
+        if extra and layer == layers - 1:
+            nodes.append(_n("Add", ["x", branch], f"v{k}"))
+            branch = f"v{k}"
+        nodes += [
+            _n("Relu", [branch], f"o{k}"),
+            _n("Add", [f"o{k}", residual], f"total{k}"),
+            *_suffixed(_layer_norm(f"total{k}", f"h{k}"), k, {f"total{k}", f"h{k}"} | _CONSTANTS),
+        ]
+        inits.append(const(f"w{k}", rng.normal(0, 0.3, (8, 8))))
+        infos.append(value(f"t{k}", [f"s{k}", f"n{k}", 8]))
+        residual = f"h{k}"
+    inputs = [value("a", ["B", "S", 8])] + ([value("x", ["X", "T", 8])] if extra else [])
+    outputs = [value(residual, ["X" if extra else "B", "T" if extra else "S", 8])]
+    return save_model(path, nodes, inputs, outputs, inits, value_info=infos)
+
+
+_CONSTANTS = {"two", "eps", "gamma", "beta"}
+
+
+@pytest.fixture
+def no_symbolic_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's symbolic inference not run, as past its node budget or where it fails
+    (ConvBERT's position slice, Min(32, S), broadcast against S)."""
+    monkeypatch.setattr(shapes, "SYMBOLIC_NODE_LIMIT", 0)
+
+
+@pytest.mark.usefixtures("no_symbolic_inference")
+def test_residual_sizes_copied_through_every_layer(tmp_path: Path) -> None:
+    """Each block's branch copies h's sizes (MatMul rows, two Transposes, Relu), whatever the
+    declared shapes say and however deep h lies: every residual norm is fused."""
+    model = _copied_residual_model(tmp_path / "copied.onnx", layers=6)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP) == (6, 6)
+    assert run.op_counts()[SKIP_OP] == 6
+    for sizes in ({"B": 3, "S": 5}, {"B": 1, "S": 1}):
+        feeds = random_feeds(model, dims=sizes)
+        for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.usefixtures("no_symbolic_inference")
+def test_a_branch_broadcast_on_the_way_is_not_copied(tmp_path: Path) -> None:
+    """The last branch adds x [X, T, 8]: its sizes are no longer copies of h's (h may be
+    [1, 1, 8] and x [2, 4, 8]: the residual Add then broadcasts h), so that norm is declined;
+    the others are fused."""
+    model = _copied_residual_model(tmp_path / "broadcast.onnx", layers=3, extra=True)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP) == (3, 2)
+    assert reasons(run, SKIP) == {
+        "the residual Add's inputs are not two 3-D tensors of one shape": 1
+    }
+    feeds = random_feeds(model, dims={"B": 1, "S": 1, "X": 2, "T": 4})
+    assert run_model(run.output, feeds)[0].shape == (2, 4, 8)
+    for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)

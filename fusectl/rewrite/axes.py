@@ -362,29 +362,11 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
     node = value.producer()
     if node is None or depth == 0:
         return None
-    rotary = node.domain == MS and node.op_type == "RotaryEmbedding"  # shape-preserving
-    if node.domain not in ("", "ai.onnx") and not rotary:
-        return None
     inputs = list(node.inputs)
-    same = node.op_type in _SAME_SHAPE or node.op_type == "LayerNormalization" or rotary
-    if same and value is node.outputs[0] and inputs[0] is not None:
-        return symbolic_size(ctx, inputs[0], axis, depth - 1)
-    if node.op_type == "Gather" and None not in inputs[:2]:  # a scalar index drops its axis
-        index = constant_value(inputs[1])
-        gathered = node.attributes.get_int("axis", 0) % (len(shape) + 1)
-        if index is None or index.ndim != 0:
-            return None
-        source = axis if axis < gathered else axis + 1
-        return symbolic_size(ctx, inputs[0], source, depth - 1)  # type: ignore[arg-type]
-    if node.op_type == "Transpose" and inputs[0] is not None:
-        perm = node.attributes.get_ints("perm", None) or list(reversed(range(len(shape))))
-        return symbolic_size(ctx, inputs[0], perm[axis], depth - 1)
-    if node.op_type == "MatMul" and axis >= len(shape) - 2 and None not in inputs:
-        operand = inputs[0] if axis == len(shape) - 2 else inputs[1]
-        return symbolic_size(ctx, operand, axis - len(shape), depth - 1)  # type: ignore[arg-type]
-    matrices = node.op_type == "MatMul"  # its batch axes broadcast, the last two do not
-    if node.op_type in _BROADCASTING or matrices:  # sizes agree or are 1: the first other than 1
-        for operand in inputs:
+    standard = node.domain in ("", "ai.onnx")
+    matrices = standard and node.op_type == "MatMul"  # its batch axes broadcast, not the last two
+    if standard and (node.op_type in _BROADCASTING or (matrices and axis < len(shape) - 2)):
+        for operand in inputs:  # sizes agree or are 1: the first other than 1
             operand_shape = ctx.shape(operand) if operand is not None else None
             position = axis - len(shape) + len(operand_shape) if operand_shape else -1
             if operand is None or position < 0 or (matrices and position >= len(operand_shape) - 2):
@@ -393,32 +375,163 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
             if size is not None and size != (1, ()):
                 return size
         return None
-    if node.op_type == "Reshape" and None not in inputs[:2]:
+    if standard and node.op_type == "Reshape" and None not in inputs[:2]:
         return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
-    if node.op_type == "Unsqueeze" and inputs[0] is not None:  # GPT-BigCode's x.unsqueeze(1)
-        operand = constant_value(inputs[1]) if len(inputs) > 1 else None
+    source = _copied_axis(ctx, node, value, axis, len(shape))
+    return None if source is None else symbolic_size(ctx, *source, depth - 1)
+
+
+def size_sources(ctx: PassContext, value: ir.Value, axis: int) -> list[tuple[ir.Value, int]]:
+    """``(value, axis)`` and, nearest first, every (value, axis) its size is copied from as it
+    is: through the ops that keep an axis (element-wise, norms, Transpose, a MatMul's rows or
+    columns, Concat, Slice and Split off their axis, a Reshape's 0 or run-time copied size,
+    attention's batch and sequence from its query), broadcasting only against sizes of 1.
+    Two axes whose lists share an entry have one size at run time, whatever shape inference
+    named them; the walk is one path, so it follows a residual stream through every layer."""
+    chain: list[tuple[ir.Value, int]] = []
+    seen: set[tuple[int, int]] = set()
+    source: tuple[ir.Value, int] | None = (value, axis)
+    while source is not None:
+        value, axis = source
+        shape = ctx.shape(value)
+        if shape is None or not -len(shape) <= axis < len(shape):
+            break
+        axis %= len(shape)
+        if (id(value), axis) in seen:
+            break
+        seen.add((id(value), axis))
+        chain.append((value, axis))
+        node = value.producer()
+        source = None if node is None else _copied_axis(ctx, node, value, axis, len(shape))
+    return chain
+
+
+def _copied_axis(
+    ctx: PassContext, node: ir.Node, value: ir.Value, axis: int, rank: int
+) -> tuple[ir.Value, int] | None:
+    """The input and axis whose size ``node``'s output ``value`` has along ``axis`` (of
+    ``rank``), where the op copies it unchanged; None where it computes or may broadcast it."""
+    if node.domain == MS:
+        return _contrib_source(ctx, node, value, axis, rank)
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    inputs = list(node.inputs)
+    op = node.op_type
+    first = inputs[0] if inputs else None
+    if first is None:
+        return None
+    if (op in _SAME_SHAPE or op == "LayerNormalization") and value is node.outputs[0]:
+        return first, axis
+    if op == "Gather" and len(inputs) > 1 and inputs[1] is not None:
+        index = constant_value(inputs[1])  # a scalar index drops its axis
+        gathered = node.attributes.get_int("axis", 0) % (rank + 1)
+        if index is None or index.ndim != 0:
+            return None
+        return first, axis if axis < gathered else axis + 1
+    if op == "Transpose":
+        perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
+        return first, perm[axis]
+    if op == "MatMul" and not _matrices(ctx, inputs):
+        return None
+    if op == "MatMul" and axis >= rank - 2:
+        return inputs[0 if axis == rank - 2 else 1], axis - rank  # type: ignore[return-value]
+    if op in _BROADCASTING or op == "MatMul":
+        return _unbroadcast(ctx, inputs, axis, rank, matrices=op == "MatMul")
+    if op == "Reshape" and len(inputs) > 1 and inputs[1] is not None:
+        parts = target_parts(ctx, inputs[1])
+        part = parts[axis] if parts is not None and len(parts) == rank else None
+        if part == 0 and not node.attributes.get_int("allowzero", 0):
+            return first, axis
+        return part if isinstance(part, tuple) else None
+    if op == "Unsqueeze":  # GPT-BigCode's x.unsqueeze(1)
+        operand = constant_value(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
         axes = operand if operand is not None else node.attributes.get_ints("axes", None)
         if axes is None:
             return None
-        inserted = {int(a) % len(shape) for a in np.asarray(axes).reshape(-1)}
+        inserted = {int(a) % rank for a in np.asarray(axes).reshape(-1)}
         if axis in inserted:
             return None
-        kept = axis - sum(a < axis for a in inserted)
-        return symbolic_size(ctx, inputs[0], kept, depth - 1)  # type: ignore[arg-type]
-    if node.op_type in ("Concat", "Slice", "Split") and inputs[0] is not None:
+        return first, axis - sum(a < axis for a in inserted)
+    if op in ("Concat", "Slice", "Split"):
         # an axis they do not cut or join keeps the (first) input's size
-        cut = node.attributes.get_int("axis", 0) % len(shape) if node.op_type != "Slice" else None
-        if node.op_type == "Slice":
-            axes = constant_value(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
-            if axes is None and len(inputs) > 3 and inputs[3] is not None:
+        if op == "Slice":
+            given = inputs[3] if len(inputs) > 3 else None
+            axes = constant_value(given) if given is not None else None
+            if given is not None and axes is None:
                 return None
-            sliced = range(len(shape)) if axes is None else [int(a) % len(shape) for a in axes]
-            if axis in sliced:
-                return None
-        elif axis == cut:
-            return None
-        return symbolic_size(ctx, inputs[0], axis, depth - 1)
+            sliced = range(rank) if axes is None else [int(a) % rank for a in np.ravel(axes)]
+            return None if axis in sliced else (first, axis)
+        return None if node.attributes.get_int("axis", 0) % rank == axis else (first, axis)
     return None
+
+
+def _unbroadcast(
+    ctx: PassContext, inputs: list[ir.Value | None], axis: int, rank: int, matrices: bool
+) -> tuple[ir.Value, int] | None:
+    """The one operand of a broadcasting op (a MatMul's batch axes) that reaches ``axis`` with
+    a size other than a static 1, the others having 1 there or no such axis: the output has its
+    size. None where two may differ (one may be 1 at run time)."""
+    found = None
+    for operand in inputs:
+        shape = ctx.shape(operand) if operand is not None else None
+        if operand is None or shape is None:
+            return None
+        position = axis - rank + len(shape)
+        if position < 0 or (matrices and position >= len(shape) - 2) or shape[position] == 1:
+            continue
+        if found is not None:
+            return None
+        found = (operand, position)
+    return found
+
+
+# onnxruntime contrib ops the passes emit, by what their outputs' axes are: the first input's
+# shape (outputs listed; the skip norms' fourth output is the sum, the input's shape), or the
+# query's batch and sequence axes (attention on a 3-D query has a 3-D output).
+_SHAPE_OF_INPUT = {
+    "RotaryEmbedding": (0,),
+    "SkipLayerNormalization": (0, 3),
+    "SkipSimplifiedLayerNormalization": (0, 3),
+    "FastGelu": (0,),
+    "BiasGelu": (0,),
+    "Gelu": (0,),
+    "QuickGelu": (0,),
+}
+_QUERY_LED = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
+
+
+def _contrib_source(
+    ctx: PassContext, node: ir.Node, value: ir.Value, axis: int, rank: int
+) -> tuple[ir.Value, int] | None:
+    """The input and axis a com.microsoft op's output ``axis`` (of ``rank``) has its size
+    from, where the op's definition fixes it; None elsewhere."""
+    first = node.inputs[0] if node.inputs else None
+    if first is None:
+        return None
+    index = list(node.outputs).index(value)
+    if index in _SHAPE_OF_INPUT.get(node.op_type, ()):
+        return first, axis
+    if node.op_type in _QUERY_LED and index == 0 and rank == 3 and axis < 2:
+        query = ctx.shape(first)
+        return (first, axis) if query is not None and len(query) == 3 else None
+    if node.op_type == "FusedMatMul" and index == 0 and axis >= rank - 2:
+        if any(node.attributes.get_int(f"transBatch{side}", 0) for side in "AB"):
+            return None
+        if not _matrices(ctx, list(node.inputs)):
+            return None
+        row = axis == rank - 2  # the rows come from A, the columns from B
+        transposed = node.attributes.get_int("transA" if row else "transB", 0)
+        return node.inputs[0 if row else 1], (-1 if row == bool(transposed) else -2)  # type: ignore[return-value]
+    return None
+
+
+def _matrices(ctx: PassContext, inputs: list[ir.Value | None]) -> bool:
+    """Whether a matrix product's two operands are known to be at least 2-D (a 1-D operand
+    drops an axis of the output)."""
+    if len(inputs) < 2 or inputs[0] is None or inputs[1] is None:
+        return False
+    shapes = [ctx.shape(operand) for operand in inputs[:2]]  # type: ignore[arg-type]
+    return all(shape is not None and len(shape) >= 2 for shape in shapes)
 
 
 def _reshaped_size(

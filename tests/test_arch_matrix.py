@@ -51,12 +51,16 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "clip_text_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "clip_vision_dynamo": ((2, 6, 4, 2, 0), (2, 6, None, 2, 0)),
     "clip_vision_ts17": ((2, 6, 4, 2, 0), (2, 6, None, 2, 0)),
+    "convbert_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "convbert_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "deberta_v2_dynamo": ((0, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deberta_v2_ts17": ((0, 5, 3, 2, 0), (2, 5, None, 2, 0)),
     "deit_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deit_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "falcon_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
+    "funnel_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
+    "funnel_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gemma2_dynamo": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "gemma2_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "gemma_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
@@ -75,7 +79,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_dynamo": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
-    "mpt_dynamo": ((2, 5, 0, 2, 0), (2, 5, None, 2, 0)),
+    "mpt_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "mpt_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "phi3_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi3_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
@@ -93,6 +97,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "roformer_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "siglip_vision_dynamo": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "siglip_vision_ts17": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
+    "squeezebert_dynamo": ((2, 5, 1, 2, 0), (2, 5, None, 2, 0)),
+    "squeezebert_ts17": ((2, 5, 1, 2, 0), (2, 5, None, 2, 0)),
     "swin_dynamo": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
     "swin_ts17": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
     "swinv2_dynamo": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
@@ -108,24 +114,20 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
 # (fixture, class) below target today: the near-misses of that class's fusectl passes.
 WHY: dict[tuple[str, str], str] = {
     ("deberta_v2_dynamo", "attention"): (
-        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Where); "
-        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Where); "
-        "QkvAttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Where); "
-        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Where)"
+        "AttentionFusionPass: the scores are unfolded from [batch*heads, ...] but the "
+        "query or key is not; GroupQueryAttentionFusionPass: the scores are unfolded from"
+        " [batch*heads, ...] but the query or key is not; QkvAttentionFusionPass: the "
+        "scores are unfolded from [batch*heads, ...] but the query or key is not; "
+        "MultiHeadAttentionFusionPass: the scores are unfolded from [batch*heads, ...] "
+        "but the query or key is not"
     ),
     ("deberta_v2_ts17", "attention"): (
-        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Where); "
-        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Where); "
-        "QkvAttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Where); "
-        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Where)"
+        "AttentionFusionPass: the scores are unfolded from [batch*heads, ...] but the "
+        "query or key is not; GroupQueryAttentionFusionPass: the scores are unfolded from"
+        " [batch*heads, ...] but the query or key is not; QkvAttentionFusionPass: the "
+        "scores are unfolded from [batch*heads, ...] but the query or key is not; "
+        "MultiHeadAttentionFusionPass: the scores are unfolded from [batch*heads, ...] "
+        "but the query or key is not"
     ),
 }  # fmt: skip
 

@@ -1,7 +1,9 @@
 """Scores as eager code writes them, read by what they compute: a masked_fill (Where with a
-mask value) is an additive bias, a floor Max(., -FLT_MAX) only keeps -inf out, a per-head
+mask value) or a subtracted mask is an additive bias, K^T however computed is the key's
+transpose, a floor Max(., -FLT_MAX) only keeps -inf out, a per-head
 scale moves onto the query heads, and a fold to [batch*heads, ...] before the Softmax is the
-fold after it. Real exports (MPT, GPT-Neo, XGLM, Swin-v2 under both exporters) and small
+fold after it. Real exports (MPT, GPT-Neo, XGLM, Swin-v2, Funnel, SqueezeBERT under both
+exporters) and small
 onnx.helper models, with the near-misses each reading must decline."""
 
 from __future__ import annotations
@@ -232,6 +234,8 @@ EAGER_EXPORTS = {
     "gpt_neo": "unscaled, masked_fill by the causal and local-window masks, padding mask added",
     "xglm": "folded bmm scores unfolded for the mask, floored, folded back before the Softmax",
     "swinv2": "cosine scores scaled per head, position bias and the shifted windows' mask",
+    "funnel": "einsum scores and context (canonical MatMuls), the mask subtracted",
+    "squeezebert": "K^T reshaped straight from a channel-first convolution's output",
 }
 
 

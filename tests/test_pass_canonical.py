@@ -273,3 +273,48 @@ def test_a_strided_read_of_sizes_stays(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(RESHAPE) == (0, 0)
     assert run.op_counts()["Shape"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Expand(x, Shape(y)) read by an element-wise op that also reads y (expand_as masks).
+# ---------------------------------------------------------------------------------------------
+
+EXPAND = "BroadcastExpandEliminationPass"
+
+
+def _expanded_mask(tmp_path: Path, *, shape_of: str) -> Path:
+    """y = Where(Cast(Expand(keep, Shape(<shape_of>)), bool), s, -1e9): masked_fill with
+    expand_as; keep [B, 1, 1, L] (0/1 floats), s and t [B, N, S, L]."""
+    nodes = [
+        helper.make_node("Shape", [shape_of], ["target"], name="target"),
+        helper.make_node("Expand", ["keep", "target"], ["expanded"], name="expand_as"),
+        helper.make_node("Cast", ["expanded"], ["flag"], to=onnx.TensorProto.BOOL, name="flag"),
+        helper.make_node("Where", ["flag", "s", "fill"], ["filled"], name="fill"),
+        helper.make_node("Add", ["filled", "t"], ["y"], name="add"),
+    ]
+    dims = ["batch", "heads", "seq", "len"]
+    inputs = [value("keep", ["batch", 1, 1, "len"]), value("s", dims), value("t", dims)]
+    path = tmp_path / f"expand_as_{shape_of}.onnx"
+    return save_model(path, nodes, inputs, [value("y", dims)], [const("fill", np.array(-1e9))])
+
+
+def test_expand_to_a_co_operands_shape_goes(tmp_path: Path) -> None:
+    """The Where broadcasts the mask to s's shape anyway: the Expand and its Shape go, the
+    Cast reads the mask itself, and the outputs stay equal."""
+    model = _expanded_mask(tmp_path, shape_of="s")
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, EXPAND)["BroadcastExpand"] == (1, 1)
+    counts = run.op_counts()
+    assert (counts["Expand"], counts["Shape"]) == (0, 0)
+    graph = onnx.load(str(run.output)).graph
+    (cast,) = [n for n in graph.node if n.op_type == "Cast"]
+    assert list(cast.input) == ["keep"]
+
+
+def test_expand_to_another_tensors_shape_stays(tmp_path: Path) -> None:
+    """Expanded to the shape of t, which the Where does not read: the Expand can widen what
+    the Where computes (t is added only after it), so it stays."""
+    model = _expanded_mask(tmp_path, shape_of="t")
+    run = optimize_checked(model, tmp_path)
+    assert EXPAND not in {p["name"] for p in run.report["passes"] if p.get("effected")}
+    assert run.op_counts()["Expand"] == 1

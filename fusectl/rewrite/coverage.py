@@ -50,8 +50,9 @@ FUSED_OPS: dict[str, frozenset[str]] = {
 }
 
 
-# Products as they stand after the passes (a scaled product is a FusedMatMul by then).
-_MATMULS = frozenset({"MatMul", "FusedMatMul", "Gemm"})
+# Products as they stand after the passes (a scaled product is a FusedMatMul by then; an
+# Einsum that is no plain matrix product stays one).
+_MATMULS = frozenset({"MatMul", "FusedMatMul", "Gemm", "Einsum"})
 _SQRT = frozenset({"Sqrt"})
 
 

@@ -729,11 +729,12 @@ def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Va
     shape = site.shape(x)
     if shape is None or len(shape) < 2:
         raise Decline("the rank of the normalised input is unknown or below 2")
-    # The kernel takes 2-D or 3-D input: a 4-D one (Qwen3's per-head q/k norms, [B, S, N, H])
-    # is normalised as [B, S*N, H] and reshaped back, which needs its axes after the second.
+    # The kernel takes 2-D or 3-D input: a 4-D one (per-head q/k norms: Qwen3's [B, S, N, H],
+    # Gemma-3's [B, N, S, H]) is normalised as [B, -1, H] and reshaped back, to its static
+    # axes after the second where they are known, else to its own shape read at run time.
     inner = list(shape[2:])
-    if len(shape) > 3 and not all(isinstance(d, int) for d in inner):
-        raise Decline("the input is above 3-D with an axis after the second of unknown size")
+    if len(shape) > 3 and not isinstance(shape[-1], int):
+        raise Decline("the input is above 3-D with a last axis of unknown size")
     _check_one(site, bindings)
     rounded_to = _rounded_to(site, x, bindings)
     widen = rounded_to is not None
@@ -745,8 +746,10 @@ def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Va
     if len(shape) > 3:
         source = op.Reshape(x, site.initializer(op, np.array([0, -1, hidden]), "as_3d"))
     output = op.SkipSimplifiedLayerNormalization(source, source, gamma, _domain=MS, epsilon=epsilon)
-    if len(shape) > 3:
+    if len(shape) > 3 and all(isinstance(d, int) for d in inner):
         output = op.Reshape(output, site.initializer(op, np.array([0, -1, *inner]), "back"))
+    elif len(shape) > 3:
+        output = op.Reshape(output, op.Shape(x))
     return op.Cast(output, to=rounded_to) if widen else output
 
 

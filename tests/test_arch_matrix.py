@@ -63,6 +63,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "funnel_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "gemma2_dynamo": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
     "gemma2_ts17": ((2, 9, 9, 2, 4), (2, 9, None, 2, 4)),
+    "gemma3_dynamo": ((2, 13, 13, 2, 4), (2, 13, None, 2, 4)),
+    "gemma3_ts17": ((2, 13, 13, 2, 4), (2, 13, None, 2, 4)),
     "gemma_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gemma_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gpt_bigcode_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),

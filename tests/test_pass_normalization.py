@@ -488,13 +488,43 @@ def test_rms_norm_without_residual_is_a_doubled_skip_norm(
     assert epsilon == pytest.approx(4e-6, rel=1e-6)
 
 
-def test_doubled_skip_norm_declines_unknown_inner_axes(tmp_path: Path) -> None:
+def test_doubled_skip_norm_reshapes_unknown_inner_axes_back_by_shape(tmp_path: Path) -> None:
+    """[B, S, heads, H] with the heads unknown (Gemma-3's per-head q/k norms have the
+    sequence there): normalised as [B, -1, H], reshaped back to Shape(x) read at run time."""
     model = _rms_model(
         tmp_path / "rms4d.onnx", inverse="Div", residual=False, shape=[2, 5, "heads", SHAPE[-1]]
     )
-    run = optimize_checked(model, tmp_path)
-    reason = "the input is above 3-D with an axis after the second of unknown size"
+    run = optimize_checked(model, tmp_path, atol=1e-6)
+    assert run.counts(DOUBLED) == (1, 1)
+    counts = run.op_counts()
+    assert counts == Counter({"SkipSimplifiedLayerNormalization": 1, "Reshape": 2, "Shape": 1})
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_gemma3_per_head_norms_after_the_transpose(exporter: str, tmp_path: Path) -> None:
+    """Gemma-3 normalises q and k per head as [B, N, S, H], the sequence (unknown) third: the
+    four per-head norms are doubled skip norms reshaped back by their input's own shape, like
+    the nine over the hidden size; outputs equal on onnxruntime."""
+    name = f"arch/gemma3_{exporter}"
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    assert reasons(run, DOUBLED) == {}
+    assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 13
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_doubled_skip_norm_declines_an_unknown_last_axis(tmp_path: Path) -> None:
+    model = _rms_model(
+        tmp_path / "rms4d.onnx", inverse="Div", residual=False, shape=[2, 5, 3, "hidden"]
+    )
+    run = optimize_checked(model, tmp_path, compare=False)
+    reason = "the input is above 3-D with a last axis of unknown size"
     assert_declined(run, DOUBLED, reason, "y")
+    feeds = {"a": np.random.default_rng(2).normal(size=(2, 5, 3, SHAPE[-1])).astype(np.float32)}
+    np.testing.assert_allclose(run_model(run.output, feeds)[0], run_model(model, feeds)[0])
 
 
 def test_doubled_skip_norm_not_for_other_targets(tmp_path: Path) -> None:

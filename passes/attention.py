@@ -57,6 +57,7 @@ from fusectl.rewrite.graph import (
     concatenated_constant,
     constant_value,
     new_constant,
+    new_transpose,
     producer_of,
     replace_subgraph,
     typed,
@@ -316,6 +317,15 @@ def _masked_fill(value: ir.Value) -> tuple[ir.Node, int] | None:
     return None
 
 
+def _derived(value: ir.Value) -> tuple[ir.Node, int] | None:
+    """(the node, the input index of the scores) when ``value`` is the scores combined with a
+    bias otherwise than by Add: Sub(scores, b), or a masked_fill (_masked_fill)."""
+    subtract = producer_of(value, "Sub")
+    if subtract is not None and _leads_to_matmul(subtract.inputs[0]):
+        return subtract, 0
+    return _masked_fill(value)
+
+
 def _floored(value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
     """(the Max, x) when ``value`` is Max(x, c) with c a scalar constant of at most -1e30."""
     floor = producer_of(value, "Max")
@@ -357,15 +367,12 @@ def _scores(
             nodes.append(unfold)
             value = unfold.inputs[0]
             continue
-        fill = _masked_fill(value) if not folds else None
+        derived = _derived(value) if not folds else None
         floor = _floored(value) if not folds else None
-        subtract = producer_of(value, "Sub") if not folds else None
-        if subtract is not None and _leads_to_matmul(subtract.inputs[0]):
-            fill = (subtract, 0)
-        if fill is not None:
-            nodes.append(fill[0])
-            walk.derived.append(fill[0])
-            value = fill[0].inputs[fill[1]]  # type: ignore[assignment]
+        if derived is not None:
+            nodes.append(derived[0])
+            walk.derived.append(derived[0])
+            value = derived[0].inputs[derived[1]]  # type: ignore[assignment]
             continue
         if floor is not None:
             nodes.append(floor[0])
@@ -619,15 +626,11 @@ def _same_sizes(ctx: PassContext, first: ir.Value, second: ir.Value) -> bool:
     shapes = ctx.shape(first), ctx.shape(second)
     if shapes[0] is None or shapes[1] is None or len(shapes[0]) != len(shapes[1]):
         return False
-    for axis, (size, other) in enumerate(zip(*shapes, strict=True)):
-        if isinstance(size, int) and size == other:
-            continue
-        traced = symbolic_size(ctx, first, axis)
-        if traced is not None and traced == symbolic_size(ctx, second, axis):
-            continue
-        if not _onnxruntime_equal(ctx, (first, axis), (second, axis)):
-            return False
-    return True
+    return all(
+        (isinstance(size, int) and size == other)
+        or _equal_sizes(ctx, (first, axis), (second, axis))
+        for axis, (size, other) in enumerate(zip(*shapes, strict=True))
+    )
 
 
 def _producer_user(value: ir.Value, op_type: str) -> ir.Node | None:
@@ -842,6 +845,7 @@ def _merged_heads(
     shared: dict[object, tuple[ir.Value, ...]],
     *,
     transposed: bool,
+    graph: ir.Graph,
 ) -> tuple[ir.Value, list[ir.Node]] | str:
     """The [B, S, N*H] operand the fused op reads, computed from heads that are not a plain
     head split of a projection (heads transformed after the split, or split from a fused QKV
@@ -860,9 +864,6 @@ def _merged_heads(
     target = [0, -1, size] if one_head else [0, 0, count * size]
     key = ("merged heads", *target)
     if key not in shared:
-        scaled = heads.producer()  # a Mul built for the site (per-head scale) is not in it yet
-        graph = heads.graph or (scaled.inputs[0].graph if scaled and scaled.inputs[0] else None)
-        assert graph is not None
         name = f"{ctx.spec.name}/merged_heads_{'_'.join(map(str, target))}"
         shared[key] = (new_constant(graph, name, np.array(target, np.int64)),)
     nodes: list[ir.Node] = []
@@ -881,13 +882,11 @@ def _merged_heads(
     return merge.outputs[0], [*nodes, merge]
 
 
-def _transposed(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[ir.Value, ir.Node]:
-    """Transpose(value, perm), its output typed."""
-    swap = ir.node("Transpose", [value], attributes={"perm": perm})
-    shape = ctx.shape(value)
-    permuted = ir.Shape([shape[axis] for axis in perm]) if shape is not None else None
-    typed(swap.outputs[0], ctx.dtype(value), permuted)
-    return swap.outputs[0], swap
+def _graph(match: _Attention) -> ir.Graph:
+    """The graph the site is in (heads built for it, not inserted yet, have none)."""
+    graph = match.root.graph
+    assert graph is not None
+    return graph
 
 
 def _split_back(
@@ -914,7 +913,7 @@ def _split_back(
     typed(split.outputs[0], ctx.dtype(output), ir.Shape([shape[0], shape[1], heads, head_size]))
     if perm == [0, 1, 2, 3]:
         return [split]
-    _, swap = _transposed(ctx, split.outputs[0], perm)
+    _, swap = new_transpose(ctx, split.outputs[0], perm)
     return [split, swap]
 
 
@@ -938,16 +937,17 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
         )
         if same_dimension(part, size, value, axis, shape):
             return True
-    traced = symbolic_size(ctx, reshape.outputs[0], index)
-    if traced is not None and traced == symbolic_size(ctx, value, axis):
+    return _equal_sizes(ctx, (reshape.outputs[0], index), (value, axis))
+
+
+def _equal_sizes(ctx: PassContext, *sizes: tuple[ir.Value, int]) -> bool:
+    """Whether these (value, axis) sizes are provably one: one product of static sizes and
+    named dimensions (symbolic_size), else one expression of onnxruntime's symbolic shape
+    inference on the graph as loaded (TorchScript computes sizes at run time from other
+    tensors' shapes, through broadcasts, where onnx's inference names each anew)."""
+    traced = {symbolic_size(ctx, value, axis) for value, axis in sizes}
+    if len(traced) == 1 and None not in traced:
         return True
-    return _onnxruntime_equal(ctx, (reshape.outputs[0], index), (value, axis))
-
-
-def _onnxruntime_equal(ctx: PassContext, *sizes: tuple[ir.Value, int]) -> bool:
-    """Whether onnxruntime's symbolic shape inference (on the graph as loaded) derives one
-    expression for these (value, axis) sizes: TorchScript computes them at run time from other
-    tensors' shapes, through broadcasts, where onnx's inference names each anew."""
     if ctx.shapes is None:
         return False
     dims = ctx.shapes.symbolic_dims([value for value, _ in sizes])
@@ -1202,20 +1202,22 @@ class _AttentionFusion(FusionPass):
             merged.append(scaled)
             match.heads, match.query = scaled.outputs[0], None
         if match.query is None:
-            found = _merged_heads(ctx, match.heads, shared, transposed=True)
+            found = _merged_heads(ctx, match.heads, shared, transposed=True, graph=_graph(match))
             if isinstance(found, str):
                 return found
             match.query, query_nodes = found
             merged += query_nodes
         if match.key.swapped is not None:  # K from K^T: the projection (3-D) or the heads
-            swapped, swap = _transposed(ctx, *match.key.swapped)
+            swapped, swap = new_transpose(ctx, *match.key.swapped)
             merged.append(swap)
             if len(match.key.swapped[1]) == 4:
                 match.key.tensor = swapped
             else:
                 match.key.projection = swapped
         if match.key.unsplit is not None and match.key.projection is None:
-            found = _merged_heads(ctx, match.key.unsplit, shared, transposed=False)
+            found = _merged_heads(
+                ctx, match.key.unsplit, shared, transposed=False, graph=_graph(match)
+            )
             if isinstance(found, str):
                 return found
             match.key.projection, nodes = found
@@ -1452,7 +1454,7 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         operand = value if value.projection is None else key
         if operand.tensor is None:
             return []
-        found = _merged_heads(ctx, operand.tensor, shared, transposed=True)
+        found = _merged_heads(ctx, operand.tensor, shared, transposed=True, graph=_graph(match))
         if isinstance(found, str):
             return found
         operand.projection, nodes = found
@@ -1760,7 +1762,7 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         for operand in (match.key, match.value):
             one = _one_head(ctx, operand)
             if operand.projection is None and one is not None:
-                found = _merged_heads(ctx, one[0], shared, transposed=True)
+                found = _merged_heads(ctx, one[0], shared, transposed=True, graph=_graph(match))
                 if isinstance(found, str):
                     return found
                 (operand.projection, merged), operand.nodes = found, one[1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import replace_subgraph, typed
+from fusectl.rewrite.graph import new_transpose, replace_subgraph, typed
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _ELLIPSIS = "..."
@@ -77,19 +77,13 @@ def plan(equation: str, ranks: tuple[int | None, int | None]) -> tuple | str:
     return _perm(a, [*batch, *a_free, k]), _perm(b, [*batch, k, n]), product, _perm(product, out)
 
 
-def _transposed(ctx: PassContext, value: ir.Value, perm: list[int], nodes: list[ir.Node]):
-    """``value`` transposed by ``perm`` (itself where that is the identity)."""
+def _permuted(ctx: PassContext, value: ir.Value, perm: list[int], nodes: list[ir.Node]):
+    """``value`` transposed by ``perm``, itself where that is the identity."""
     if perm == sorted(perm):
         return value
-    swap = ir.node("Transpose", [value], attributes={"perm": perm})
-    shape = ctx.shape(value)
-    typed(
-        swap.outputs[0],
-        ctx.dtype(value),
-        ir.Shape([shape[axis] for axis in perm]) if shape is not None else None,
-    )
+    result, swap = new_transpose(ctx, value, perm)
     nodes.append(swap)
-    return swap.outputs[0]
+    return result
 
 
 @register_pass
@@ -120,12 +114,12 @@ class EinsumMatMulCanonicalizationPass(FusionPass):
                 continue
             a_perm, b_perm, _, out_perm = found
             nodes: list[ir.Node] = []
-            a = _transposed(ctx, node.inputs[0], a_perm, nodes)  # type: ignore[arg-type]
-            b = _transposed(ctx, node.inputs[1], b_perm, nodes)  # type: ignore[arg-type]
+            a = _permuted(ctx, node.inputs[0], a_perm, nodes)  # type: ignore[arg-type]
+            b = _permuted(ctx, node.inputs[1], b_perm, nodes)  # type: ignore[arg-type]
             product = ir.node("MatMul", [a, b])
             nodes.append(product)
             typed(product.outputs[0], ctx.dtype(node.outputs[0]), None)
-            result = _transposed(ctx, product.outputs[0], out_perm, nodes)
+            result = _permuted(ctx, product.outputs[0], out_perm, nodes)
             typed(result, ctx.dtype(node.outputs[0]), ctx.shape(node.outputs[0]))
             replace_subgraph(ctx, "EinsumMatMul", node, [node], nodes, node.outputs, [result])
         if ctx.changed and ctx.shapes is not None:

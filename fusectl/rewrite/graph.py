@@ -1,7 +1,7 @@
 """Graph helpers every pass is written with: constants read through the data-movement ops
 exporters put around them, whether a set of nodes can be removed, swapping a matched subgraph
 for its replacement (names, counts, lineage, the bisection and --check_custom gates), dead-node
-removal, new constants, and bypassing pass-through nodes.
+removal, new constants and Transposes, and bypassing pass-through nodes.
 
 They are separate from the pattern driver (patterns.py) because passes that walk nodes rather
 than match patterns (constant folding, concatenation, attention) use them as well.
@@ -347,6 +347,15 @@ def typed(value: ir.Value, dtype: ir.DataType | None, shape: ir.Shape | None) ->
     value.type = ir.TensorType(dtype) if dtype is not None else None
     value.shape = shape
     return value
+
+
+def new_transpose(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[ir.Value, ir.Node]:
+    """A new Transpose(value, perm), its output typed with the permuted shape where known."""
+    swap = ir.node("Transpose", [value], attributes={"perm": perm})
+    shape = ctx.shape(value)
+    permuted = ir.Shape([shape[axis] for axis in perm]) if shape is not None else None
+    typed(swap.outputs[0], ctx.dtype(value), permuted)
+    return swap.outputs[0], swap
 
 
 def bypass(node: ir.Node) -> str | None:

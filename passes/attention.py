@@ -251,6 +251,9 @@ class _Attention:
     # The scores scaled per head by this constant [N, 1, 1] / [1, N, 1, 1]: the query heads
     # are, instead (_fuse), and the fused op reads them merged back.
     head_scale: ir.Value | None = None
+    # A logit per head joined to every row's scores before the Softmax and dropped after it
+    # (GPT-OSS's attention sinks): its values, one per head or one for all.
+    sink: np.ndarray | None = None
 
 
 def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
@@ -481,6 +484,12 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     if prefold is None or _ranks(ctx, prefold) != (4, 3) or prefold.inputs[0] is None:
         prefold = None
     scored = softmax.inputs[0] if prefold is None else prefold.inputs[0]
+    scored = _max_shifted(scored, nodes)
+    sink = None
+    if prefold is None:
+        sunk = _sunk(ctx, scored, nodes)
+        if sunk is not None:
+            scored, sink = sunk
     matmul, product_scale, reached, softcap = _scores(ctx, scored, nodes, walk)
     biases, folds = walk.biases, walk.folds
     if prefold is not None and not folds:
@@ -525,6 +534,12 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         nodes += [guard, where]
         probabilities = where.outputs[0]
         uses = [user for user, _ in probabilities.uses()]
+    if sink is not None:
+        kept = _sink_dropped(probabilities)
+        if kept is None:
+            return "a column is joined to the scores (a sink) but not dropped after the Softmax"
+        nodes.append(kept)
+        probabilities = kept.outputs[0]
     probabilities = _reshaped_back(ctx, probabilities, nodes)
     uses = [user for user, _ in probabilities.uses()]
     if prefold is not None:  # the fold before the Softmax is the one after it, moved up
@@ -548,7 +563,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return _Attention(
             heads, guard is not None, query, key, value3, scale, biases, result, context,
             nodes, softcap, single_head=True, derived=walk.derived, floored=walk.floored,
-            head_scale=walk.head_scale,
+            head_scale=walk.head_scale, sink=sink,
         )  # fmt: skip
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
@@ -580,7 +595,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return _Attention(
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
             softcap, split_back=(split_back, value_size), derived=walk.derived,
-            floored=walk.floored, head_scale=walk.head_scale,
+            floored=walk.floored, head_scale=walk.head_scale, sink=sink,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -600,7 +615,83 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         derived=walk.derived,
         floored=walk.floored,
         head_scale=walk.head_scale,
+        sink=sink,
     )
+
+
+def _max_shifted(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """x behind x - ReduceMax(x, last axis, keepdims): the Softmax over the last axis is the
+    same (it subtracts the row's maximum itself, so even the rounding is), and the nodes go
+    to ``nodes``."""
+    sub = producer_of(value, "Sub")
+    if sub is None or sub.inputs[0] is None or len(value.uses()) != 1:
+        return value
+    peak = producer_of(sub.inputs[1], "ReduceMax")
+    if peak is None or peak.inputs[0] is not sub.inputs[0]:
+        return value
+    if not peak.attributes.get_int("keepdims", 1):
+        return value
+    given = peak.inputs[1] if len(peak.inputs) > 1 else None
+    axes = constant_value(given) if given is not None else None
+    if axes is None:
+        listed = peak.attributes.get_ints("axes", None)
+        axes = np.array(listed) if listed is not None else None
+    shape = sub.inputs[0].shape
+    if axes is None or axes.size != 1 or shape is None:
+        return value
+    if int(axes.reshape(-1)[0]) % len(shape) != len(shape) - 1:
+        return value
+    nodes += [sub, peak]
+    return sub.inputs[0]
+
+
+def _sunk(
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node]
+) -> tuple[ir.Value, np.ndarray] | None:
+    """(scores, sink values) of Concat(scores, column) on the last axis whose column is a
+    constant logit per head broadcast to every row (Expand of [1, N, 1, 1], or the constant
+    itself), the nodes going to ``nodes``."""
+    concat = producer_of(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or None in concat.inputs:
+        return None
+    scores, column = concat.inputs
+    assert scores is not None and column is not None
+    shape = ctx.shape(scores)
+    if shape is None or concat.attributes.get_int("axis", 0) % len(shape) != len(shape) - 1:
+        return None
+    joined: list[ir.Node] = [concat]
+    expand = producer_of(column, "Expand")
+    if expand is not None and expand.inputs[0] is not None:
+        joined.append(expand)
+        column = expand.inputs[0]
+    values = constant_value(column)
+    if values is None or values.ndim != len(shape) or values.shape[-1] != 1:
+        return None
+    if any(size != 1 for axis, size in enumerate(values.shape) if axis != 1):
+        return None  # one logit per head (axis 1), the same for every batch row and query
+    nodes += joined
+    return scores, values.reshape(-1)
+
+
+def _sink_dropped(probabilities: ir.Value) -> ir.Node | None:
+    """The one Slice that drops the sink's column (the last) from the probabilities."""
+    users = [user for user, _ in probabilities.uses()]
+    if len(users) != 1 or users[0].op_type != "Slice" or probabilities.is_graph_output():
+        return None
+    slicing = users[0]
+    operands = [constant_value(v) if v is not None else None for v in slicing.inputs[1:5]]
+    operands += [None] * (4 - len(operands))
+    starts, ends, axes, steps = operands
+    shape = probabilities.shape
+    if starts is None or ends is None or axes is None or shape is None:
+        return None
+    if starts.size != 1 or int(starts.reshape(-1)[0]) != 0 or int(ends.reshape(-1)[0]) != -1:
+        return None
+    if int(axes.reshape(-1)[0]) % len(shape) != len(shape) - 1:
+        return None
+    if steps is not None and int(steps.reshape(-1)[0]) != 1:
+        return None
+    return slicing
 
 
 def _reshaped_back(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -1152,6 +1243,8 @@ class _AttentionFusion(FusionPass):
     clamps_mask: ClassVar[bool] = False
     # The op has a softcap attribute, applied to the scaled scores before the bias is added.
     softcaps: ClassVar[bool] = False
+    # The op's input taking a sink logit per head (head_sink), if it has one.
+    sink_input: ClassVar[int | None] = None
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern(self.op_type)
@@ -1271,6 +1364,13 @@ class _AttentionFusion(FusionPass):
             )
         if match.softcap:
             attributes = {**attributes, "softcap": match.softcap}
+        if match.sink is not None and self.sink_input is None:
+            return (
+                f"the Softmax has a sink per head (a logit joined to the scores and dropped "
+                f"after it), which {self.op_type} cannot take (GroupQueryAttention's head_sink)"
+            )
+        if match.sink is not None and match.sink.size not in (1, heads):
+            return "the sink logits are not one per head"
         nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
         keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
@@ -1338,6 +1438,12 @@ class _AttentionFusion(FusionPass):
             biases, new_nodes = [rows], new_nodes + expanding
         inputs = inputs + [None] * (self.bias_input - len(inputs)) + (biases or [None])
         inputs += plan.pasts
+        if match.sink is not None and self.sink_input is not None:
+            graph = match.root.graph
+            assert graph is not None and dtype is not None
+            sink = np.broadcast_to(match.sink, (heads,)).astype(dtype.numpy())
+            name = f"{ctx.spec.name}/{match.root.name}/head_sink"
+            inputs += [None] * (self.sink_input - len(inputs)) + [new_constant(graph, name, sink)]
         while inputs[-1] is None:
             inputs.pop()
         attention = ir.node(
@@ -1449,7 +1555,11 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         """The op reads key and value both 3-D or both 4-D: where one is a projection and the
         other only heads (split from a fused projection, LeViT), those heads are merged."""
         key, value = match.key, match.value
-        if key.repeated or value.repeated or (key.projection is None) == (value.projection is None):
+        if key.repeated or value.repeated:
+            return []
+        if key.projection is None and value.projection is None:
+            return self._merge_unequal_heads(ctx, match, shared)
+        if key.projection is not None and value.projection is not None:
             return []
         operand = value if value.projection is None else key
         if operand.tensor is None:
@@ -1458,6 +1568,30 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         if isinstance(found, str):
             return found
         operand.projection, nodes = found
+        return nodes
+
+    def _merge_unequal_heads(
+        self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+    ) -> list[ir.Node] | str:
+        """The op reads 4-D key and value of one shape only: key and value heads whose head
+        sizes are not provably equal (DeepSeek's multi-head latent attention: keys of the
+        rotary and plain parts joined, values smaller) are both merged to [B, L, N*H]."""
+        key, value = match.key, match.value
+        if key.cache is not None or value.cache is not None:
+            return []
+        if key.tensor is None or value.tensor is None:
+            return []
+        key_size, value_size = axis_size(ctx, key.tensor, 3), axis_size(ctx, value.tensor, 3)
+        if key_size is not None and key_size == value_size:
+            return []
+        nodes: list[ir.Node] = []
+        for operand in (key, value):
+            assert operand.tensor is not None
+            found = _merged_heads(ctx, operand.tensor, shared, transposed=True, graph=_graph(match))
+            if isinstance(found, str):
+                return found
+            operand.projection, built = found
+            nodes += built
         return nodes
 
 
@@ -1717,6 +1851,7 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     op_type = "GroupQueryAttention"
     bias_input = 10
     softcaps = True
+    sink_input = 11
 
     def _plan(
         self,
@@ -1731,7 +1866,10 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         if not grouped and not match.softcap:
             return None  # one KV head per query head: MultiHeadAttention's (no softcap)
         if key.projection is None or value.projection is None:
-            return "the grouped key/value are not plain projections (a KV cache)"
+            return (
+                "the grouped key/value are not plain head splits of projections (a KV cache, "
+                "or heads transformed after the split)"
+            )
         if not all(_query_length(ctx, match, operand) for operand in (key, value)):
             return (
                 "the key/value length is not provably the query's (a KV cache, or "

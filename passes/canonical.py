@@ -316,8 +316,17 @@ def _key(node: ir.Node, merged: dict[ir.Value, ir.Value]) -> tuple | None:
                 return None
             content = (content.dtype, tuple(content.shape), content.tobytes())
         attributes.append((name, repr(content)))
-    inputs = tuple(id(merged.get(v, v)) if v is not None else None for v in node.inputs)
+    inputs = tuple(_input_key(merged.get(v, v)) if v is not None else None for v in node.inputs)
     return (node.domain, node.op_type, node.overload, inputs, tuple(attributes))
+
+
+def _input_key(value: ir.Value) -> object:
+    """A small initializer by its contents (equal constants lifted from separate Constant
+    nodes are one input), any other value by identity."""
+    tensor = value.const_value
+    if tensor is None or value.is_graph_input() or tensor.size > _CSE_CONSTANT_LIMIT:
+        return id(value)
+    return tensor.dtype, tuple(tensor.shape), tensor.tobytes()
 
 
 _RANDOM = frozenset(

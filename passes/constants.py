@@ -18,7 +18,13 @@ import onnx_ir as ir
 from onnx.reference.ops import load_op
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import SEEN_THROUGH, constant_value, producer_of, remove_dead
+from fusectl.rewrite.graph import (
+    SEEN_THROUGH,
+    constant_tensor,
+    constant_value,
+    producer_of,
+    remove_dead,
+)
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 logger = logging.getLogger("fusectl")
@@ -39,6 +45,8 @@ _NEVER = frozenset(
         "Constant",
     }
 )
+# From this IR version on, an initializer need not be a graph input (a constant, not a default).
+_INITIALIZERS_NOT_INPUTS_IR = 4
 # A folded value bigger than this is only kept when it frees its inputs (no net growth).
 _GROWTH_LIMIT_BYTES = 1 << 20
 # The ops _evaluate folds without every input constant: they read shapes or element types.
@@ -176,6 +184,28 @@ def _frees_inputs(node: ir.Node) -> bool:
     )
 
 
+def _lift_constants(graph: ir.Graph) -> None:
+    """Constant nodes of the graph become initializers, as onnxruntime loads them anyway: one
+    spelling of a constant for every pass, and no node for it. Not counted as folds (nothing
+    is computed); a Constant that is a graph output stays, as an initializer cannot be one."""
+    for node in list(graph):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        result = node.outputs[0]
+        tensor = constant_tensor(result)
+        if tensor is None or result.is_graph_output() or result.name in graph.initializers:
+            continue
+        lifted = ir.Value(
+            name=result.name,
+            type=ir.TensorType(tensor.dtype),
+            shape=ir.Shape(tensor.shape),
+            const_value=tensor,
+        )
+        ir.convenience.replace_all_uses_with(result, lifted)
+        graph.remove(node, safe=True)
+        graph.initializers[lifted.name] = lifted
+
+
 @register_pass
 class ConstantFoldingPass(FusionPass):
     spec = PassSpec(
@@ -189,7 +219,10 @@ class ConstantFoldingPass(FusionPass):
     )
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
+        if model.ir_version < _INITIALIZERS_NOT_INPUTS_IR:
+            return  # every initializer must also be a graph input, one a caller may override
         graph = model.graph
+        _lift_constants(graph)
         for node in graph:
             if node.op_type not in _READS_SHAPES and not _may_be_constant(node):
                 continue

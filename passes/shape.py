@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import bypass, bypass_refusal, constant_value
+from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.replacement import register_replacement
@@ -18,18 +20,40 @@ def _reshape_reshape(op, x, inner_shape, shape):
     return op.Reshape(op.Reshape(x, inner_shape, _allow_other_attributes=True), shape)
 
 
-def _check_outer_shape(site: Site, shape: ir.Value, **_: Any) -> str | None:
-    """Only the outer shape survives; a 0 in it copies a dimension of the inner result."""
+def _outer_target_holds(site: Site, shape: ir.Value) -> bool:
+    """Whether the outer target, read from x, gives what it gave from the inner result: a
+    constant that copies no dimension (0) of the inner result."""
     target = site.constant(shape)
-    if target is None:
-        return "outer target shape is not a constant"
     allow_zero = site.root.attributes.get_int("allowzero", 0)
-    if not allow_zero and (target == 0).any():
-        return "outer target shape copies a dimension (0) of the inner result"
-    return None
+    return target is not None and bool(allow_zero or not (target == 0).any())
+
+
+def _proven_target(site: Site, x: ir.Value, shape: ir.Value) -> np.ndarray | str:
+    """Where the outer target does not hold alone: the target the pair's layout proves (its
+    sizes traced through a target computed at run time), else why there is none."""
+    inner = site.root.inputs[0].producer()
+    layout = follow(site.ctx, x, [inner, site.root])
+    proven = layout.as_reshape() if isinstance(layout, Layout) else None
+    if proven is not None:
+        return np.array(proven, np.int64)
+    if site.constant(shape) is None:
+        return "outer target shape is not a constant"
+    return "outer target shape copies a dimension (0) of the inner result"
+
+
+def _check_outer_shape(site: Site, x: ir.Value, shape: ir.Value, **_: Any) -> str | None:
+    """Only the outer shape survives: it must hold on x, or one proven to."""
+    if _outer_target_holds(site, shape):
+        return None
+    proven = _proven_target(site, x, shape)
+    return proven if isinstance(proven, str) else None
 
 
 def _single_reshape(op: Any, site: Site, x: ir.Value, shape: ir.Value, **_: Any) -> ir.Value:
+    if not _outer_target_holds(site, shape):
+        proven = _proven_target(site, x, shape)
+        assert not isinstance(proven, str)  # the check accepted it
+        shape = site.initializer(op, proven, "shape")
     return op.Reshape(x, shape, **dict(site.root.attributes))
 
 

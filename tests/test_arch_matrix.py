@@ -55,6 +55,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "convbert_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "deberta_v2_dynamo": ((0, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deberta_v2_ts17": ((0, 5, 3, 2, 0), (2, 5, None, 2, 0)),
+    "deepseek_v3_dynamo": ((2, 9, 9, 3, 0), (2, 9, None, 3, 4)),
+    "deepseek_v3_ts17": ((0, 9, 9, 3, 0), (2, 9, None, 3, 4)),
     "deit_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deit_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
@@ -73,6 +75,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gpt_neo_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
+    "gpt_oss_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "gpt_oss_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "gptj_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "levit_dynamo": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
@@ -130,6 +134,21 @@ WHY: dict[tuple[str, str], str] = {
         "scores are unfolded from [batch*heads, ...] but the query or key is not; "
         "MultiHeadAttentionFusionPass: the scores are unfolded from [batch*heads, ...] "
         "but the query or key is not"
+    ),
+    ("deepseek_v3_dynamo", "rotary"): (
+        "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of "
+        "one tensor's last axis (every second element, say: RotaryEmbedding would "
+        "interleave the output too)"
+    ),
+    ("deepseek_v3_ts17", "attention"): (
+        "AttentionFusionPass: Attention needs opset >= 23, model has 17; "
+        "MultiHeadAttentionFusionPass: the number of heads or the head size of the query "
+        "or key is unknown"
+    ),
+    ("deepseek_v3_ts17", "rotary"): (
+        "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of "
+        "one tensor's last axis (every second element, say: RotaryEmbedding would "
+        "interleave the output too)"
     ),
 }  # fmt: skip
 

@@ -5,6 +5,7 @@ MultiHeadAttention, or GroupQueryAttention where LLaMA's repeat_kv shares key/va
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -325,7 +326,10 @@ def test_kv_cache_attention_reads_the_joined_key_and_value(name: str, tmp_path: 
     run = optimize_checked(fixture_path(name), tmp_path, compare=False)
     assert run.counts(MHA) == (2, 2)
     assert reasons(run, MHA) == {}
-    reason = "the grouped key/value are not plain projections (a KV cache)"
+    reason = (
+        "the grouped key/value are not plain head splits of projections (a KV cache, or "
+        "heads transformed after the split)"
+    )
     assert_declined(run, GQA, reason, _softmaxes(fixture_path(name))[0], count=2)
     graph = _graph(run.output)
     ops = Counter(n.op_type for n in graph.node)
@@ -395,9 +399,9 @@ BART_PAST = ["arch/bart_past_ts17", "arch/bart_past_dynamo"]
 @pytest.mark.parametrize("name", BART_PAST)
 def test_bart_decoder_cache_appended_to_by_multi_head_attention(name: str, tmp_path: Path) -> None:
     """BART's decoder: both self-attentions append to their cache inside MultiHeadAttention
-    (the k/v projections read 3-D, the presents its outputs); the cross-attentions, which read
-    the encoder's states and have no cache, read their projections. No Concat of a past, and
-    no Transpose, is left."""
+    (the k/v projections read 3-D, their biases added by the op, the presents its outputs); the
+    cross-attentions, which read the encoder's states and have no cache, read their
+    projections. No Concat of a past, and no Transpose, is left."""
     run = optimize_checked(fixture_path(name), tmp_path)
     assert run.counts(MHA) == (4, 4)
     assert reasons(run, MHA) == {}
@@ -409,7 +413,9 @@ def test_bart_decoder_cache_appended_to_by_multi_head_attention(name: str, tmp_p
     for layer, node in enumerate(cached):
         assert list(node.input[6:]) == [f"past_key_{layer}", f"past_value_{layer}"]
         assert list(node.output[1:]) == [f"present_key_{layer}", f"present_value_{layer}"]
-        assert [producers[v].op_type for v in node.input[1:3]] == ["Add", "Add"]
+        # the projections' MatMuls: their biases are the op's bias input
+        assert [producers[v].op_type for v in node.input[1:3]] == ["MatMul", "MatMul"]
+        assert node.input[3] in {t.name for t in graph.initializer}
     pasts = {i.name for i in graph.input if i.name.startswith("past_")}
     assert not [n for n in graph.node if n.op_type == "Concat" and pasts & set(n.input)]
     assert Counter(n.op_type for n in graph.node)["Transpose"] == 0
@@ -940,7 +946,7 @@ def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "nodes"), [("levit_ts17", 196), ("levit_dynamo", 160)])
+@pytest.mark.parametrize(("name", "nodes"), [("levit_ts17", 183), ("levit_dynamo", 160)])
 def test_levit_attention_with_learned_bias_fused_in_every_layer(
     name: str, nodes: int, tmp_path: Path
 ) -> None:
@@ -1080,3 +1086,23 @@ def test_bloom_alibi_fused_in_every_layer(name: str, tmp_path: Path) -> None:
     assert reasons(run, MHA) == {}
     assert _fused_ops(run)["MultiHeadAttention"] == 2
     assert run.op_counts()["Softmax"] == 0
+
+
+def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: Path) -> None:
+    """DeepSeek-V3's multi-head latent attention (dynamo): the key joins a plain and a rotary
+    part per head ([B, N, L, 16]), the value heads are smaller ([B, N, L, 8]). The op reads
+    4-D key and value of one shape only, so both are merged to [B, L, N*H] (before, the
+    output did not load in onnxruntime)."""
+    model = FIXTURES / "arch" / "deepseek_v3_dynamo.onnx"
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(MHA) == (2, 2)
+    graph = _graph(run.output)
+    shapes = {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
+    for node in (n for n in graph.node if n.op_type == "MultiHeadAttention"):
+        for name in node.input[1:3]:
+            dims = shapes[name].type.tensor_type.shape.dim if name in shapes else None
+            assert dims is None or len(dims) == 3, name
+        assert _producers(graph)[node.input[1]].op_type == "Reshape"
+        assert _producers(graph)[node.input[2]].op_type == "Reshape"
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    compare_on_feeds(model, run.output, named_dim_feeds(model, dims))

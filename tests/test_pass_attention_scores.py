@@ -254,3 +254,56 @@ def test_eager_scores_fused_in_every_layer(name: str, exporter: str, tmp_path: P
     assert counts["Softmax"] == 0
     dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
     compare_on_feeds(model, run.output, named_dim_feeds(model, dims))
+
+
+GQA = "GroupQueryAttentionFusionPass"
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_attention_sinks_become_the_head_sink(exporter: str, tmp_path: Path) -> None:
+    """GPT-OSS joins a learned logit per head to every row's scores, subtracts the row's
+    maximum, takes the Softmax and drops the sink's column: GroupQueryAttention with that
+    logit as head_sink (its input 11), the max subtraction read through (the Softmax does it
+    anyway). Both layers, the alternating sliding window in the additive mask."""
+    model = FIXTURES / "arch" / f"gpt_oss_{exporter}.onnx"
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(GQA) == (2, 2)
+    graph = onnx.load(str(run.output)).graph
+    sinks = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 2
+    for node in fused:
+        assert len(node.input) == 12
+        assert sinks[node.input[11]].shape == (4,)
+    coverage = run.report["coverage"]["attention"]
+    assert (coverage["fused"], coverage["total"]) == (2, 2)  # the MoE routers' Softmax stay
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    for sizes in (dims, {**dims, "batch": 3, "sequence": 3}):
+        compare_on_feeds(model, run.output, named_dim_feeds(model, sizes))
+
+
+def test_attention_sinks_decline_where_the_op_has_none(tmp_path: Path) -> None:
+    """With GroupQueryAttention off, MultiHeadAttention has no input for the sink: it says so."""
+    model = FIXTURES / "arch" / "gpt_oss_dynamo.onnx"
+    run = optimize_checked(model, tmp_path, "--disable_pass", GQA)
+    assert reasons(run, MHA) == {
+        "the Softmax has a sink per head (a logit joined to the scores and dropped after it), "
+        "which MultiHeadAttention cannot take (GroupQueryAttention's head_sink)": 2
+    }
+
+
+def test_a_sink_column_kept_is_a_near_miss(tmp_path: Path) -> None:
+    """The probabilities with the sink's column also a graph output: the column is not only
+    dropped, so no fused op computes what is read, and the report says why."""
+    proto = onnx.load(str(FIXTURES / "arch" / "gpt_oss_dynamo.onnx"))
+    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")
+    proto.graph.output.append(
+        helper.make_tensor_value_info(softmax.output[0], TensorProto.FLOAT, None)
+    )
+    model = tmp_path / "kept.onnx"
+    onnx.save(proto, str(model))
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, GQA) == {
+        "a column is joined to the scores (a sink) but not dropped after the Softmax": 1
+    }
+    assert run.counts(GQA) == (2, 1)

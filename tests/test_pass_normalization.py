@@ -8,10 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import helper
 
 from fusectl.rewrite import shapes
+from fusectl.rewrite.axes import size_sources
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.registry import Category, PassSpec
 from tests.conftest import (
     Run,
     assert_same_outputs,
@@ -928,3 +932,66 @@ def test_a_branch_broadcast_on_the_way_is_not_copied(tmp_path: Path) -> None:
     assert run_model(run.output, feeds)[0].shape == (2, 4, 8)
     for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+SAME_LENGTH = [{"pads": [1, 1]}, {"pads": [2, 2], "dilations": [2]}, {"auto_pad": "SAME_UPPER"}]
+
+
+def _conformer_branch(conv: dict) -> list[onnx.NodeProto]:
+    return [
+        helper.make_node("Transpose", ["h"], ["channels_first"], perm=[0, 2, 1]),
+        helper.make_node("Conv", ["channels_first", "w"], ["mixed"], kernel_shape=[3], **conv),
+        helper.make_node("Transpose", ["mixed"], ["branch"], perm=[0, 2, 1]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("conv", "kept"),
+    [*((conv, True) for conv in SAME_LENGTH), ({"pads": [1, 1], "strides": [2]}, False),
+     ({"pads": [0, 0]}, False), ({"auto_pad": "VALID"}, False)],
+)  # fmt: skip
+def test_a_convolution_keeps_the_length_it_pads_for(conv: dict, kept: bool) -> None:
+    """The size prover's rule for Conv: the batch always, a spatial size where the kernel
+    slides by 1 over padding that makes up for its reach (dilation x (kernel - 1))."""
+    graph = helper.make_graph(
+        _conformer_branch(conv),
+        "branch",
+        [value("h", ["batch", "time", 8])],
+        [value("branch", None)],
+        [const("w", np.zeros((8, 8, 3)))],
+    )
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(helper.make_model(graph)))
+    spec = PassSpec(name="SizeProbe", category=Category.GRAPH, description="size prover")
+    ctx = PassContext(spec=spec, target="ort", opset=17)
+    h, branch = model.graph.inputs[0], model.graph.outputs[0]
+    assert (h, 0) in size_sources(ctx, branch, 0)
+    assert ((h, 1) in size_sources(ctx, branch, 1)) is kept
+
+
+@pytest.mark.parametrize("conv", SAME_LENGTH, ids=["pads", "dilated", "same_upper"])
+def test_skip_norm_proven_through_a_same_length_convolution(tmp_path: Path, conv: dict) -> None:
+    """A conformer's convolution module: the residual branch goes through a Conv over time
+    ([B, C, T], kernel 3, stride 1) padded to keep T. The sum is two [B, T, C] tensors of one
+    shape and the norm after it a skip norm, whose output matches on onnxruntime."""
+    channels = 8
+    rng = np.random.default_rng(0)
+    nodes = [
+        *_conformer_branch(conv),
+        helper.make_node("Add", ["h", "branch"], ["total"]),
+        helper.make_node("LayerNormalization", ["total", "gamma", "beta"], ["y"], axis=-1),
+    ]
+    initializers = [
+        const("w", rng.normal(size=(channels, channels, 3)) * 0.3),
+        const("gamma", rng.uniform(0.5, 1.5, channels)),
+        const("beta", rng.normal(size=channels)),
+    ]
+    model = save_model(
+        tmp_path / "conformer.onnx",
+        nodes,
+        [value("h", ["batch", "time", channels])],
+        [value("y", ["batch", "time", channels])],
+        initializers,
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP) == (1, 1)
+    assert run.op_counts()[SKIP_OP] == 1

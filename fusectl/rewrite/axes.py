@@ -340,10 +340,23 @@ def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
 Size = tuple[int, tuple[str, ...]]
 
 
-def _product(a: Size | None, b: Size | None) -> Size | None:
+def product(a: Size | None, b: Size | None) -> Size | None:
     if a is None or b is None:
         return None
     return a[0] * b[0], tuple(sorted(a[1] + b[1]))
+
+
+def quotient(a: Size | None, b: Size | None) -> Size | None:
+    """a / b when b divides a for every value of the names (its coefficient divides a's, its
+    names are among a's), else None."""
+    if a is None or b is None or b[0] <= 0 or a[0] % b[0]:
+        return None
+    names = list(a[1])
+    for name in b[1]:
+        if name not in names:
+            return None
+        names.remove(name)
+    return a[0] // b[0], tuple(names)
 
 
 def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16) -> Size | None:
@@ -431,6 +444,8 @@ def _copied_axis(
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
         return first, perm[axis]
+    if op == "Conv" and len(inputs) > 1 and inputs[1] is not None:
+        return _conv_source(ctx, node, first, inputs[1], axis)
     if op == "MatMul" and not _matrices(ctx, inputs):
         return None
     if op == "MatMul" and axis >= rank - 2:
@@ -463,6 +478,35 @@ def _copied_axis(
             return None if axis in sliced else (first, axis)
         return None if node.attributes.get_int("axis", 0) % rank == axis else (first, axis)
     return None
+
+
+def _conv_source(
+    ctx: PassContext, node: ir.Node, data: ir.Value, weight: ir.Value, axis: int
+) -> tuple[ir.Value, int] | None:
+    """A Conv keeps the batch, and a spatial size where it slides by 1 over padding that
+    makes up for its reach (PyTorch's padding='same', a conformer's depthwise and pointwise
+    convolutions over time)."""
+    if axis == 0:
+        return data, 0
+    kernel = node.attributes.get_ints("kernel_shape", None)
+    if kernel is None:
+        shape = ctx.shape(weight)
+        kernel = list(shape[2:]) if shape is not None else None
+    spatial = axis - 2
+    if axis < 2 or kernel is None or spatial >= len(kernel) or not isinstance(kernel[spatial], int):
+        return None
+    count = len(kernel)
+    strides = node.attributes.get_ints("strides", None) or [1] * count
+    dilations = node.attributes.get_ints("dilations", None) or [1] * count
+    if strides[spatial] != 1:
+        return None
+    reach = dilations[spatial] * (kernel[spatial] - 1)
+    auto_pad = node.attributes.get_string("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return data, axis
+    pads = [0] * (2 * count) if auto_pad == "VALID" else node.attributes.get_ints("pads", None)
+    pads = pads or [0] * (2 * count)
+    return (data, axis) if pads[spatial] + pads[spatial + count] == reach else None
 
 
 def _unbroadcast(
@@ -557,19 +601,12 @@ def _reshaped_size(
         return None
     total: Size | None = (1, ())
     for index in range(len(source)):
-        total = _product(total, symbolic_size(ctx, data, index, depth))
+        total = product(total, symbolic_size(ctx, data, index, depth))
     others: Size | None = (1, ())
     for index in range(rank):
         if index != axis:
-            others = _product(others, element(index))
-    if total is None or others is None or others[0] <= 0 or total[0] % others[0]:
-        return None
-    names = list(total[1])
-    for name in others[1]:
-        if name not in names:
-            return None
-        names.remove(name)
-    return total[0] // others[0], tuple(names)
+            others = product(others, element(index))
+    return quotient(total, others)
 
 
 def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> Size | None:
@@ -589,7 +626,7 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
         return _element_size(ctx, node.inputs[0], index, depth - 1)
     if node.op_type == "Mul" and len(node.inputs) == 2 and None not in node.inputs:
         parts = [_element_size(ctx, v, index, depth - 1) for v in node.inputs]  # type: ignore[arg-type]
-        return _product(*parts)
+        return product(*parts)
     if node.op_type == "Concat":
         for part in node.inputs:
             size = ctx.shape(part) if part is not None else None

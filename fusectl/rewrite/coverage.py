@@ -141,8 +141,17 @@ def _written_out(node: ir.Node) -> str | None:
         return "GELU" if _has_cube(node.inputs[0]) else None
     if node.op_type == "Concat":
         halves = len(node.inputs) == 2 and any(_negated(v) for v in node.inputs)
-        return "rotary" if halves else None
+        return "rotary" if halves or _rotated_halves(node) else None
     return None
+
+
+def _rotated_halves(concat: ir.Node) -> bool:
+    """Concat(a*c - b*s, b*c + a*s): a rotation computed half by half (GPT-OSS, DeepSeek)."""
+    kinds = [_producer_type(v) for v in concat.inputs]
+    if kinds != ["Sub", "Add"]:
+        return False
+    parts = [v.producer() for v in concat.inputs if v is not None]
+    return all(_producer_type(v) == "Mul" for part in parts if part for v in part.inputs)
 
 
 def _negated(value: ir.Value | None) -> bool:

@@ -1,0 +1,155 @@
+"""RotaryHalvesCanonicalizationPass: a rotary embedding computed half by half (GPT-OSS's
+Concat(x1*c - x2*s, x2*c + x1*s)) becomes the rotate_half form, which RotaryEmbeddingFusionPass
+then fuses. GPT-OSS under both exporters, the halves as a Split or as Slices, the forms it
+must leave, and numerics on onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from tests.conftest import run_model
+from tests.pass_helpers import (
+    compare_on_feeds,
+    const,
+    optimize_checked,
+    pattern_counts,
+    reasons,
+    save_model,
+    value,
+)
+
+HALVES = "RotaryHalvesCanonicalizationPass"
+ROTARY = "RotaryEmbeddingFusionPass"
+FIXTURES = Path(__file__).parent / "fixtures" / "arch"
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_gpt_oss_rotary_fused_in_every_layer(tmp_path: Path, exporter: str) -> None:
+    """q and k of both layers: four rotations, each rewritten and then fused."""
+    run = optimize_checked(FIXTURES / f"gpt_oss_{exporter}.onnx", tmp_path)
+    assert pattern_counts(run, HALVES) == {"RotaryHalves": (4, 4)}
+    assert run.counts(ROTARY) == (4, 4)
+    assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
+    counts = run.op_counts()
+    assert (counts["RotaryEmbedding"], counts["Split"]) == (4, 0)
+
+
+HEADS, HEAD, HALF = 2, 8, 4
+
+
+def _model(path: Path, *, split: bool = True, angles: int = HALF, swap: bool = False) -> Path:
+    """x [B, N, S, H] rotated half by half with angles of width ``angles`` from positions;
+    ``swap`` puts sin where cos belongs in the second half (no rotation)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Unsqueeze", ["positions", "last"], ["p"]),
+        helper.make_node("Mul", ["p", "frequencies"], ["f"]),
+        helper.make_node("Cos", ["f"], ["c3"]),
+        helper.make_node("Sin", ["f"], ["s3"]),
+        helper.make_node("Unsqueeze", ["c3", "heads_axis"], ["c"]),
+        helper.make_node("Unsqueeze", ["s3", "heads_axis"], ["s"]),
+    ]
+    if split:
+        nodes.append(helper.make_node("Split", ["x"], ["x1", "x2"], axis=-1, num_outputs=2))
+    else:
+        nodes += [
+            helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1"]),
+            helper.make_node("Slice", ["x", "half", "end", "last"], ["x2"]),
+        ]
+    second = ("s", "c") if swap else ("c", "s")
+    nodes += [
+        helper.make_node("Mul", ["x1", "c"], ["a"]),
+        helper.make_node("Mul", ["x2", "s"], ["b"]),
+        helper.make_node("Sub", ["a", "b"], ["first"]),
+        helper.make_node("Mul", [second[0], "x2"], ["d"]),
+        helper.make_node("Mul", ["x1", second[1]], ["e"]),
+        helper.make_node("Add", ["e", "d"], ["second"]),
+        helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
+    ]
+    initializers = [
+        const("frequencies", rng.uniform(0.1, 1.0, size=angles)),
+        const("last", [-1], np.int64),
+        const("heads_axis", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("half", [HALF], np.int64),
+        const("end", [2**62], np.int64),
+    ]
+    inputs = [value("x", ["batch", HEADS, "seq", HEAD]), value("positions", [1, "seq"])]
+    outputs = [value("y", ["batch", HEADS, "seq", HEAD])]
+    return save_model(path, nodes, inputs, outputs, initializers, opset=18)
+
+
+def _feeds(batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {
+        "x": rng.normal(size=(batch, HEADS, seq, HEAD)).astype(np.float32),
+        "positions": np.arange(seq, dtype=np.float32)[None],
+    }
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "slices"])
+def test_halves_become_rotate_half_and_fuse(tmp_path: Path, split: bool) -> None:
+    model = _model(tmp_path / "halves.onnx", split=split)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, HALVES) == {"RotaryHalves": (1, 1)}
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts()["RotaryEmbedding"] == 1
+    compare_on_feeds(model, run.output, _feeds())
+    compare_on_feeds(model, run.output, _feeds(batch=1, seq=3))
+
+
+def test_exact_without_the_rotary_fusion(tmp_path: Path) -> None:
+    """The rewrite alone (rotary fusion off) computes the same values bit for bit."""
+    model = _model(tmp_path / "halves.onnx")
+    run = optimize_checked(model, tmp_path, "--disable_pass", ROTARY, compare=False)
+    assert pattern_counts(run, HALVES) == {"RotaryHalves": (1, 1)}
+    feeds = _feeds()
+    (want,), (got,) = run_model(model, feeds), run_model(run.output, feeds)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_angles_that_broadcast_are_declined(tmp_path: Path) -> None:
+    """One angle per position ([.., S, 1], broadcast over the half): Concat(c, c) would be
+    two wide, not the head, so the rotation is left as it is, and the report says why."""
+    model = _model(tmp_path / "narrow.onnx", angles=1)
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, HALVES) == {"cos / sin do not span the half head on the last axis": 1}
+    assert run.counts(ROTARY) == (0, 0)
+
+
+def test_half_read_elsewhere_is_declined(tmp_path: Path) -> None:
+    model = _model(tmp_path / "shared.onnx")
+    graph = onnx.load(str(model))
+    graph.graph.output.append(value("first", ["batch", HEADS, "seq", HALF]))
+    onnx.save(graph, str(model))
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, HALVES) == {"an intermediate value (Sub output) is a graph output": 1}
+
+
+def test_other_combinations_stay(tmp_path: Path) -> None:
+    """sin where cos belongs in the second half is no rotation: no candidate, no near miss."""
+    model = _model(tmp_path / "swapped.onnx", swap=True)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(HALVES) == (0, 0)
+    assert reasons(run, HALVES) == {}
+    assert (run.op_counts()["Sub"], run.op_counts()["RotaryEmbedding"]) == (1, 0)
+
+
+def test_every_second_element_is_a_reported_near_miss(tmp_path: Path) -> None:
+    """DeepSeek-V3 rotates q[..., 0::2] and q[..., 1::2] and concatenates the results half by
+    half: not the halves of one axis (RotaryEmbedding would interleave its output), so it
+    stays, and coverage names the pass and the reason at each site."""
+    run = optimize_checked(FIXTURES / "deepseek_v3_ts17.onnx", tmp_path)
+    coverage = run.report["coverage"]["rotary"]
+    assert (coverage["fused"], coverage["total"]) == (0, 2)
+    reason = (
+        "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of one "
+        "tensor's last axis (every second element, say: RotaryEmbedding would interleave the "
+        "output too)"
+    )
+    assert [site["reason"] for site in coverage["unfused"]] == [reason, reason]

@@ -140,11 +140,11 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         for concat in ctx.op_index.of_type(graph, "Concat", _DEFAULT_DOMAINS):
             if concat.graph is not graph:
                 continue
+            found = _rotation(ctx, concat)  # op types first: most Concats fail there
+            if found is None:
+                continue
             rank = len(shape) if (shape := ctx.shape(concat.outputs[0])) is not None else None
             if rank is None or concat.attributes.get_int("axis", 0) % rank != rank - 1:
-                continue
-            found = _rotation(ctx, concat)
-            if found is None:
                 continue
             if isinstance(found, str):
                 stats.decline(found, node_label(concat))

@@ -484,7 +484,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     if prefold is None or _ranks(ctx, prefold) != (4, 3) or prefold.inputs[0] is None:
         prefold = None
     scored = softmax.inputs[0] if prefold is None else prefold.inputs[0]
-    scored = _max_shifted(scored, nodes)
+    scored = _max_shifted(ctx, scored, nodes)
     sink = None
     if prefold is None:
         sunk = _sunk(ctx, scored, nodes)
@@ -535,7 +535,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         probabilities = where.outputs[0]
         uses = [user for user, _ in probabilities.uses()]
     if sink is not None:
-        kept = _sink_dropped(probabilities)
+        kept = _sink_dropped(ctx, probabilities)
         if kept is None:
             return "a column is joined to the scores (a sink) but not dropped after the Softmax"
         nodes.append(kept)
@@ -619,7 +619,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     )
 
 
-def _max_shifted(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+def _max_shifted(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
     """x behind x - ReduceMax(x, last axis, keepdims): the Softmax over the last axis is the
     same (it subtracts the row's maximum itself, so even the rounding is), and the nodes go
     to ``nodes``."""
@@ -636,7 +636,7 @@ def _max_shifted(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
     if axes is None:
         listed = peak.attributes.get_ints("axes", None)
         axes = np.array(listed) if listed is not None else None
-    shape = sub.inputs[0].shape
+    shape = ctx.shape(sub.inputs[0])
     if axes is None or axes.size != 1 or shape is None:
         return value
     if int(axes.reshape(-1)[0]) % len(shape) != len(shape) - 1:
@@ -673,7 +673,7 @@ def _sunk(
     return scores, values.reshape(-1)
 
 
-def _sink_dropped(probabilities: ir.Value) -> ir.Node | None:
+def _sink_dropped(ctx: PassContext, probabilities: ir.Value) -> ir.Node | None:
     """The one Slice that drops the sink's column (the last) from the probabilities."""
     users = [user for user, _ in probabilities.uses()]
     if len(users) != 1 or users[0].op_type != "Slice" or probabilities.is_graph_output():
@@ -682,7 +682,7 @@ def _sink_dropped(probabilities: ir.Value) -> ir.Node | None:
     operands = [constant_value(v) if v is not None else None for v in slicing.inputs[1:5]]
     operands += [None] * (4 - len(operands))
     starts, ends, axes, steps = operands
-    shape = probabilities.shape
+    shape = ctx.shape(probabilities)
     if starts is None or ends is None or axes is None or shape is None:
         return None
     if starts.size != 1 or int(starts.reshape(-1)[0]) != 0 or int(ends.reshape(-1)[0]) != -1:

@@ -50,11 +50,12 @@ def _check_outer_shape(site: Site, x: ir.Value, shape: ir.Value, **_: Any) -> st
 
 
 def _single_reshape(op: Any, site: Site, x: ir.Value, shape: ir.Value, **_: Any) -> ir.Value:
-    if not _outer_target_holds(site, shape):
-        proven = _proven_target(site, x, shape)
-        assert not isinstance(proven, str)  # the check accepted it
-        shape = site.initializer(op, proven, "shape")
-    return op.Reshape(x, shape, **dict(site.root.attributes))
+    if _outer_target_holds(site, shape):
+        return op.Reshape(x, shape, **dict(site.root.attributes))
+    proven = _proven_target(site, x, shape)
+    assert not isinstance(proven, str)  # the check accepted it
+    # The proven target's 0 copies x's size: never under allowzero, which reads it as empty.
+    return op.Reshape(x, site.initializer(op, proven, "shape"))
 
 
 register_replacement(

@@ -6,23 +6,15 @@ from typing import Any
 
 import onnx_ir as ir
 
+from fusectl.rewrite.graph import node_axes
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
-
-
-def reduce_axes(site: Site, node: ir.Node) -> list[int] | None:
-    """A Reduce* node's axes: attribute before opset 13 (18 for most), constant input after."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = site.constant(node.inputs[1])
-        return None if array is None else [int(a) for a in array.reshape(-1)]
-    axes = node.attributes.get_ints("axes", None)
-    return None if axes is None else list(axes)
 
 
 def _single_axis(site: Site, node: ir.Node, rank: int | None) -> int:
     if node.attributes.get_int("keepdims", 1) != 1:
         raise Decline(f"{node.op_type} does not keep dims")
-    axes = reduce_axes(site, node)
+    axes = node_axes(node)
     if axes is None or len(axes) != 1:
         raise Decline(f"{node.op_type} does not reduce exactly one constant axis")
     axis = axes[0]

@@ -44,6 +44,7 @@ import onnx_ir as ir
 from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
     axis_size,
+    last_axis_slice,
     same_dimension,
     shape_element,
     symbolic_size,
@@ -58,6 +59,7 @@ from fusectl.rewrite.graph import (
     constant_value,
     new_constant,
     new_transpose,
+    node_axes,
     producer_of,
     replace_subgraph,
     typed,
@@ -629,17 +631,10 @@ def _max_shifted(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.
     peak = producer_of(sub.inputs[1], "ReduceMax")
     if peak is None or peak.inputs[0] is not sub.inputs[0]:
         return value
-    if not peak.attributes.get_int("keepdims", 1):
+    axes, shape = node_axes(peak), ctx.shape(sub.inputs[0])
+    if not peak.attributes.get_int("keepdims", 1) or axes is None or shape is None:
         return value
-    given = peak.inputs[1] if len(peak.inputs) > 1 else None
-    axes = constant_value(given) if given is not None else None
-    if axes is None:
-        listed = peak.attributes.get_ints("axes", None)
-        axes = np.array(listed) if listed is not None else None
-    shape = ctx.shape(sub.inputs[0])
-    if axes is None or axes.size != 1 or shape is None:
-        return value
-    if int(axes.reshape(-1)[0]) % len(shape) != len(shape) - 1:
+    if len(axes) != 1 or axes[0] % len(shape) != len(shape) - 1:
         return value
     nodes += [sub, peak]
     return sub.inputs[0]
@@ -678,20 +673,9 @@ def _sink_dropped(ctx: PassContext, probabilities: ir.Value) -> ir.Node | None:
     users = [user for user, _ in probabilities.uses()]
     if len(users) != 1 or users[0].op_type != "Slice" or probabilities.is_graph_output():
         return None
-    slicing = users[0]
-    operands = [constant_value(v) if v is not None else None for v in slicing.inputs[1:5]]
-    operands += [None] * (4 - len(operands))
-    starts, ends, axes, steps = operands
     shape = ctx.shape(probabilities)
-    if starts is None or ends is None or axes is None or shape is None:
-        return None
-    if starts.size != 1 or int(starts.reshape(-1)[0]) != 0 or int(ends.reshape(-1)[0]) != -1:
-        return None
-    if int(axes.reshape(-1)[0]) % len(shape) != len(shape) - 1:
-        return None
-    if steps is not None and int(steps.reshape(-1)[0]) != 1:
-        return None
-    return slicing
+    kept = last_axis_slice(users[0], len(shape)) if shape is not None else None
+    return users[0] if kept == (0, -1) else None
 
 
 def _reshaped_back(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:

@@ -184,12 +184,12 @@ def _frees_inputs(node: ir.Node) -> bool:
     )
 
 
-def _lift_constants(graph: ir.Graph) -> None:
+def _lift_constants(ctx: PassContext, graph: ir.Graph) -> None:
     """Constant nodes of the graph become initializers, as onnxruntime loads them anyway: one
     spelling of a constant for every pass, and no node for it. Not counted as folds (nothing
     is computed); a Constant that is a graph output stays, as an initializer cannot be one."""
-    for node in list(graph):
-        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+    for node in ctx.op_index.of_type(graph, "Constant", ("", "ai.onnx")):
+        if node.graph is not graph:
             continue
         result = node.outputs[0]
         tensor = constant_tensor(result)
@@ -222,7 +222,7 @@ class ConstantFoldingPass(FusionPass):
         if model.ir_version < _INITIALIZERS_NOT_INPUTS_IR:
             return  # every initializer must also be a graph input, one a caller may override
         graph = model.graph
-        _lift_constants(graph)
+        _lift_constants(ctx, graph)
         for node in graph:
             if node.op_type not in _READS_SHAPES and not _may_be_constant(node):
                 continue

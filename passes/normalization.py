@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.axes import size_sources, symbolic_size
-from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.graph import constant_value, node_axes
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
@@ -56,14 +56,6 @@ def _pattern(square: str, residual: bool) -> Callable[..., Any]:
     return lambda op, x, eps, gamma, beta: norm(op, x, eps, gamma, beta)
 
 
-def _reduce_axes(site: Site, node: ir.Node) -> list[int] | None:
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = site.constant(node.inputs[1])
-        return None if array is None else [int(a) for a in array.reshape(-1)]
-    axes = node.attributes.get_ints("axes", None)
-    return None if axes is None else list(axes)
-
-
 def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
     """The decomposition's checks; returns the first normalised axis, as a negative index.
 
@@ -77,7 +69,7 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
     for node in means:
         if node.attributes.get_int("keepdims", 1) != 1:
             raise Decline("a ReduceMean does not keep its axes")
-        axes = _reduce_axes(site, node)
+        axes = node_axes(node)
         if not axes:
             raise Decline("a ReduceMean has no constant axes")
         if any(a >= 0 for a in axes):

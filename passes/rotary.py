@@ -38,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
-from fusectl.rewrite.axes import Size, shape_element, slice_operands, symbolic_size
+from fusectl.rewrite.axes import Size, last_axis_slice, shape_element, slice_operands, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
@@ -80,18 +80,6 @@ class _Rotary:
     interleaved: bool = False  # rotate every two (GPT-J), not rotate_half
 
 
-def _last_axis_slice(node: ir.Node, rank: int, step: int = 1) -> tuple[int, int] | None:
-    """(start, end) of a Slice with this step along the last axis."""
-    starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
-    axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
-    steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
-    if starts is None or ends is None or axes is None or steps != [step] or len(starts) != 1:
-        return None
-    if axes[0] % rank != rank - 1:
-        return None
-    return starts[0], ends[0]
-
-
 def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
     """x from Unsqueeze(x, [axis]) whose rank-``rank`` output's last axis is the new one."""
     node = producer_of(value, "Unsqueeze")
@@ -128,7 +116,7 @@ def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, l
         return None
     if not _keeps_leading(ctx, reshape, pairs, rotated, 3):
         return None
-    odd_range, even_range = _last_axis_slice(odd, 4, 2), _last_axis_slice(even, 4, 2)
+    odd_range, even_range = last_axis_slice(odd, 4, 2), last_axis_slice(even, 4, 2)
     if odd_range is None or even_range is None:
         return None
     if odd_range[0] != 1 or even_range[0] != 0 or min(odd_range[1], even_range[1]) < shape[3]:
@@ -166,7 +154,7 @@ def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
     if high is None or low is None or high.inputs[0] is not low.inputs[0]:
         return None
     half = head_size // 2
-    high_range, low_range = _last_axis_slice(high, 4), _last_axis_slice(low, 4)
+    high_range, low_range = last_axis_slice(high, 4), last_axis_slice(low, 4)
     if high_range is None or low_range is None:
         return None
     if high_range[0] != half or high_range[1] < head_size or low_range != (0, half):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite.axes import last_axis_slice
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_value,
@@ -67,22 +68,11 @@ def _halves(ctx: PassContext, low: ir.Value, high: ir.Value) -> tuple[ir.Value, 
         return None
     if other.inputs[0] is not x:
         return None
-    ranges = [_last_axis_range(node, rank, 2 * half) for node in (split, other)]
-    return (x, half) if ranges == [(0, half), (half, 2 * half)] else None
-
-
-def _last_axis_range(node: ir.Node, rank: int, size: int) -> tuple[int, int] | None:
-    """[start, end) of a step-1 Slice along the last axis (of ``size``), ends clamped."""
-    operands = [constant_value(v) if v is not None else None for v in node.inputs[1:5]]
-    operands += [None] * (4 - len(operands))
-    starts, ends, axes, steps = operands
-    if starts is None or ends is None or axes is None or starts.size != 1:
+    ranges = [last_axis_slice(node, rank) for node in (split, other)]
+    if None in ranges:
         return None
-    if steps is not None and int(np.ravel(steps)[0]) != 1:
-        return None
-    if int(np.ravel(axes)[0]) % rank != rank - 1:
-        return None
-    return int(np.ravel(starts)[0]), min(int(np.ravel(ends)[0]), size)
+    clamped = [(start, min(end, 2 * half)) for start, end in ranges]  # type: ignore[misc]
+    return (x, half) if clamped == [(0, half), (half, 2 * half)] else None
 
 
 def _rotation(

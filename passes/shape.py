@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import bypass, bypass_refusal, constant_value
+from fusectl.rewrite.graph import bypass, bypass_refusal, constant_value, node_axes
 from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
@@ -108,15 +108,6 @@ register_replacement(
 )
 
 
-def _axes(site: Site, node: ir.Node) -> list[int] | None:
-    """Squeeze/Unsqueeze axes from the attribute (opset < 13) or the constant input."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = site.constant(node.inputs[1])
-        return None if array is None else [int(a) for a in array.reshape(-1)]
-    axes = node.attributes.get_ints("axes", None)
-    return None if axes is None else list(axes)
-
-
 def _normalized(axes: list[int], rank: int | None) -> list[int] | None:
     if all(a >= 0 for a in axes):
         return sorted(axes)
@@ -137,7 +128,7 @@ def _cancel_axes(op: Any, site: Site, x: ir.Value) -> ir.Value:
     """Squeeze and Unsqueeze over the same axes undo each other (both index the wider rank)."""
     inner = site.root.inputs[0].producer()
     squeeze = inner if inner.op_type == "Squeeze" else site.root
-    inner_axes, outer_axes = _axes(site, inner), _axes(site, site.root)
+    inner_axes, outer_axes = node_axes(inner), node_axes(site.root)
     if inner_axes is None or outer_axes is None:
         raise Decline("axes are not constant (or Squeeze has none)")
     wide = site.shape(squeeze.inputs[0])

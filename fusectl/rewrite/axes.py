@@ -46,6 +46,14 @@ def slice_operands(node: ir.Node, rank: int) -> list[tuple[int, int, int, int]] 
     ]
 
 
+def last_axis_slice(node: ir.Node, rank: int, step: int = 1) -> tuple[int, int] | None:
+    """(start, end) of a Slice of one axis, the last, with this step (ends not clamped)."""
+    sliced = slice_operands(node, rank)
+    if sliced is None or len(sliced) != 1 or sliced[0][0] != rank - 1 or sliced[0][3] != step:
+        return None
+    return sliced[0][1], sliced[0][2]
+
+
 def kept_length(start: int, end: int, step: int, size: int) -> int:
     """How many elements ONNX Slice keeps of an axis of ``size`` (Python's slice clamps the
     same way, INT64_MAX ends included)."""

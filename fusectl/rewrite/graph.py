@@ -171,6 +171,16 @@ def attribute_graphs(attribute: ir.Attr) -> list[ir.Graph]:
     return []
 
 
+def node_axes(node: ir.Node) -> list[int] | None:
+    """The axes of a Reduce*, Squeeze or Unsqueeze node: its constant second input (the
+    newer opsets), else its attribute; None where neither is known."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_value(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    axes = node.attributes.get_ints("axes", None)
+    return None if axes is None else list(axes)
+
+
 def producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The standard-domain ``op_type`` node that computes ``value``, else None."""
     node = value.producer() if value is not None else None

@@ -209,7 +209,7 @@ def _scalar(value: ir.Value | None) -> float | None:
 
 
 def _unscale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
-    """x or x * c (either order) -> (x, c)."""
+    """x, x * c (either order) or x / c (DeBERTa's K^T / sqrt(H * 3)) -> (x, c or 1 / c)."""
     mul = producer_of(value, "Mul")
     if mul is not None:
         for data, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
@@ -217,6 +217,11 @@ def _unscale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
             if scale is not None:
                 nodes.append(mul)
                 return data, scale
+    div = producer_of(value, "Div")
+    divisor = _scalar(div.inputs[1]) if div is not None else None
+    if div is not None and div.inputs[0] is not None and divisor:
+        nodes.append(div)
+        return div.inputs[0], 1.0 / divisor
     return value, 1.0
 
 
@@ -543,7 +548,9 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         nodes.append(kept)
         probabilities = kept.outputs[0]
     probabilities = _reshaped_back(ctx, probabilities, nodes)
-    uses = [user for user, _ in probabilities.uses()]
+    # A Shape of the probabilities (TorchScript's run-time fold target) is shape arithmetic
+    # that dies with the match (absorb_shape_arithmetic), or keeps the match from landing.
+    uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
     if prefold is not None:  # the fold before the Softmax is the one after it, moved up
         nodes.append(prefold)
         folds.append(prefold)
@@ -551,7 +558,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         nodes.append(uses[0])
         folds.append(uses[0])
         probabilities = uses[0].outputs[0]
-        uses = [user for user, _ in probabilities.uses()]
+        uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
     if len(uses) != 1 or uses[0].op_type != "MatMul" or uses[0].inputs[0] is not probabilities:
         return "the probabilities are not read by exactly one MatMul with the value"
     context = uses[0]

@@ -15,9 +15,9 @@ import logging
 import numpy as np
 import onnx.defs
 import onnx_ir as ir
-from onnx.reference.ops import load_op
 
 from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.evaluate import run_node
 from fusectl.rewrite.graph import (
     SEEN_THROUGH,
     constant_tensor,
@@ -163,17 +163,7 @@ def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] |
         if array is None:
             return None
         arrays.append(array)
-    implementation = load_op("", node.op_type, opset)
-    proto = ir.serde.serialize_node(node)
-    params = {"log": lambda *_: None, "opsets": {"": opset}, "verbose": 0, "new_ops": None}
-    results = implementation(proto, params).run(*arrays)
-    if len(results) < len(node.outputs):
-        return None
-    if not all(isinstance(r, np.ndarray | np.generic) for r in results):
-        return None  # a sequence, map or optional: not something an initializer can hold
-    # The reference computes every optional output (LayerNormalization's Mean and InvStdDev);
-    # keep those the node declares, a prefix of them.
-    return [np.asarray(r) for r in results[: len(node.outputs)]]
+    return run_node(node, arrays, opset)
 
 
 def _frees_inputs(node: ir.Node) -> bool:

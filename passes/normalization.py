@@ -817,7 +817,8 @@ _DATA_MOVEMENT = frozenset(
 
 
 def _all_zeros(value: ir.Value | None) -> bool:
-    """Whether every element is a zero taken from an all-zero constant by data movement."""
+    """Whether every element is a zero taken from an all-zero constant by data movement, or
+    filled in by ConstantOfShape with zero (transformers' default token types, TorchScript)."""
     for _ in range(8):
         if value is None:
             return False
@@ -825,6 +826,9 @@ def _all_zeros(value: ir.Value | None) -> bool:
         if array is not None:
             return not np.any(array)
         producer = value.producer()
+        if producer is not None and producer.op_type == "ConstantOfShape":
+            fill = producer.attributes.get("value")
+            return fill is None or not np.any(fill.as_tensor().numpy())
         if producer is None or producer.op_type not in _DATA_MOVEMENT:
             return False
         value = producer.inputs[0]

@@ -35,15 +35,18 @@ def save_model(
     opset: int = 17,
     value_info: Sequence[onnx.ValueInfoProto] = (),
     check: bool = True,
+    contrib: bool = False,
 ) -> Path:
-    """Write a one-graph model; checked unless the test builds an invalid one on purpose."""
+    """Write a one-graph model; checked unless the test builds an invalid one on purpose or
+    it holds onnxruntime's contrib ops (``contrib``: the com.microsoft domain imported)."""
     graph = helper.make_graph(
         nodes, path.stem, inputs, outputs, list(initializers), value_info=list(value_info)
     )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION
-    )
-    if check:
+    opsets = [helper.make_opsetid("", opset)]
+    if contrib:
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
+    if check and not contrib:
         onnx.checker.check_model(model, full_check=True)
     onnx.save(model, str(path))
     return path

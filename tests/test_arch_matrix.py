@@ -53,12 +53,14 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "clip_vision_ts17": ((2, 6, 4, 2, 0), (2, 6, None, 2, 0)),
     "convbert_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "convbert_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
-    "deberta_v2_dynamo": ((0, 5, 5, 2, 0), (2, 5, None, 2, 0)),
-    "deberta_v2_ts17": ((0, 5, 3, 2, 0), (2, 5, None, 2, 0)),
+    "deberta_v2_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "deberta_v2_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deepseek_v3_dynamo": ((2, 9, 9, 3, 0), (2, 9, None, 3, 4)),
     "deepseek_v3_ts17": ((0, 9, 9, 3, 0), (2, 9, None, 3, 4)),
     "deit_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deit_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "ernie_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
+    "ernie_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "falcon_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "funnel_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
@@ -119,22 +121,6 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
 
 # (fixture, class) below target today: the near-misses of that class's fusectl passes.
 WHY: dict[tuple[str, str], str] = {
-    ("deberta_v2_dynamo", "attention"): (
-        "AttentionFusionPass: the scores are unfolded from [batch*heads, ...] but the "
-        "query or key is not; GroupQueryAttentionFusionPass: the scores are unfolded from"
-        " [batch*heads, ...] but the query or key is not; QkvAttentionFusionPass: the "
-        "scores are unfolded from [batch*heads, ...] but the query or key is not; "
-        "MultiHeadAttentionFusionPass: the scores are unfolded from [batch*heads, ...] "
-        "but the query or key is not"
-    ),
-    ("deberta_v2_ts17", "attention"): (
-        "AttentionFusionPass: the scores are unfolded from [batch*heads, ...] but the "
-        "query or key is not; GroupQueryAttentionFusionPass: the scores are unfolded from"
-        " [batch*heads, ...] but the query or key is not; QkvAttentionFusionPass: the "
-        "scores are unfolded from [batch*heads, ...] but the query or key is not; "
-        "MultiHeadAttentionFusionPass: the scores are unfolded from [batch*heads, ...] "
-        "but the query or key is not"
-    ),
     ("deepseek_v3_dynamo", "rotary"): (
         "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of "
         "one tensor's last axis (every second element, say: RotaryEmbedding would "

@@ -18,6 +18,7 @@ from tests.pass_helpers import (
     optimize_checked,
     pattern_counts,
     reasons,
+    save_model,
     value,
 )
 
@@ -93,14 +94,7 @@ def _attention(
     outputs = [value("y", ["B", "S", HIDDEN])]
     if shared:
         outputs.append(value("q_proj", ["B", "S", HIDDEN]))
-    graph = helper.make_graph(nodes, path.stem, inputs, outputs, initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=8,
-    )
-    onnx.save(model, str(path))
-    return path
+    return save_model(path, nodes, inputs, outputs, initializers, contrib=True)
 
 
 def _feeds(cache: bool = False) -> dict[str, np.ndarray]:

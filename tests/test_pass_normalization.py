@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from fusectl.rewrite import shapes
 from fusectl.rewrite.axes import size_sources
@@ -713,6 +713,51 @@ def test_bert_embeddings_become_embed_layer_normalization(name: str, tmp_path: P
     assert node.input[1] == "" and node.input[4] == ""  # no segment ids or table left
     tables = {i.name for i in graph.initializer if len(i.dims) == 2 and i.data_type == 1}
     assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables]
+
+
+def _filled_token_types(path: Path, fill: int) -> Path:
+    """BERT with its token-type ids ConstantOfShape(Shape(input_ids), fill), as RemBERT's and
+    BigBird's TorchScript exports build their default token types."""
+    model = onnx.load(str(fixture_path("bert_tiny_ts17")))
+    (gather,) = [n for n in model.graph.node if "token_type_embeddings/Gather" in n.name]
+    model.graph.node.extend(
+        [
+            helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+            helper.make_node(
+                "ConstantOfShape",
+                ["ids_shape"],
+                ["token_types"],
+                value=helper.make_tensor("fill", TensorProto.INT64, [1], [fill]),
+            ),
+        ]
+    )
+    gather.input[1] = "token_types"
+    sorted_nodes = list(model.graph.node)
+    model.graph.ClearField("node")
+    model.graph.node.extend(sorted_nodes[-2:] + sorted_nodes[:-2])
+    onnx.save(model, str(path))
+    return path
+
+
+def test_token_types_filled_with_zeros_join_the_position_table(tmp_path: Path) -> None:
+    model = _filled_token_types(tmp_path / "zeros.onnx", 0)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(EMBED) == (1, 1)
+    (node,) = [
+        n for n in onnx.load(str(run.output)).graph.node if n.op_type == "EmbedLayerNormalization"
+    ]
+    assert node.input[1] == "" and node.input[4] == ""
+
+
+def test_token_types_filled_with_ones_are_declined(tmp_path: Path) -> None:
+    model = _filled_token_types(tmp_path / "ones.onnx", 1)
+    run = optimize_checked(model, tmp_path)
+    assert_declined(
+        run,
+        EMBED,
+        "the segment ids are neither a graph input nor all zero",
+        "/inner/embeddings/LayerNorm/LayerNormalization",
+    )
 
 
 def test_gpt2_embeddings_have_no_segment_table(tmp_path: Path) -> None:

@@ -367,10 +367,14 @@ def quotient(a: Size | None, b: Size | None) -> Size | None:
     return a[0] // b[0], tuple(names)
 
 
-def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16) -> Size | None:
+def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48) -> Size | None:
     """One axis's size as a product of static sizes and named dimensions, traced through the
     ops that produced it where shape inference made up a name (TorchScript's run-time Reshape
-    targets): two axes of equal products have equal sizes at run time."""
+    targets): two axes of equal products have equal sizes at run time.
+
+    The walk reaches as deep as the model (the last layer's query size is the input's batch),
+    so each answer is kept for the pass (``ctx.sizes``): a None with the depth it was sought
+    at, as more depth may find it."""
     shape = ctx.shape(value)
     if shape is None or not -len(shape) <= axis < len(shape):
         return None
@@ -380,6 +384,19 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
         return dim, ()
     if named(dim):
         return 1, (str(dim.value),)
+    key = (value, axis)
+    known = ctx.sizes.get(key)
+    if known is not None and (known[0] is not None or known[1] >= depth):
+        return known[0]
+    size = _traced_size(ctx, value, axis, shape, depth)
+    ctx.sizes[key] = (size, depth)
+    return size
+
+
+def _traced_size(
+    ctx: PassContext, value: ir.Value, axis: int, shape: ir.Shape, depth: int
+) -> Size | None:
+    """symbolic_size of an axis shape inference left unnamed, from the op that produced it."""
     node = value.producer()
     if node is None or depth == 0:
         return None
@@ -398,8 +415,18 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 16)
         return None
     if standard and node.op_type == "Reshape" and None not in inputs[:2]:
         return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
-    source = _copied_axis(ctx, node, value, axis, len(shape))
-    return None if source is None else symbolic_size(ctx, *source, depth - 1)
+    if standard and node.op_type == "Expand" and None not in inputs[:2]:
+        return _expanded_size(ctx, node, axis, len(shape), depth - 1)
+    # Ops that copy the size: one path, followed at no cost in depth (a residual stream runs
+    # through every layer before it reaches a named size), to the first size it is known by.
+    chain = size_sources(ctx, value, axis)
+    for source, index in chain[1:]:
+        found = ctx.shape(source)[index]  # type: ignore[index]
+        if isinstance(found, int):
+            return found, ()
+        if named(found):
+            return 1, (str(found.value),)
+    return symbolic_size(ctx, *chain[-1], depth - 1) if len(chain) > 1 else None
 
 
 def size_sources(ctx: PassContext, value: ir.Value, axis: int) -> list[tuple[ir.Value, int]]:
@@ -452,6 +479,8 @@ def _copied_axis(
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
         return first, perm[axis]
+    if op == "GatherElements" and len(inputs) > 1 and inputs[1] is not None:
+        return inputs[1], axis  # the output has the indices' shape
     if op == "Conv" and len(inputs) > 1 and inputs[1] is not None:
         return _conv_source(ctx, node, first, inputs[1], axis)
     if op == "MatMul" and not _matrices(ctx, inputs):
@@ -617,21 +646,58 @@ def _reshaped_size(
     return quotient(total, others)
 
 
+def _expanded_size(
+    ctx: PassContext, node: ir.Node, axis: int, rank: int, depth: int
+) -> Size | None:
+    """An Expand's output size: the data's where it is not 1 (the target then is 1 or the
+    same), else the target element's (DeBERTa's position index expanded to the query's
+    [B*N, S, 2k])."""
+    data, target = node.inputs[0], node.inputs[1]
+    assert data is not None and target is not None
+    source, elements = ctx.shape(data), ctx.shape(target)
+    if source is None or elements is None or len(elements) != 1:
+        return None
+    position = axis - rank + len(source)
+    size = symbolic_size(ctx, data, position, depth) if position >= 0 else (1, ())
+    if size is not None and size != (1, ()):
+        return size
+    index = axis - rank + elements[0] if isinstance(elements[0], int) else -1
+    element = _element_size(ctx, target, index, depth) if index >= 0 else None
+    if element is not None and element != (1, ()):
+        return element
+    return size if element == (1, ()) else None
+
+
 def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> Size | None:
-    """Element ``index`` of a 1-D shape tensor as a product: through Concat, Unsqueeze,
-    Gather(Shape(x), i), Shape(x, i, i + 1) and Mul of such sizes."""
+    """Element ``index`` of a 1-D shape tensor as a product: through Concat, Unsqueeze, a 1-D
+    Reshape, expand's ``Where(Equal(t, -1), 1, t)``, Mul of such sizes and runs of copied
+    sizes (Gather(Shape(x), i), Shape(x, i, j), Slice(Shape(x), i, j))."""
     array = constant_value(value)
     if array is not None:
         flat = array.reshape(-1)
         return (int(flat[index]), ()) if 0 <= index < flat.size else None
-    copied = _copied_dimension(value)
+    copied = _copied_dimensions(value)
     if copied is not None:
-        return symbolic_size(ctx, copied[0], copied[1], depth - 1) if index == 0 else None
+        if not 0 <= index < len(copied):
+            return None
+        return symbolic_size(ctx, *copied[index], depth - 1)
     node = value.producer()
     if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
         return None
     if node.op_type in ("Unsqueeze", "Identity", "Cast") and node.inputs[0] is not None:
         return _element_size(ctx, node.inputs[0], index, depth - 1)
+    if node.op_type == "Reshape" and node.inputs[0] is not None:  # 1-D to 1-D
+        shape = ctx.shape(node.inputs[0])
+        if shape is not None and len(shape) == 1:
+            return _element_size(ctx, node.inputs[0], index, depth - 1)
+    if node.op_type == "Where" and len(node.inputs) == 3 and node.inputs[2] is not None:
+        # TorchScript's expand(sizes): Where(Equal(sizes, -1), 1, sizes) keeps every size
+        equal = producer_of(node.inputs[0], "Equal")
+        flag = [constant_value(v) for v in equal.inputs if v is not node.inputs[2]] if equal else []
+        if equal is not None and node.inputs[2] in equal.inputs and len(flag) == 1:
+            size = _element_size(ctx, node.inputs[2], index, depth - 1)
+            negative = flag[0] is not None and bool(np.all(flag[0] < 0))
+            return size if negative and size is not None and size[0] > 0 else None
     if node.op_type == "Mul" and len(node.inputs) == 2 and None not in node.inputs:
         parts = [_element_size(ctx, v, index, depth - 1) for v in node.inputs]  # type: ignore[arg-type]
         return product(*parts)

@@ -230,6 +230,11 @@ class PassContext:
     graph_id: str = MAIN_GRAPH
     # Nodes replace_subgraph took out of the graph, released once the pass is over.
     removed: list[ir.Node] = field(default_factory=list)
+    # Sizes axes.symbolic_size traced in this run, with the depth each was sought at: a
+    # rewrite keeps what every surviving value computes, so they stay true.
+    sizes: dict[tuple[ir.Value, int], tuple[tuple[int, tuple[str, ...]] | None, int]] = field(
+        default_factory=dict
+    )
     _granted: int | None = None
 
     @classmethod

@@ -1,0 +1,140 @@
+"""Values computed before run time with onnx's reference implementation of each op.
+
+Constant folding computes one node whose inputs are all constants. A recognizer that asks what
+a subgraph computes (is this bias a key padding mask?) evaluates the subgraph at probe sizes
+and inputs of its choosing: ``evaluate`` walks the nodes a value depends on, feeding the graph
+inputs it is given and reading a Shape or Size of anything else from the inferred shape, with
+each named dimension set to a probe size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+from onnx.reference.ops import load_op
+
+from fusectl.rewrite.axes import symbolic_size
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import constant_value
+
+# Nodes a probe evaluation walks at most: a mask or a shape computation, not a network.
+_MAX_NODES = 256
+
+
+def run_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> list[np.ndarray] | None:
+    """The outputs of a standard-domain ``node`` on ``arrays``, or None where an output is not a
+    tensor (a sequence, map or optional)."""
+    implementation = load_op("", node.op_type, opset)
+    proto = ir.serde.serialize_node(node)
+    params = {"log": lambda *_: None, "opsets": {"": opset}, "verbose": 0, "new_ops": None}
+    results = implementation(proto, params).run(*arrays)
+    if len(results) < len(node.outputs):
+        return None
+    if not all(isinstance(r, np.ndarray | np.generic) for r in results):
+        return None
+    # The reference computes every optional output (LayerNormalization's Mean and InvStdDev);
+    # keep those the node declares, a prefix of them.
+    return [np.asarray(r) for r in results[: len(node.outputs)]]
+
+
+class Unevaluable(Exception):
+    """The value depends on something a probe cannot set: an input not fed, a dimension with
+    no probe size, an op outside the standard domain, or too many nodes."""
+
+
+def _probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) -> list[int]:
+    shape = ctx.shape(value)
+    if shape is None:
+        raise Unevaluable(f"the shape of {value.name} is unknown")
+    dims = []
+    for axis, dim in enumerate(shape):
+        if isinstance(dim, int):
+            dims.append(dim)
+            continue
+        # A name inference made up is traced to the named sizes it is a product of.
+        size = symbolic_size(ctx, value, axis)
+        if size is None or any(name not in sizes for name in size[1]):
+            raise Unevaluable(f"{value.name} has a dimension no probe size sets ({dim})")
+        dims.append(size[0] * math.prod(sizes[name] for name in size[1]))
+    return dims
+
+
+def dependencies(value: ir.Value, feeds: set[ir.Value]) -> list[ir.Node]:
+    """The nodes ``value`` is computed by, in graph (execution) order, stopping at constants,
+    graph inputs, ``feeds`` and at Shape and Size (which read only a shape)."""
+    start = value.producer()
+    if start is None or value in feeds or constant_value(value) is not None:
+        return []
+    cone: set[ir.Node] = set()
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node in cone:
+            continue
+        cone.add(node)
+        if len(cone) > _MAX_NODES:
+            raise Unevaluable(f"it depends on more than {_MAX_NODES} nodes")
+        if node.domain not in ("", "ai.onnx") or any(
+            a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+            for a in node.attributes.values()
+        ):
+            raise Unevaluable(f"it depends on {node.op_type} ({node.domain or 'ai.onnx'})")
+        if node.op_type in ("Shape", "Size"):
+            continue
+        for operand in node.inputs:
+            if operand is None or operand in feeds or constant_value(operand) is not None:
+                continue
+            producer = operand.producer()  # None: a graph input, which evaluate must be fed
+            if producer is not None:
+                stack.append(producer)
+    graph = start.graph
+    assert graph is not None
+    return [node for node in graph if node in cone]
+
+
+def evaluate(
+    ctx: PassContext,
+    value: ir.Value,
+    feeds: Mapping[ir.Value, np.ndarray],
+    sizes: Mapping[str, int],
+) -> np.ndarray:
+    """``value`` computed from ``feeds``, with every named dimension a Shape reads set by
+    ``sizes``; raises Unevaluable where that does not determine it."""
+    known: dict[ir.Value, np.ndarray] = dict(feeds)
+
+    def read(operand: ir.Value | None) -> np.ndarray | None:
+        if operand is None:
+            return None
+        if operand in known:
+            return known[operand]
+        array = constant_value(operand)
+        if array is None:
+            raise Unevaluable(f"{operand.name} is not computed before it is read")
+        return array
+
+    for node in dependencies(value, set(feeds)):
+        if node.op_type in ("Shape", "Size"):
+            data = node.inputs[0]
+            assert data is not None
+            dims = _probe_shape(ctx, data, sizes) if data not in known else known[data].shape
+            if node.op_type == "Size":
+                outputs = [np.array(int(np.prod(dims)), dtype=np.int64)]
+            else:
+                start = node.attributes.get_int("start", 0)
+                end = node.attributes.get_int("end", None)
+                outputs = [np.array(list(dims)[start:end], dtype=np.int64)]
+        else:
+            arrays = [read(v) for v in node.inputs]
+            try:
+                with np.errstate(all="ignore"):
+                    computed = run_node(node, arrays, ctx.opset)
+            except Exception as error:  # the reference raises its own types for bad operands
+                raise Unevaluable(f"{node.op_type} fails on the probe: {error}") from None
+            if computed is None:
+                raise Unevaluable(f"{node.op_type} yields no tensor")
+            outputs = computed
+        known.update(zip(node.outputs, outputs, strict=False))
+    return read(value)  # type: ignore[return-value]

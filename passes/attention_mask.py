@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.evaluate import Unevaluable, dependencies, evaluate
+from fusectl.rewrite.evaluate import Unevaluable, dependencies, evaluate, traced_sizes
 from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
@@ -33,7 +33,7 @@ MS = "com.microsoft"
 _INPUTS = {"Attention": (3, 5), "MultiHeadAttention": (4, 5)}
 # Sizes the named dimensions take in the two probes: distinct, so that a bias that mixes two
 # of them up (the batch for the length) does not pass.
-_PROBE_SIZES = ((3, 5, 7, 11), (4, 6, 9, 13))
+_PROBE_SIZES = ((3, 5, 7, 11, 13, 17), (4, 6, 9, 10, 14, 15))
 _MASK_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
 
 
@@ -95,6 +95,18 @@ def _fill(bias: np.ndarray, mask: np.ndarray) -> float | str:
     return fill
 
 
+def _named_sizes(ctx: PassContext, bias: ir.Value, mask: ir.Value) -> list[str]:
+    """The named dimensions the bias depends on: the mask's first, then those of every tensor
+    whose shape it reads (a decoder's length beside the encoder's, in cross-attention)."""
+    found: list[str] = []
+    read = [mask]
+    read += [n.inputs[0] for n in dependencies(bias, {mask}) if n.op_type in ("Shape", "Size")]
+    for value in read:
+        sizes = traced_sizes(ctx, value) if value is not None else None
+        found += [name for size in sizes or () if size is not None for name in size[1]]
+    return list(dict.fromkeys(found))
+
+
 def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
     """The mask the bias is built from, why it is not a key padding mask, or None where the
     bias is no mask at all."""
@@ -106,7 +118,7 @@ def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
         return mask
     shape, dtype = ctx.shape(mask), ctx.dtype(mask)
     assert shape is not None and dtype is not None
-    names = list(dict.fromkeys(d.value for d in shape if isinstance(d, ir.SymbolicDim)))
+    names = _named_sizes(ctx, bias, mask)
     fills = set()
     for sizes in _PROBE_SIZES:
         probe = dict(zip(names, sizes, strict=False))
@@ -121,6 +133,17 @@ def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
         fill = _fill(computed, masks)
         if isinstance(fill, str):
             return fill
+        if dtype != ir.DataType.BOOL:  # the op keeps a key for any positive value
+            larger = np.where(masks != 0, np.arange(masks.size).reshape(masks.shape) % 3 + 1, 0)
+            try:
+                again = evaluate(ctx, bias, {mask: larger.astype(masks.dtype)}, probe)
+            except Unevaluable as why:
+                return f"the attention bias cannot be evaluated: {why}"
+            if not np.array_equal(again, computed):
+                return (
+                    "the attention bias reads the mask's values, not only whether they are 0 "
+                    "((1 - mask) * c): the op's mask would differ for values above 1"
+                )
         fills.add(fill)
     if len(fills) != 1:
         return "the attention bias adds a value for a dropped key that depends on the sizes"

@@ -117,6 +117,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "whisper_ts17": ((6, 12, 12, 6, 0), (6, 12, None, 6, 0)),
     "xglm_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "xglm_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "xlnet_ts17": ((0, 4, 4, 2, 0), (2, 4, None, 2, 0)),
 }
 
 # (fixture, class) below target today: the near-misses of that class's fusectl passes.
@@ -135,6 +136,15 @@ WHY: dict[tuple[str, str], str] = {
         "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of "
         "one tensor's last axis (every second element, say: RotaryEmbedding would "
         "interleave the output too)"
+    ),
+    ("xlnet_ts17", "attention"): (
+        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
+        "biases and a constant scale (they come from Add); GroupQueryAttentionFusionPass:"
+        " the scores are not MatMul(query, key^T) with additive biases and a constant "
+        "scale (they come from Add); QkvAttentionFusionPass: the scores are not "
+        "MatMul(query, key^T) with additive biases and a constant scale (they come from "
+        "Add); MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with"
+        " additive biases and a constant scale (they come from Add)"
     ),
 }  # fmt: skip
 

@@ -72,13 +72,31 @@ def test_ernie_mask_becomes_the_mask_index(
         compare_on_feeds(source, run.output, _text_feeds(batch, length))
 
 
-def _masked_attention(path: Path, bias: str) -> Path:
+@pytest.mark.parametrize("model", ["bart_ts17", "bart_dynamo"])
+def test_encoder_padding_in_self_and_cross_attention(tmp_path: Path, model: str) -> None:
+    """BART: the encoder's self-attention and the decoder's cross-attention read the encoder's
+    padding mask (the cross bias [B, 1, T, S] built from the decoder's length too); the
+    decoder's causal self-attention is not a padding mask and is left to the lowering."""
+    source = FIXTURES / f"{model}.onnx"
+    run = optimize_checked(source, tmp_path)
+    assert pattern_counts(run, MASK) == {"KeyPaddingMask": (4, 4)}
+    masked = [
+        inputs for inputs in _attention_inputs(run.output) if "attention_mask_int32" in inputs
+    ]
+    assert len(masked) == 4
+    for batch, length in ((2, 8), (3, 5)):
+        feeds = _text_feeds(batch, length)
+        feeds["decoder_input_ids"] = np.random.default_rng(1).integers(0, 60, (batch, 3))
+        compare_on_feeds(source, run.output, feeds)
+
+
+def _masked_attention(path: Path, bias: str, mask_type: int = TensorProto.BOOL) -> Path:
     """A MultiHeadAttention over x with an attention_bias [B, 1 or N, S, S] built from the
     2-D ``mask`` the classic way, ``(1 - mask) * -10000`` unsqueezed, with ``bias`` adding:
     "" nothing, "causal" a causal mask, "position" a constant per-head bias, "input" a
     second graph input [B, 1, 1, S]."""
     rng = np.random.default_rng(0)
-    inputs = [value("x", ["B", "S", HIDDEN]), value("mask", ["B", "S"], TensorProto.INT64)]
+    inputs = [value("x", ["B", "S", HIDDEN]), value("mask", ["B", "S"], mask_type)]
     initializers = [
         const(f"w{name}", rng.normal(size=(HIDDEN, HIDDEN)) * 0.3) for name in "qkv"
     ] + [const("one", 1.0), const("big", -10000.0), const("axes", [1, 2], np.int64)]
@@ -130,9 +148,11 @@ def _masked_attention(path: Path, bias: str) -> Path:
     return save_model(path, nodes, inputs, outputs, initializers, contrib=True)
 
 
-def _feeds(batch: int, length: int, extra: bool = False) -> dict[str, np.ndarray]:
+def _feeds(
+    batch: int, length: int, extra: bool = False, mask_type: type = bool
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(batch * length)
-    mask = (rng.random((batch, length)) > 0.4).astype(np.int64)
+    mask = (rng.random((batch, length)) > 0.4).astype(mask_type)
     mask[:, 0] = 1
     feeds = {"x": rng.normal(size=(batch, length, HIDDEN)).astype(np.float32), "mask": mask}
     if extra:
@@ -141,7 +161,8 @@ def _feeds(batch: int, length: int, extra: bool = False) -> dict[str, np.ndarray
 
 
 def test_classic_mask_into_multi_head_attention(tmp_path: Path) -> None:
-    """``(1 - mask) * -10000`` becomes key_padding_mask with mask_filter_value -10000."""
+    """``(1 - mask) * -10000`` of a bool mask becomes key_padding_mask with
+    mask_filter_value -10000."""
     model = _masked_attention(tmp_path / "classic.onnx", "")
     run = optimize_checked(model, tmp_path, compare=False)
     assert pattern_counts(run, MASK) == {"KeyPaddingMask": (1, 1)}
@@ -153,6 +174,19 @@ def test_classic_mask_into_multi_head_attention(tmp_path: Path) -> None:
     assert run.op_counts()["Sub"] == run.op_counts()["Unsqueeze"] == 0
     for batch, length in ((2, 7), (3, 1)):
         compare_on_feeds(model, run.output, _feeds(batch, length))
+
+
+def test_an_integer_mask_scaled_by_its_value_stays(tmp_path: Path) -> None:
+    """``(1 - mask) * -10000`` of an int64 mask adds +10000 where the mask is 2: the op's
+    mask would keep that key with 0 added, so the bias stays."""
+    model = _masked_attention(tmp_path / "scaled.onnx", "", TensorProto.INT64)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, MASK) == {"KeyPaddingMask": (1, 0)}
+    assert reasons(run, MASK) == {
+        "the attention bias reads the mask's values, not only whether they are 0 "
+        "((1 - mask) * c): the op's mask would differ for values above 1": 1
+    }
+    compare_on_feeds(model, run.output, _feeds(2, 6, mask_type=np.int64))
 
 
 @pytest.mark.parametrize(

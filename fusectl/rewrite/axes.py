@@ -261,7 +261,7 @@ def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
         if array is not None:
             parts += [int(v) for v in array.reshape(-1)]
             continue
-        copied = _copied_dimensions(part)
+        copied = copied_dimensions(part)
         if copied is None:
             return None
         parts += copied
@@ -284,7 +284,7 @@ def same_dimension(
     return named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value  # type: ignore[union-attr]
 
 
-def _copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
+def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
     """[(x, i), (x, i+1), ...] when ``value`` is a run of x's sizes: one copied size (below),
     Shape(x, start, end) with both ends known, or Slice(Shape(x), start, end) with constant
     bounds on axis 0 and step 1 (``x.flatten(2)``: the leading sizes kept)."""
@@ -471,11 +471,18 @@ def _copied_axis(
     if (op in _SAME_SHAPE or op == "LayerNormalization") and value is node.outputs[0]:
         return first, axis
     if op == "Gather" and len(inputs) > 1 and inputs[1] is not None:
-        index = constant_value(inputs[1])  # a scalar index drops its axis
-        gathered = node.attributes.get_int("axis", 0) % (rank + 1)
-        if index is None or index.ndim != 0:
+        # data[..., indices, ...]: the indices' axes replace the gathered one (none for a
+        # scalar index: an embedding lookup's [B, S] ids give its [B, S, H] rows theirs)
+        indices = ctx.shape(inputs[1])
+        if indices is None:
             return None
-        return first, axis if axis < gathered else axis + 1
+        count = len(indices)
+        gathered = node.attributes.get_int("axis", 0) % (rank - count + 1)
+        if axis < gathered:
+            return first, axis
+        if axis < gathered + count:
+            return inputs[1], axis - gathered
+        return first, axis - count + 1
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
         return first, perm[axis]
@@ -676,7 +683,7 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
     if array is not None:
         flat = array.reshape(-1)
         return (int(flat[index]), ()) if 0 <= index < flat.size else None
-    copied = _copied_dimensions(value)
+    copied = copied_dimensions(value)
     if copied is not None:
         if not 0 <= index < len(copied):
             return None

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx.reference.ops import load_op
 
-from fusectl.rewrite.axes import symbolic_size
+from fusectl.rewrite.axes import Size, size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value
 
@@ -45,18 +45,31 @@ class Unevaluable(Exception):
     no probe size, an op outside the standard domain, or too many nodes."""
 
 
-def _probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) -> list[int]:
+def traced_sizes(ctx: PassContext, value: ir.Value) -> list[Size | None] | None:
+    """Each axis's size as a product of static sizes and named dimensions, read at the far
+    end of the axis's copies (size_sources) first: a graph output's exporter-made names
+    ("..._dim_0") are the input's batch and sequence further up."""
     shape = ctx.shape(value)
     if shape is None:
-        raise Unevaluable(f"the shape of {value.name} is unknown")
-    dims = []
+        return None
+    sizes = []
     for axis, dim in enumerate(shape):
         if isinstance(dim, int):
-            dims.append(dim)
+            sizes.append((dim, ()))
             continue
-        # A name inference made up is traced to the named sizes it is a product of.
-        size = symbolic_size(ctx, value, axis)
+        source = size_sources(ctx, value, axis)[-1]
+        sizes.append(symbolic_size(ctx, *source) or symbolic_size(ctx, value, axis))
+    return sizes
+
+
+def _probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) -> list[int]:
+    traced = traced_sizes(ctx, value)
+    if traced is None:
+        raise Unevaluable(f"the shape of {value.name} is unknown")
+    dims = []
+    for axis, size in enumerate(traced):
         if size is None or any(name not in sizes for name in size[1]):
+            dim = ctx.shape(value)[axis]  # type: ignore[index]
             raise Unevaluable(f"{value.name} has a dimension no probe size sets ({dim})")
         dims.append(size[0] * math.prod(sizes[name] for name in size[1]))
     return dims

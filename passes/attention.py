@@ -1017,7 +1017,7 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
         size = (
             copied[part[1]] if copied is not None and -len(copied) < part[1] < len(copied) else None
         )
-        if same_dimension(part, size, value, axis, shape):
+        if same_dimension(ctx, part, size, value, axis, shape):
             return True
     return _equal_sizes(ctx, (reshape.outputs[0], index), (value, axis))
 

@@ -1,4 +1,5 @@
-"""Reshape / Transpose chains that only move whole axes: one Transpose, one Reshape, or none.
+"""Reshape / Transpose chains that only move whole axes: one Transpose, one Reshape, or none;
+a head split (a Reshape, then a Transpose) where that is fewer ops.
 
 A chain like Reshape([B, C, S] -> [B, N, H, S]) -> Transpose([0, 3, 1, 2]) -> Reshape(->
 [B, S, C]) is Transpose(x, [0, 2, 1]): the split heads travel together and are merged back.
@@ -7,8 +8,12 @@ What a chain computes is read off where the source's elements end up
 
 Such chains are left where a fused op meets the graph's own layout (the heads a fused attention
 reads or returns, merged or split back by the lowering next to the exporter's split), so the
-pass runs after the fusions. Chains of Reshapes alone or Transposes alone are
-ReshapeReshapeFusionPass's and TransposeTransposeFusionPass's, each with its own switch.
+fusion pass runs after the fusions. Chains of three ops or more are canonicalized before the
+fusions too (LayoutChainCanonicalizationPass): dynamo writes a matmul of repeated KV heads as
+a fold to [B*N, L, H], a 3-D transpose and an unfold, which is the head layout the attention
+passes read, K^T, once written as a Reshape and a Transpose. Chains of Reshapes alone or
+Transposes alone are ReshapeReshapeFusionPass's and TransposeTransposeFusionPass's, each with
+its own switch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import new_constant, node_label, replace_subgraph, typed
-from fusectl.rewrite.layout import follow
+from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _LAYOUT_OPS = ("Reshape", "Transpose")
@@ -51,6 +56,87 @@ def _chain(end: ir.Node) -> list[ir.Node]:
         chain.insert(0, producer)
 
 
+def _layout_ops(
+    ctx: PassContext, name: str, end: ir.Node, source: ir.Value, layout: Layout, steps: int
+) -> list[ir.Node] | None:
+    """The fewest ops computing ``layout`` of ``source``: an Identity, one Transpose, one
+    Reshape, or (for a chain of ``steps`` >= 3 ops) a Reshape then a Transpose; None when
+    that is not fewer than the chain."""
+    graph = end.graph
+    assert graph is not None
+    if (perm := layout.as_transpose()) is not None:
+        if perm == sorted(perm):
+            return [ir.node("Identity", [source])]
+        return [ir.node("Transpose", [source], attributes={"perm": perm})]
+    if (target := layout.as_reshape()) is not None:
+        shape = new_constant(graph, f"{name}/{node_label(end)}/shape", np.array(target, np.int64))
+        return [ir.node("Reshape", [source, shape])]
+    split = layout.as_reshape_transpose() if steps >= 3 else None
+    if split is None:
+        return None  # pieces of axes interleaved: more than a head split
+    target, perm = split
+    shape = new_constant(graph, f"{name}/{node_label(end)}/shape", np.array(target, np.int64))
+    grouped = ir.node("Reshape", [source, shape])
+    typed(grouped.outputs[0], ctx.dtype(end.outputs[0]), None)
+    return [grouped, ir.node("Transpose", grouped.outputs, attributes={"perm": perm})]
+
+
+def _collapse(
+    ctx: PassContext, name: str, pattern: str, end: ir.Node, shortest: int, report: bool
+) -> None:
+    """Rewrite the mixed Reshape/Transpose chain ending at ``end`` (``shortest`` ops or more)
+    into the fewest ops computing it; a chain it cannot read is a near miss if ``report``."""
+    chain = _chain(end)
+    if len(chain) < shortest or len({node.op_type for node in chain}) < 2:
+        return  # one op type: ReshapeReshape's or TransposeTranspose's
+    source = chain[0].inputs[0]
+    assert source is not None
+    layout = follow(ctx, source, chain)
+    if isinstance(layout, str):
+        if report:
+            ctx.pattern(pattern).decline(layout, node_label(end))
+        return
+    built = None if layout is None else _layout_ops(ctx, name, end, source, layout, len(chain))
+    if built is None:
+        return  # a step not proven to move whole pieces, or no fewer ops
+    typed(built[-1].outputs[0], ctx.dtype(end.outputs[0]), ctx.shape(end.outputs[0]))
+    replace_subgraph(ctx, pattern, end, chain, built, end.outputs, built[-1].outputs)
+
+
+def _ends(ctx: PassContext, graph: ir.Graph) -> list[ir.Node]:
+    return [
+        node
+        for op_type in _LAYOUT_OPS
+        for node in ctx.op_index.of_type(graph, op_type, _DEFAULT_DOMAINS)
+        if node.graph is graph and not _inner(node)
+    ]
+
+
+@register_pass
+class LayoutChainCanonicalizationPass(FusionPass):
+    spec = PassSpec(
+        name="LayoutChainCanonicalizationPass",
+        category=Category.GRAPH,
+        description="a chain of three or more Reshapes and Transposes that only moves whole "
+        "axes -> the head split it is (a Reshape, then a Transpose) or one op, before the "
+        "fusions read it (dynamo's batched matmul of repeated KV heads: fold, transpose, "
+        "unfold)",
+        aliases=("layout_chain_canonicalization",),
+        priority=3038,
+        emits=("Reshape", "Transpose"),
+        canonical=True,
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for end in _ends(ctx, model.graph):
+            if end.graph is model.graph:
+                # the late pass reports what it cannot read, once
+                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=3, report=False)
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+
 @register_pass
 class LayoutChainFusionPass(FusionPass):
     spec = PassSpec(
@@ -66,38 +152,6 @@ class LayoutChainFusionPass(FusionPass):
     counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
-        stats = ctx.pattern("LayoutChain")
-        graph = model.graph
-        ends = [
-            node
-            for op_type in _LAYOUT_OPS
-            for node in ctx.op_index.of_type(graph, op_type, _DEFAULT_DOMAINS)
-            if node.graph is graph and not _inner(node)
-        ]
-        for end in ends:
-            if end.graph is not graph:
-                continue
-            chain = _chain(end)
-            if len({node.op_type for node in chain}) < 2:
-                continue  # one op type: ReshapeReshape's or TransposeTranspose's
-            source = chain[0].inputs[0]
-            assert source is not None
-            layout = follow(ctx, source, chain)
-            if isinstance(layout, str):
-                stats.decline(layout, node_label(end))
-                continue
-            if layout is None:
-                continue  # a step not proven to move whole pieces
-            if (perm := layout.as_transpose()) is not None:
-                if perm == sorted(perm):
-                    built = ir.node("Identity", [source])
-                else:
-                    built = ir.node("Transpose", [source], attributes={"perm": perm})
-            elif (target := layout.as_reshape()) is not None:
-                name = f"{self.spec.name}/{node_label(end)}/shape"
-                shape = new_constant(graph, name, np.array(target, np.int64))
-                built = ir.node("Reshape", [source, shape])
-            else:
-                continue  # pieces of axes interleaved (a head split): no single op
-            typed(built.outputs[0], ctx.dtype(end.outputs[0]), ctx.shape(end.outputs[0]))
-            replace_subgraph(ctx, "LayoutChain", end, chain, [built], end.outputs, built.outputs)
+        for end in _ends(ctx, model.graph):
+            if end.graph is model.graph:
+                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=2, report=True)

@@ -101,7 +101,8 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
             value, axis = part
             copied = ctx.shape(value)
             known = copied is not None and -len(copied) <= axis < len(copied)
-            restored = same_dimension(part, copied[axis] if known else None, x, position, shape)
+            size = copied[axis] if known else None  # type: ignore[index]
+            restored = same_dimension(ctx, part, size, x, position, shape)
         if not restored:
             return f"the second Reshape's size {position} is not the activation's"
     return weight, len(parts)

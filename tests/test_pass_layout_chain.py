@@ -22,6 +22,7 @@ from tests.pass_helpers import (
 )
 
 CHAIN = "LayoutChainFusionPass"
+CANONICAL = "LayoutChainCanonicalizationPass"
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 
 
@@ -81,12 +82,39 @@ def _feeds(shape: list[int]) -> dict[str, np.ndarray]:
 def test_chains_that_move_whole_axes_collapse(
     tmp_path: Path, steps: list, source: list, result: list, ops: dict, feed: list
 ) -> None:
+    """Three ops: collapsed before the fusions (the canonical pass), not left for after."""
     model = _chain(tmp_path / "chain.onnx", steps, source, result)
     run = optimize_checked(model, tmp_path, "--disable_pass", "ReshapeReshapeFusionPass")
-    assert pattern_counts(run, CHAIN) == {"LayoutChain": (1, 1)}
+    assert pattern_counts(run, CANONICAL) == {"LayoutChain": (1, 1)}
+    assert run.counts(CHAIN) == (0, 0)
     counts = run.op_counts()
     assert {op: counts[op] for op in ops} == ops
     compare_on_feeds(model, run.output, _feeds(feed))
+
+
+def test_a_two_op_chain_is_left_for_after_the_fusions(tmp_path: Path) -> None:
+    """A unit axis added and moved, [B, S, 32] -> [B, S, 1, 32] -> [B, 1, S, 32]: two ops,
+    which the fusions may read as they are; afterwards, one Reshape."""
+    steps = [("Reshape", [0, 0, 1, 32]), ("Transpose", [0, 2, 1, 3])]
+    model = _chain(tmp_path / "two.onnx", steps, ["B", "S", 32], ["B", 1, "S", 32])
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(CANONICAL) == (0, 0)
+    assert pattern_counts(run, CHAIN) == {"LayoutChain": (1, 1)}
+    assert run.op_counts()["Transpose"] == 0 and run.op_counts()["Reshape"] == 1
+    compare_on_feeds(model, run.output, _feeds([2, 5, 32]))
+
+
+def test_repeated_heads_folded_for_a_batched_matmul_become_a_head_split(tmp_path: Path) -> None:
+    """Dynamo's K^T of repeated KV heads: [B, 2, 2, 6, 8] folded to [B*4, 6, 8], transposed
+    in 3-D and unfolded to [B, 4, 8, 6] is Reshape([B, 4, 6, 8]) then Transpose([0, 1, 3,
+    2]), the form the attention passes read."""
+    steps = [("Reshape", [-1, 6, 8]), ("Transpose", [0, 2, 1]), ("Reshape", [-1, 4, 8, 6])]
+    model = _chain(tmp_path / "kt.onnx", steps, ["B", 2, 2, 6, 8], ["B", 4, 8, 6])
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, CANONICAL) == {"LayoutChain": (1, 1)}
+    counts = run.op_counts()
+    assert counts["Reshape"] == counts["Transpose"] == 1
+    compare_on_feeds(model, run.output, _feeds([3, 2, 2, 6, 8]))
 
 
 def test_head_split_stays(tmp_path: Path) -> None:

@@ -115,11 +115,14 @@ class Layout:
         """A Reshape target for this layout when it keeps the source's order: static sizes as
         they are, 0 where an axis is the source's axis at the same position, one -1 for the
         rest."""
+        return self._reshape_target(self.axes)
+
+    def _reshape_target(self, axes: list[list[int]]) -> list[int] | None:
         flat = [leaf for axis in self.source for leaf in self.leaves(axis)]
-        if [leaf for axis in self.axes for leaf in self.leaves(axis)] != flat:
+        if [leaf for axis in axes for leaf in self.leaves(axis)] != flat:
             return None
         target: list[int] = []
-        for position, axis in enumerate(self.axes):
+        for position, axis in enumerate(axes):
             size = self.axis_size(axis)
             source = self.source[position] if position < len(self.source) else None
             if not size[1]:
@@ -129,6 +132,22 @@ class Layout:
             else:
                 target.append(-1)
         return target if target.count(-1) <= 1 else None
+
+    def as_reshape_transpose(self) -> tuple[list[int], list[int]] | None:
+        """(Reshape target, perm) when this layout is a Reshape of the source that keeps its
+        order, then a Transpose: each axis one run of the source's pieces (a head split: the
+        runs regrouped, then reordered)."""
+        flat = [leaf for axis in self.source for leaf in self.leaves(axis)]
+        runs = [self.leaves(axis) for axis in self.axes]
+        if any(not run for run in runs):
+            return None
+        starts = [flat.index(run[0]) if run[0] in flat else -1 for run in runs]
+        order = sorted(range(len(runs)), key=lambda axis: starts[axis])
+        if [leaf for axis in order for leaf in runs[axis]] != flat:
+            return None
+        target = self._reshape_target([self.axes[axis] for axis in order])
+        perm = [order.index(axis) for axis in range(len(runs))]
+        return None if target is None else (target, perm)
 
 
 def _reshape_sizes(ctx: PassContext, layout: Layout, node: ir.Node) -> list[Size] | str | None:

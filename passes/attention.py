@@ -1017,7 +1017,7 @@ def _proven(ctx: PassContext, reshape: ir.Node, index: int, value: ir.Value, axi
         size = (
             copied[part[1]] if copied is not None and -len(copied) < part[1] < len(copied) else None
         )
-        if same_dimension(ctx, part, size, value, axis, shape):
+        if same_dimension(part, size, value, axis, shape):
             return True
     return _equal_sizes(ctx, (reshape.outputs[0], index), (value, axis))
 
@@ -1446,6 +1446,7 @@ class _AttentionFusion(FusionPass):
         )
         new_nodes.append(attention)
         result = attention.outputs[0]
+        guarded: list[ir.Value] = []  # the guard's test: typed with the output's shape below
         if match.guarded and not all(_finite(b) for b in biases):
             # A query row masked everywhere with -inf makes the kernel's softmax NaN, where
             # the original's guard gave it zero weights: zero those context rows the same way.
@@ -1457,6 +1458,7 @@ class _AttentionFusion(FusionPass):
             nan = ir.node("IsNaN", [result])
             guard = ir.node("Where", [nan.outputs[0], zero, result])
             new_nodes += [nan, guard]
+            guarded.append(nan.outputs[0])
             result = guard.outputs[0]
         fused = ir.Shape([query[0], query[1], None]) if flatten else _fused_shape(query, replaced)
         if match.split_back is not None:
@@ -1486,6 +1488,8 @@ class _AttentionFusion(FusionPass):
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
         output.shape = fused
+        for test in guarded:  # known now, so a second run infers nothing new for it
+            typed(test, ir.DataType.BOOL, fused)
         if output.type is None and dtype is not None:
             output.type = ir.TensorType(dtype)
         if not flatten and match.split_back is None:

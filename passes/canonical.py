@@ -204,7 +204,7 @@ def _constant_target(
         elif (
             copying_zero
             and position < len(source)
-            and same_dimension(ctx, (value, axis), size, data, position, source)
+            and same_dimension((value, axis), size, data, position, source)
         ):
             resolved.append(0)
             if not isinstance(size, int) and not named(size):  # proven the same size: keep

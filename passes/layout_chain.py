@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import new_constant, node_label, replace_subgraph, typed
+from fusectl.rewrite.graph import new_constant, node_label, remove_dead, replace_subgraph, typed
 from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
@@ -100,7 +100,13 @@ def _collapse(
     if built is None:
         return  # a step not proven to move whole pieces, or no fewer ops
     typed(built[-1].outputs[0], ctx.dtype(end.outputs[0]), ctx.shape(end.outputs[0]))
-    replace_subgraph(ctx, pattern, end, chain, built, end.outputs, built[-1].outputs)
+    graph = end.graph
+    assert graph is not None
+    targets = [node.inputs[1] for node in chain if node.op_type == "Reshape"]
+    if replace_subgraph(ctx, pattern, end, chain, built, end.outputs, built[-1].outputs) is None:
+        # the targets' shape arithmetic goes too: a Shape left reading a value the chain read
+        # would keep a later fusion from taking it
+        remove_dead(graph, [target.producer() for target in targets if target is not None])
 
 
 def _ends(ctx: PassContext, graph: ir.Graph) -> list[ir.Node]:
@@ -125,6 +131,7 @@ class LayoutChainCanonicalizationPass(FusionPass):
         priority=3038,
         emits=("Reshape", "Transpose"),
         canonical=True,
+        every_layer=False,  # where a chain is, not a computation every layer has
     )
     counts_changes = True
 

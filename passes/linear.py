@@ -102,7 +102,7 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
             copied = ctx.shape(value)
             known = copied is not None and -len(copied) <= axis < len(copied)
             size = copied[axis] if known else None  # type: ignore[index]
-            restored = same_dimension(ctx, part, size, x, position, shape)
+            restored = same_dimension(part, size, x, position, shape)
         if not restored:
             return f"the second Reshape's size {position} is not the activation's"
     return weight, len(parts)

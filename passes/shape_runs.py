@@ -6,8 +6,6 @@ a Concat (the token types of ``torch.zeros(input_ids.size())``), and ``t.expand(
 as what they are, a Concat of x's sizes in axis order is ``Shape(x)`` (or ``Shape(x, start,
 end)``), the -1 test of sizes, which are never negative, is the sizes, and an Expand of x to
 x's own shape is x: shape arithmetic that no fusion needs, gone before the fusions look.
-A size read from a tensor whose axis is a copy of a graph input's is read from the input, so
-that what every layer computes from its own hidden states' sizes is one computation.
 """
 
 from __future__ import annotations
@@ -15,15 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import copied_dimensions, size_sources
+from fusectl.rewrite.axes import copied_dimensions
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import (
-    constant_value,
-    new_constant,
-    node_label,
-    producer_of,
-    replace_subgraph,
-)
+from fusectl.rewrite.graph import constant_value, producer_of, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 # Shape's start and end attributes came with opset 15.
@@ -104,7 +96,7 @@ class ShapeRunCanonicalizationPass(FusionPass):
         category=Category.GRAPH,
         description="a Concat of x's sizes in axis order -> Shape(x) (start/end from opset "
         "15); Where(Equal(sizes, -1), 1, sizes) (TorchScript's expand) -> sizes; "
-        "Expand(x, Shape(x)) -> x; a size copied from a graph input read from it",
+        "Expand(x, Shape(x)) -> x",
         aliases=("shape_run_canonicalization",),
         priority=3032,
         emits=("Shape",),
@@ -121,9 +113,6 @@ class ShapeRunCanonicalizationPass(FusionPass):
             sizes = _kept_sizes(where) if where.graph is graph else None
             if sizes is not None:
                 self._forward(ctx, "ExpandSizes", where, sizes)
-        for gather in ctx.op_index.of_type(graph, "Gather"):
-            if gather.graph is graph:
-                self._from_input(ctx, gather)
         for expand in ctx.op_index.of_type(graph, "Expand"):
             shape = producer_of(expand.inputs[1], "Shape") if expand.graph is graph else None
             if shape is None or shape.attributes or shape.inputs[0] is not expand.inputs[0]:
@@ -145,36 +134,6 @@ class ShapeRunCanonicalizationPass(FusionPass):
         result.dtype = ir.DataType.INT64
         result.shape = ir.Shape([end - start])
         replace_subgraph(ctx, "ShapeRun", concat, [concat], [shape], concat.outputs, [result])
-
-    @staticmethod
-    def _from_input(ctx: PassContext, gather: ir.Node) -> None:
-        """Gather(Shape(x), i) -> Gather(Shape(g), j) where x's axis i is a copy of graph
-        input g's axis j (size_sources): every layer then reads its batch and length from
-        one Shape of the input ids, and CSE merges what each layer computed from them."""
-        shape = producer_of(gather.inputs[0], "Shape")
-        index = constant_value(gather.inputs[1]) if len(gather.inputs) > 1 else None
-        data = shape.inputs[0] if shape is not None else None
-        if data is None or data.is_graph_input() or index is None or index.size != 1:
-            return
-        if shape.attributes or gather.attributes.get_int("axis", 0) != 0:  # type: ignore[union-attr]
-            return
-        axis = int(index.reshape(-1)[0])
-        source, source_axis = size_sources(ctx, data, axis)[-1]
-        if not source.is_graph_input():
-            return
-        graph = gather.graph
-        assert graph is not None
-        read = ir.node("Shape", [source])
-        read.outputs[0].dtype = ir.DataType.INT64
-        # a one-element index keeps its axis, a scalar drops it
-        chosen = np.array(source_axis if not index.ndim else [source_axis], np.int64)
-        position = new_constant(graph, f"{ctx.spec.name}/{node_label(gather)}/index", chosen)
-        moved = ir.node("Gather", [read.outputs[0], position], attributes={"axis": 0})
-        moved.outputs[0].dtype = gather.outputs[0].dtype
-        moved.outputs[0].shape = gather.outputs[0].shape
-        replace_subgraph(
-            ctx, "SizeFromInput", gather, [gather], [read, moved], gather.outputs, moved.outputs
-        )
 
     @staticmethod
     def _forward(ctx: PassContext, pattern: str, node: ir.Node, value: ir.Value) -> None:

@@ -27,13 +27,8 @@ def _effects(run: object) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize(
     ("model", "effects"),
     [
-        # torch.zeros(input_ids.size()) token types; the mask's sizes read from the ids
-        ("roberta_ts17", {"ShapeRun": (1, 1), "SizeFromInput": (2, 2)}),
-        # expand(sizes); every layer's batch and length read from the ids
-        (
-            "deepseek_v3_ts17",
-            {"ShapeRun": (3, 3), "ExpandSizes": (16, 16), "SizeFromInput": (3, 3)},
-        ),
+        ("roberta_ts17", {"ShapeRun": (1, 1)}),  # torch.zeros(input_ids.size()) token types
+        ("deepseek_v3_ts17", {"ShapeRun": (3, 3), "ExpandSizes": (16, 16)}),  # expand(sizes)
     ],
 )
 def test_fires_on_torchscript_exports(tmp_path: Path, model: str, effects: dict) -> None:
@@ -116,26 +111,3 @@ def test_a_test_against_another_value_stays(tmp_path: Path) -> None:
     assert "ExpandSizes" not in _effects(run)
     assert run.op_counts()["Where"] == 1
     compare_on_feeds(model, run.output, _feeds())
-
-
-def test_sizes_are_read_from_the_input_they_are_copied_from(tmp_path: Path) -> None:
-    """x = Concat(a, a) along axis 1: x's batch is a's (read from the graph input a), its
-    length is twice a's (computed: read from x as before)."""
-    nodes = [
-        helper.make_node("Concat", ["a", "a"], ["x"], axis=1),
-        helper.make_node("Relu", ["x"], ["y"]),
-        helper.make_node("Shape", ["y"], ["sizes"]),
-        helper.make_node("Gather", ["sizes", "zero"], ["batch"], axis=0),
-        helper.make_node("Gather", ["sizes", "one"], ["length"], axis=0),
-    ]
-    initializers = [const("zero", 0, np.int64), const("one", 1, np.int64)]
-    outputs = [value("batch", [], TensorProto.INT64), value("length", [], TensorProto.INT64)]
-    model = save_model(
-        tmp_path / "sizes.onnx", nodes, [value("a", ["B", "S", 4])], outputs, initializers
-    )
-    run = optimize_checked(model, tmp_path, compare=False)
-    assert _effects(run) == {"SizeFromInput": (1, 1)}
-    graph = onnx.load(str(run.output)).graph
-    assert sorted(node.input[0] for node in graph.node if node.op_type == "Shape") == ["a", "y"]
-    feeds = {"a": np.ones((2, 3, 4), np.float32)}
-    compare_on_feeds(model, run.output, feeds)

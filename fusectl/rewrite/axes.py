@@ -269,7 +269,6 @@ def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
 
 
 def same_dimension(
-    ctx: PassContext,
     copied: tuple[ir.Value, int],
     size: int | ir.SymbolicDim | None,
     data: ir.Value,
@@ -277,17 +276,12 @@ def same_dimension(
     source: ir.Shape,
 ) -> bool:
     """Whether a size read from ``copied`` is, at run time, the data's size at ``position``:
-    read from that very axis, named alike (a name onnx shape inference did not make up), or
-    both copies of one axis further up (size_sources: a size read from the input ids is the
-    batch of every layer's hidden states)."""
+    read from that very axis, or named alike (a name onnx shape inference did not make up)."""
     value, axis = copied
     if value is data and axis % len(source) == position:
         return True
     mine = source[position]
-    if named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value:  # type: ignore[union-attr]
-        return True
-    ends = [size_sources(ctx, *end)[-1] for end in ((value, axis), (data, position))]
-    return ends[0][0] is ends[1][0] and ends[0][1] == ends[1][1]
+    return named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value  # type: ignore[union-attr]
 
 
 def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:

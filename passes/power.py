@@ -1,0 +1,64 @@
+"""A square root and its reciprocal spelled as powers, written as the ops the norms read.
+
+Gemma-3n's RMS norm is ``x * torch.pow(mean(x^2) + eps, -0.5)``, where LLaMA's writes
+``x * torch.rsqrt(...)`` (exported as ``Reciprocal(Sqrt(...))`` or ``1 / Sqrt``). The two
+compute the same thing; rather than one more norm pattern per spelling, ``Pow(s, -0.5)``
+becomes ``Reciprocal(Sqrt(s))`` and ``Pow(s, 0.5)`` becomes ``Sqrt(s)``, the form the
+normalization passes match, before they run.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import constant_value, replace_subgraph, typed
+from fusectl.rewrite.registry import (
+    Category,
+    FusionPass,
+    Numerics,
+    PassSpec,
+    register_pass,
+)
+
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
+
+
+def _exponent(node: ir.Node) -> float | None:
+    array = constant_value(node.inputs[1]) if len(node.inputs) == 2 else None
+    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+
+
+@register_pass
+class PowerCanonicalizationPass(FusionPass):
+    """Not a pattern: each Pow by a constant half is judged alone."""
+
+    spec = PassSpec(
+        name="PowerCanonicalizationPass",
+        category=Category.GRAPH,
+        description="Pow(s, -0.5) -> Reciprocal(Sqrt(s)), Pow(s, 0.5) -> Sqrt(s): the "
+        "spelling the norm passes read (Gemma-3n's RMS norm)",
+        aliases=("power_canonicalization",),
+        numerics=Numerics.REASSOCIATING,  # powf and 1 / sqrtf may round differently
+        priority=3042,
+        emits=("Sqrt", "Reciprocal"),
+        canonical=True,
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for power in ctx.op_index.of_type(model.graph, "Pow"):
+            if power.graph is not model.graph or power.inputs[0] is None:
+                continue
+            exponent = _exponent(power)
+            dtype = ctx.dtype(power.outputs[0])
+            if exponent not in (0.5, -0.5) or dtype not in _FLOATS:
+                continue
+            root = ir.node("Sqrt", [power.inputs[0]])
+            nodes = [root]
+            if exponent < 0:
+                nodes.append(ir.node("Reciprocal", root.outputs))
+            for node in nodes:
+                typed(node.outputs[0], dtype, ctx.shape(power.outputs[0]))
+            pattern = "RsqrtPower" if exponent < 0 else "SqrtPower"
+            replace_subgraph(ctx, pattern, power, [power], nodes, power.outputs, nodes[-1].outputs)

@@ -1,0 +1,81 @@
+"""An element-wise op between two tensors transposed alike, transposed back: the op alone.
+
+ConvNeXt keeps its residual stream channels-first and computes each block channels-last: the
+block's output is permuted back (``Transpose([0, 3, 1, 2])``) to be added to the stream, and
+the next norm permutes the sum channels-last again. Where the stream itself was a Transpose of
+a channels-last value, ``T(a) + T(b)`` is ``T(a + b)`` (broadcasting is per axis, so permuting
+both operands alike commutes with it), and the inverse Transpose after it cancels: the Add of
+the two channels-last values is what the norm reads.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import producer_of, replace_subgraph, typed
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
+
+
+def _perm(node: ir.Node, rank: int) -> list[int]:
+    return list(node.attributes.get_ints("perm", None) or reversed(range(rank)))
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    result = [0] * len(perm)
+    for position, axis in enumerate(perm):
+        result[axis] = position
+    return result
+
+
+@register_pass
+class TransposeSinkFusionPass(FusionPass):
+    """Not a pattern: each element-wise op between two Transposes is judged alone."""
+
+    spec = PassSpec(
+        name="TransposeSinkFusionPass",
+        category=Category.UB,
+        description="Transpose(T(a) op T(b), inverse) for an element-wise op and two "
+        "Transposes of one perm -> a op b (ConvNeXt's channels-first residual between "
+        "channels-last blocks)",
+        aliases=("transpose_sink_fusion",),
+        priority=5940,  # the down band, before the layout chains
+        emits=(),
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        for op_type in _ELEMENTWISE:
+            for node in ctx.op_index.of_type(graph, op_type):
+                if node.graph is graph:
+                    self._sink(ctx, node)
+
+    @staticmethod
+    def _sink(ctx: PassContext, node: ir.Node) -> None:
+        result = node.outputs[0]
+        uses = result.uses()
+        if result.is_graph_output() or len(uses) != 1 or len(node.inputs) != 2:
+            return
+        after = uses[0][0]
+        if after.op_type != "Transpose" or after.domain not in ("", "ai.onnx"):
+            return
+        transposes = [producer_of(value, "Transpose") for value in node.inputs]
+        shapes = [ctx.shape(value) for value in node.inputs if value is not None]
+        if None in transposes or len(shapes) != 2 or None in shapes:
+            return
+        rank = len(shapes[0])  # type: ignore[arg-type]
+        if len(shapes[1]) != rank:  # type: ignore[arg-type]
+            return
+        perms = {tuple(_perm(t, rank)) for t in transposes}  # type: ignore[arg-type]
+        if len(perms) != 1 or _perm(after, rank) != _inverse(list(perms.pop())):
+            return
+        operands = [t.inputs[0] for t in transposes]  # type: ignore[union-attr]
+        fused = ir.node(node.op_type, operands)
+        typed(fused.outputs[0], ctx.dtype(after.outputs[0]), ctx.shape(after.outputs[0]))
+        # The Transposes go too where the op was their only reader.
+        alone = [t for t in transposes if t is not None and len(t.outputs[0].uses()) == 1]
+        old = [after, node, *dict.fromkeys(alone)]
+        replace_subgraph(ctx, "TransposeSink", after, old, [fused], after.outputs, fused.outputs)

@@ -1,0 +1,62 @@
+"""TransposeSinkFusionPass: Transpose(T(a) + T(b), inverse) is a + b. ConvNeXt's residual
+between its channels-last blocks (a block built with onnx.helper the way its exports spell
+it), the ops it must leave, and numerics on onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from tests.pass_helpers import compare_on_feeds, optimize_checked, save_model, value
+
+SINK = "TransposeSinkFusionPass"
+CHANNELS_FIRST, CHANNELS_LAST = [0, 3, 1, 2], [0, 2, 3, 1]
+
+
+def _block(path: Path, perm_b: list[int], back: list[int], shared: bool = False) -> Path:
+    """a, b channels-last [N, H, W, C]: z = Transpose(T(a) + T(b'), back) with T the
+    channels-first perm, b' = b transposed by ``perm_b``; ``shared`` also outputs T(a) + ..."""
+    nodes = [
+        helper.make_node("Transpose", ["a"], ["a_first"], perm=CHANNELS_FIRST),
+        helper.make_node("Transpose", ["b"], ["b_first"], perm=perm_b),
+        helper.make_node("Add", ["a_first", "b_first"], ["total"]),
+        helper.make_node("Transpose", ["total"], ["last"], perm=back),
+        helper.make_node("Relu", ["last"], ["z"]),
+    ]
+    first = ["N", 8, 4, 4]  # both perms of the tests put the channels second
+    outputs = [value("z", ["N", 4, 4, 8] if back == CHANNELS_LAST else first)]
+    outputs += [value("total", first)] if shared else []
+    inputs = [value("a", ["N", 4, 4, 8]), value("b", ["N", 4, 4, 8])]
+    return save_model(path, nodes, inputs, outputs)
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {name: rng.normal(size=(2, 4, 4, 8)).astype(np.float32) for name in "ab"}
+
+
+def test_channels_first_residual_between_channels_last_blocks(tmp_path: Path) -> None:
+    model = _block(tmp_path / "block.onnx", CHANNELS_FIRST, CHANNELS_LAST)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(SINK) == (1, 1)
+    assert run.op_counts()["Transpose"] == 0
+    compare_on_feeds(model, run.output, _feeds())
+
+
+@pytest.mark.parametrize(
+    ("perm_b", "back", "shared"),
+    [
+        ([0, 3, 2, 1], CHANNELS_LAST, False),  # the operands transposed differently
+        (CHANNELS_FIRST, [0, 1, 3, 2], False),  # not transposed back
+        (CHANNELS_FIRST, CHANNELS_LAST, True),  # the sum read channels-first too
+    ],
+)
+def test_other_transposes_stay(tmp_path: Path, perm_b: list, back: list, shared: bool) -> None:
+    model = _block(tmp_path / "other.onnx", perm_b, back, shared)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(SINK) == (0, 0)
+    assert run.op_counts()["Add"] == 1
+    compare_on_feeds(model, run.output, _feeds())

@@ -95,7 +95,8 @@ class EinsumRestorationPass(FusionPass):
         result = matmul.outputs[0]
         uses = result.uses()
         after = uses[0][0] if len(uses) == 1 and not result.is_graph_output() else None
-        after = after if after is not None and _transpose(result, origin) is after else None
+        if after is not None and (after.op_type != "Transpose" or _origin(after) != origin):
+            after = None  # the product is read as it is
         group = [node for node in (a, b, after) if node is not None]
         if not group:
             return  # a MatMul alone: one node either way, and the faster kernel

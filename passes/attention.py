@@ -62,6 +62,7 @@ from fusectl.rewrite.graph import (
     node_axes,
     producer_of,
     replace_subgraph,
+    transpose_perm,
     typed,
     uses_outside,
 )
@@ -73,8 +74,8 @@ _HEADS = [0, 2, 1, 3]
 
 
 def _perm(node: ir.Node) -> list[int] | None:
-    perm = node.attributes.get_ints("perm", None)
-    return None if perm is None else list(perm)
+    """The perm a Transpose states (the rank of its input is not asked for)."""
+    return transpose_perm(node, None)
 
 
 def _through_concat(value: ir.Value, nodes: list[ir.Node]) -> ir.Value:

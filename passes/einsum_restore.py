@@ -16,7 +16,7 @@ import string
 import onnx_ir as ir
 
 from fusectl.rewrite.context import LINEAGE_NAMES, LINEAGE_PASSES, PassContext
-from fusectl.rewrite.graph import replace_subgraph
+from fusectl.rewrite.graph import replace_subgraph, transpose_perm
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _CANONICAL = "EinsumMatMulCanonicalizationPass"
@@ -41,9 +41,9 @@ def _transpose(value: ir.Value | None, origin: str) -> ir.Node | None:
 
 
 def _perm(node: ir.Node | None, rank: int) -> list[int]:
-    if node is None:
-        return list(range(rank))
-    return list(node.attributes.get_ints("perm", None) or reversed(range(rank)))
+    """The Transpose's perm; the identity where there is none."""
+    perm = transpose_perm(node, rank) if node is not None else None
+    return perm if perm is not None else list(range(rank))
 
 
 def equation(

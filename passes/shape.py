@@ -9,7 +9,13 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import bypass, bypass_refusal, constant_value, node_axes
+from fusectl.rewrite.graph import (
+    bypass,
+    bypass_refusal,
+    constant_value,
+    node_axes,
+    transpose_perm,
+)
 from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
@@ -72,13 +78,6 @@ register_replacement(
 )
 
 
-def _perm(node: ir.Node, rank: int | None) -> list[int] | None:
-    perm = node.attributes.get_ints("perm", None)
-    if perm is not None:
-        return list(perm)
-    return None if rank is None else list(reversed(range(rank)))
-
-
 def _transpose_transpose(op, x):
     return op.Transpose(op.Transpose(x, _allow_other_attributes=True), _allow_other_attributes=True)
 
@@ -87,7 +86,7 @@ def _compose_transposes(op: Any, site: Site, x: ir.Value) -> ir.Value:
     inner = site.root.inputs[0].producer()
     shape = site.shape(x)
     rank = None if shape is None else len(shape)
-    first, second = _perm(inner, rank), _perm(site.root, rank)
+    first, second = transpose_perm(inner, rank), transpose_perm(site.root, rank)
     if first is None or second is None:
         raise Decline("a Transpose has no perm and the input rank is unknown")
     combined = [first[axis] for axis in second]

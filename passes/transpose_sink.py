@@ -13,14 +13,10 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import producer_of, replace_subgraph, typed
+from fusectl.rewrite.graph import producer_of, replace_subgraph, transpose_perm, typed
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
-
-
-def _perm(node: ir.Node, rank: int) -> list[int]:
-    return list(node.attributes.get_ints("perm", None) or reversed(range(rank)))
 
 
 def _inverse(perm: list[int]) -> list[int]:
@@ -69,8 +65,8 @@ class TransposeSinkFusionPass(FusionPass):
         rank = len(shapes[0])  # type: ignore[arg-type]
         if len(shapes[1]) != rank:  # type: ignore[arg-type]
             return
-        perms = {tuple(_perm(t, rank)) for t in transposes}  # type: ignore[arg-type]
-        if len(perms) != 1 or _perm(after, rank) != _inverse(list(perms.pop())):
+        perms = {tuple(transpose_perm(t, rank)) for t in transposes}  # type: ignore[arg-type]
+        if len(perms) != 1 or transpose_perm(after, rank) != _inverse(list(perms.pop())):
             return
         operands = [t.inputs[0] for t in transposes]  # type: ignore[union-attr]
         fused = ir.node(node.op_type, operands)

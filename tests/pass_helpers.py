@@ -52,6 +52,10 @@ def save_model(
     return path
 
 
+# The architecture matrix's committed exports (tests/fixtures/make_arch_matrix.py --fixtures).
+ARCH_FIXTURES = FIXTURES / "arch"
+
+
 def fixture_path(name: str) -> Path:
     path = FIXTURES / f"{name}.onnx"
     assert path.exists(), f"{path} is missing: run tests/fixtures/make_fixtures.py"

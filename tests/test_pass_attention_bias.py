@@ -13,6 +13,7 @@ import pytest
 from onnx import helper
 
 from tests.pass_helpers import (
+    ARCH_FIXTURES,
     compare_on_feeds,
     const,
     optimize_checked,
@@ -23,7 +24,6 @@ from tests.pass_helpers import (
 )
 
 BIAS = "MultiHeadAttentionBiasFusionPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 
 
 def _bias_adds(path: Path) -> int:
@@ -52,7 +52,7 @@ def _bias_adds(path: Path) -> int:
     ],
 )
 def test_projection_biases_move_into_the_attention(tmp_path: Path, model: str, sites: int) -> None:
-    run = optimize_checked(FIXTURES / f"{model}.onnx", tmp_path)
+    run = optimize_checked(ARCH_FIXTURES / f"{model}.onnx", tmp_path)
     assert pattern_counts(run, BIAS) == {"MultiHeadAttentionBias": (sites, sites)}
     assert reasons(run, BIAS) == {}
     assert run.op_counts()["MultiHeadAttention"] == sites

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.pass_helpers import (
+    ARCH_FIXTURES,
     compare_on_feeds,
     const,
     optimize_checked,
@@ -24,7 +25,6 @@ from tests.pass_helpers import (
 )
 
 MASK = "KeyPaddingMaskFusionPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 HEADS, HEAD, HIDDEN = 4, 8, 32
 
 
@@ -56,7 +56,7 @@ def test_ernie_mask_becomes_the_mask_index(
     functions build; that construction (Range grids, And, Expand, Where) is gone. TorchScript's
     fill is -inf, so an entirely padded row is NaN, which the export's guard after each
     attention (Where(IsNaN(p), 0, p)) turns into zeros as before."""
-    source = FIXTURES / f"{model}.onnx"
+    source = ARCH_FIXTURES / f"{model}.onnx"
     run = optimize_checked(source, tmp_path)
     assert pattern_counts(run, MASK) == {"KeyPaddingMask": (2, 2)}
     assert reasons(run, MASK) == {}
@@ -77,7 +77,7 @@ def test_encoder_padding_in_self_and_cross_attention(tmp_path: Path, model: str)
     """BART: the encoder's self-attention and the decoder's cross-attention read the encoder's
     padding mask (the cross bias [B, 1, T, S] built from the decoder's length too); the
     decoder's causal self-attention is not a padding mask and is left to the lowering."""
-    source = FIXTURES / f"{model}.onnx"
+    source = ARCH_FIXTURES / f"{model}.onnx"
     run = optimize_checked(source, tmp_path)
     assert pattern_counts(run, MASK) == {"KeyPaddingMask": (4, 4)}
     masked = [

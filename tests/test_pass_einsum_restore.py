@@ -14,10 +14,9 @@ import pytest
 
 from fusectl.passes.einsum import plan
 from fusectl.passes.einsum_restore import equation
-from tests.pass_helpers import optimize_checked, pattern_counts
+from tests.pass_helpers import ARCH_FIXTURES, optimize_checked, pattern_counts
 
 RESTORE = "EinsumRestorationPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 
 
 def _einsums(path: Path) -> Counter[str]:
@@ -35,7 +34,7 @@ def test_xlnet_attention_einsums_come_back(tmp_path: Path) -> None:
     """XLNet's scores (ibnd,jbnd->bnij, twice) and context (bnij,jbnd->ibnd) einsums are
     canonicalized, the attention around them does not fuse (the scale follows the position
     term), and each comes back as one Einsum: the same products, relabelled."""
-    source = FIXTURES / "xlnet_ts17.onnx"
+    source = ARCH_FIXTURES / "xlnet_ts17.onnx"
     run = optimize_checked(source, tmp_path)
     assert pattern_counts(run, RESTORE) == {"EinsumRestoration": (6, 6)}
     before, after = _einsums(source), _einsums(run.output)
@@ -49,9 +48,9 @@ def test_xlnet_attention_einsums_come_back(tmp_path: Path) -> None:
 def test_einsums_the_attention_took_stay_taken(tmp_path: Path, model: str) -> None:
     """Funnel's attention einsums are fused: nothing is left to restore. (Its numerics need
     token ids inside its tables: tests/test_arch_matrix.py compares them.)"""
-    run = optimize_checked(FIXTURES / f"{model}.onnx", tmp_path, compare=False)
+    run = optimize_checked(ARCH_FIXTURES / f"{model}.onnx", tmp_path, compare=False)
     assert run.counts(RESTORE) == (0, 0)
-    assert run.op_counts()["Einsum"] == _einsums(FIXTURES / f"{model}.onnx").total() - 4
+    assert run.op_counts()["Einsum"] == _einsums(ARCH_FIXTURES / f"{model}.onnx").total() - 4
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 from onnx import helper
 
 from tests.pass_helpers import (
+    ARCH_FIXTURES,
     compare_on_feeds,
     const,
     optimize_checked,
@@ -23,7 +24,6 @@ from tests.pass_helpers import (
 
 CHAIN = "LayoutChainFusionPass"
 CANONICAL = "LayoutChainCanonicalizationPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 
 
 @pytest.mark.parametrize(("exporter", "chains", "transposes"), [("ts17", 4, 16), ("dynamo", 4, 16)])
@@ -34,7 +34,7 @@ def test_squeezebert_heads_merged_back_become_one_transpose(
     and returns it, so the exporter's head split and the lowering's merge meet, per layer on
     the query and on the output: Reshape -> Transpose (-> Transpose) -> Reshape, each one
     Transpose([0, 2, 1]) of the convolution's output."""
-    run = optimize_checked(FIXTURES / f"squeezebert_{exporter}.onnx", tmp_path)
+    run = optimize_checked(ARCH_FIXTURES / f"squeezebert_{exporter}.onnx", tmp_path)
     assert pattern_counts(run, CHAIN) == {"LayoutChain": (chains, chains)}
     assert reasons(run, CHAIN) == {}
     counts = run.op_counts()

@@ -14,6 +14,7 @@ from onnx import helper
 
 from tests.conftest import run_model
 from tests.pass_helpers import (
+    ARCH_FIXTURES,
     compare_on_feeds,
     const,
     optimize_checked,
@@ -25,13 +26,12 @@ from tests.pass_helpers import (
 
 HALVES = "RotaryHalvesCanonicalizationPass"
 ROTARY = "RotaryEmbeddingFusionPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
 
 
 @pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
 def test_gpt_oss_rotary_fused_in_every_layer(tmp_path: Path, exporter: str) -> None:
     """q and k of both layers: four rotations, each rewritten and then fused."""
-    run = optimize_checked(FIXTURES / f"gpt_oss_{exporter}.onnx", tmp_path)
+    run = optimize_checked(ARCH_FIXTURES / f"gpt_oss_{exporter}.onnx", tmp_path)
     assert pattern_counts(run, HALVES) == {"RotaryHalves": (4, 4)}
     assert run.counts(ROTARY) == (4, 4)
     assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
@@ -144,7 +144,7 @@ def test_every_second_element_is_a_reported_near_miss(tmp_path: Path) -> None:
     """DeepSeek-V3 rotates q[..., 0::2] and q[..., 1::2] and concatenates the results half by
     half: not the halves of one axis (RotaryEmbedding would interleave its output), so it
     stays, and coverage names the pass and the reason at each site."""
-    run = optimize_checked(FIXTURES / "deepseek_v3_ts17.onnx", tmp_path)
+    run = optimize_checked(ARCH_FIXTURES / "deepseek_v3_ts17.onnx", tmp_path)
     coverage = run.report["coverage"]["rotary"]
     assert (coverage["fused"], coverage["total"]) == (0, 2)
     reason = (

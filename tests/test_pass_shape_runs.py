@@ -13,15 +13,17 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.pass_helpers import compare_on_feeds, const, optimize_checked, save_model, value
+from tests.pass_helpers import (
+    ARCH_FIXTURES,
+    compare_on_feeds,
+    const,
+    optimize_checked,
+    pattern_counts,
+    save_model,
+    value,
+)
 
 SHAPES = "ShapeRunCanonicalizationPass"
-FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-
-
-def _effects(run: object) -> dict[str, tuple[int, int]]:
-    passed = run.passed(SHAPES)  # type: ignore[attr-defined]
-    return {k: (v["matched"], v["effected"]) for k, v in passed["patterns"].items()}
 
 
 @pytest.mark.parametrize(
@@ -32,8 +34,8 @@ def _effects(run: object) -> dict[str, tuple[int, int]]:
     ],
 )
 def test_fires_on_torchscript_exports(tmp_path: Path, model: str, effects: dict) -> None:
-    run = optimize_checked(FIXTURES / f"{model}.onnx", tmp_path)
-    assert _effects(run) == effects
+    run = optimize_checked(ARCH_FIXTURES / f"{model}.onnx", tmp_path)
+    assert pattern_counts(run, SHAPES) == effects
 
 
 def _sizes_model(path: Path, order: list[tuple[str, int]], opset: int = 17) -> Path:
@@ -75,7 +77,7 @@ def _feeds() -> dict[str, np.ndarray]:
 def test_sizes_in_order_become_the_shape_and_the_expand_goes(tmp_path: Path) -> None:
     model = _sizes_model(tmp_path / "ordered.onnx", [("x", 0), ("x", 1), ("x", 2)])
     run = optimize_checked(model, tmp_path, compare=False)
-    effects = _effects(run)
+    effects = pattern_counts(run, SHAPES)
     assert effects == {"ShapeRun": (1, 1), "ExpandSizes": (1, 1), "ExpandToOwnShape": (1, 1)}
     ops = run.op_counts()
     assert ops["Expand"] == ops["Where"] == ops["Gather"] == ops["Concat"] == 0
@@ -95,7 +97,7 @@ def test_other_concats_of_sizes_stay(tmp_path: Path, order: list, opset: int) ->
     """No Shape reads them, but the -1 test of sizes still goes: sizes are never -1."""
     model = _sizes_model(tmp_path / "other.onnx", order, opset)
     run = optimize_checked(model, tmp_path, compare=False)
-    assert _effects(run) == {"ExpandSizes": (1, 1)}
+    assert pattern_counts(run, SHAPES) == {"ExpandSizes": (1, 1)}
     assert run.op_counts()["Concat"] == 1 and run.op_counts()["Where"] == 0
     compare_on_feeds(model, run.output, _feeds())
 
@@ -108,6 +110,6 @@ def test_a_test_against_another_value_stays(tmp_path: Path) -> None:
     minus_one.CopyFrom(helper.make_tensor("minus_one", TensorProto.INT64, [], [2]))
     onnx.save(proto, str(model))
     run = optimize_checked(model, tmp_path, compare=False)
-    assert "ExpandSizes" not in _effects(run)
+    assert "ExpandSizes" not in pattern_counts(run, SHAPES)
     assert run.op_counts()["Where"] == 1
     compare_on_feeds(model, run.output, _feeds())

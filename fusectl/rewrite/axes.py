@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, producer_of
+from fusectl.rewrite.graph import constant_value, producer_of, transpose_perm
 from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
@@ -157,7 +157,7 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         parts = [axis_size(ctx, part, axis, depth - 1) for part in inputs]
         return None if None in parts else sum(parts)  # type: ignore[arg-type]
     if op == "Transpose":
-        perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
+        perm = transpose_perm(node, rank)
         return axis_size(ctx, inputs[0], perm[axis], depth - 1)
     if op == "Slice":
         operands = slice_operands(node, rank)
@@ -484,7 +484,7 @@ def _copied_axis(
             return inputs[1], axis - gathered
         return first, axis - count + 1
     if op == "Transpose":
-        perm = node.attributes.get_ints("perm", None) or list(reversed(range(rank)))
+        perm = transpose_perm(node, rank)
         return first, perm[axis]
     if op == "GatherElements" and len(inputs) > 1 and inputs[1] is not None:
         return inputs[1], axis  # the output has the indices' shape

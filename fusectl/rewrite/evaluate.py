@@ -76,8 +76,9 @@ def _probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) ->
 
 
 def dependencies(value: ir.Value, feeds: set[ir.Value]) -> list[ir.Node]:
-    """The nodes ``value`` is computed by, in graph (execution) order, stopping at constants,
-    graph inputs, ``feeds`` and at Shape and Size (which read only a shape)."""
+    """The nodes ``value`` is computed by, in an order that computes each after what it reads,
+    stopping at constants, graph inputs, ``feeds`` and at Shape and Size (which read only a
+    shape)."""
     start = value.producer()
     if start is None or value in feeds or constant_value(value) is not None:
         return []
@@ -103,9 +104,30 @@ def dependencies(value: ir.Value, feeds: set[ir.Value]) -> list[ir.Node]:
             producer = operand.producer()  # None: a graph input, which evaluate must be fed
             if producer is not None:
                 stack.append(producer)
-    graph = start.graph
-    assert graph is not None
-    return [node for node in graph if node in cone]
+    return _in_order(cone)
+
+
+def _in_order(cone: set[ir.Node]) -> list[ir.Node]:
+    """The cone's nodes, each after every cone node it reads (a Shape after the node whose
+    output it reads the shape of): ordered within the cone, not by a walk of the graph."""
+    order: list[ir.Node] = []
+    placed: set[ir.Node] = set()
+    for root in cone:
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if node in placed:
+                continue
+            if ready:
+                placed.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for operand in node.inputs:
+                producer = operand.producer() if operand is not None else None
+                if producer in cone and producer not in placed:
+                    stack.append((producer, False))
+    return order
 
 
 def evaluate(

@@ -181,6 +181,15 @@ def node_axes(node: ir.Node) -> list[int] | None:
     return None if axes is None else list(axes)
 
 
+def transpose_perm(node: ir.Node, rank: int | None) -> list[int] | None:
+    """A Transpose's perm: its attribute, else the reversal of ``rank`` axes (ONNX's default);
+    None where neither is known."""
+    perm = node.attributes.get_ints("perm", None)
+    if perm is not None:
+        return list(perm)
+    return None if rank is None else list(reversed(range(rank)))
+
+
 def producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The standard-domain ``op_type`` node that computes ``value``, else None."""
     node = value.producer() if value is not None else None

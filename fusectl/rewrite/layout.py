@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.axes import Size, product, quotient, symbolic_size
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.graph import constant_value, transpose_perm
 
 _ONE: Size = (1, ())
 
@@ -204,9 +204,8 @@ def follow(ctx: PassContext, source: ir.Value, chain: list[ir.Node]) -> Layout |
     layout = Layout([_ONE if size == (1, ()) else size for size in sizes])
     for node in chain:
         if node.op_type == "Transpose":
-            perm = node.attributes.get_ints("perm", None)
-            order = list(perm) if perm is not None else list(reversed(range(len(layout.axes))))
-            if not layout.transpose(order):
+            order = transpose_perm(node, len(layout.axes))
+            if order is None or not layout.transpose(order):
                 return None
             continue
         sizes_or_reason = _reshape_sizes(ctx, layout, node)

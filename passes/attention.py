@@ -68,6 +68,7 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 from fusectl.rewrite.shapes import named
+from fusectl.rewrite.size_reads import move_before_readers, read_again, size_reads
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
@@ -262,6 +263,10 @@ class _Attention:
     # A logit per head joined to every row's scores before the Softmax and dropped after it
     # (GPT-OSS's attention sinks): its values, one per head or one for all.
     sink: np.ndarray | None = None
+    # Biases added to the product before its scale (XLNet, scale * (q @ k^T + b)): the fused
+    # op gets bias_scale * b, bias_scale the scale of the product alone.
+    scaled: list[ir.Value] = field(default_factory=list)
+    bias_scale: float = 1.0
 
 
 def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
@@ -356,6 +361,7 @@ class _Walk:
     biases: list[ir.Value] = field(default_factory=list)
     folds: list[ir.Node] = field(default_factory=list)
     derived: list[ir.Node] = field(default_factory=list)
+    scaled: list[ir.Value] = field(default_factory=list)  # added before the scale
     floored: bool = False
     head_scale: ir.Value | None = None  # a constant [N, 1, 1] or [1, N, 1, 1]
 
@@ -417,7 +423,28 @@ def _scores(
         elif (per_head := _per_head_scale(value)) is not None:
             nodes.append(per_head[0])
             walk.head_scale, value = per_head[1], per_head[0].inputs[0]  # type: ignore[assignment]
+    if scale != 1.0 and not folds and not softcap:
+        value = _scaled_biases(value, nodes, walk.scaled)
     return producer_of(value, "MatMul"), scale, value, softcap
+
+
+def _scaled_biases(value: ir.Value, nodes: list[ir.Node], scaled: list[ir.Value]) -> ir.Value:
+    """Walk the Adds of biases summed with the product before it is scaled (XLNet's position
+    and segment terms: scale * (q @ k^T + b)) back to the product, each b into ``scaled``:
+    the fused op adds scale * b to its own scale * q @ k^T."""
+    for _ in range(6):
+        add = producer_of(value, "Add")
+        if add is None or None in add.inputs:
+            break
+        for scores, bias in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+            if _leads_to_matmul(scores):
+                nodes.append(add)
+                scaled.append(bias)  # type: ignore[arg-type]
+                value = scores  # type: ignore[assignment]
+                break
+        else:
+            break
+    return value
 
 
 def _per_head_scale(value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
@@ -573,7 +600,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return _Attention(
             heads, guard is not None, query, key, value3, scale, biases, result, context,
             nodes, softcap, single_head=True, derived=walk.derived, floored=walk.floored,
-            head_scale=walk.head_scale, sink=sink,
+            head_scale=walk.head_scale, sink=sink, scaled=walk.scaled, bias_scale=product_scale,
         )  # fmt: skip
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
@@ -605,7 +632,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return _Attention(
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
             softcap, split_back=(split_back, value_size), derived=walk.derived,
-            floored=walk.floored, head_scale=walk.head_scale, sink=sink,
+            floored=walk.floored, head_scale=walk.head_scale, sink=sink, scaled=walk.scaled,
+            bias_scale=product_scale,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -626,6 +654,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         floored=walk.floored,
         head_scale=walk.head_scale,
         sink=sink,
+        scaled=walk.scaled,
+        bias_scale=product_scale,
     )
 
 
@@ -731,14 +761,15 @@ _SHAPE_READERS = frozenset({"Shape", "Size"})
 def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | None]:
     """The attention_bias inputs: the additive mask / position bias, dropped when zero."""
     kept = []
-    for bias in match.biases:
+    for bias in match.biases + match.scaled:
         array = constant_value(bias)
         if array is not None and not np.any(array):
             continue  # an all-true mask folded to zeros adds nothing
         shape = ctx.shape(bias)
         if shape is None or len(shape) > 4:
             return [], "the additive mask or bias is not [batch, heads, query, key] or less"
-        kept.append(bias)
+        if bias in match.biases:
+            kept.append(bias)
     return kept, None
 
 
@@ -789,6 +820,31 @@ def _derived_bias(
     typed(where.outputs[0], dtype, ctx.shape(source))
     shared[key] = (where.outputs[0],)
     return where.outputs[0], [where]
+
+
+def _scaled_bias(
+    ctx: PassContext, match: _Attention, dtype: ir.DataType | None
+) -> tuple[ir.Value, list[ir.Node]]:
+    """bias_scale * (the sum of the biases added before the scale), the product's own scale
+    carried over to the terms added to it."""
+    graph = match.root.graph
+    assert graph is not None
+    built: list[ir.Node] = []
+    total = match.scaled[0]
+    for bias in match.scaled[1:]:
+        built.append(ir.node("Add", [total, bias]))
+        total = built[-1].outputs[0]
+    numpy_type = (dtype or ir.DataType.FLOAT).numpy()
+    name = f"{ctx.spec.name}/{match.root.name}/bias_scale"
+    factor = new_constant(graph, name, np.array(match.bias_scale, numpy_type))
+    built.append(ir.node("Mul", [total, factor]))
+    shapes = [ctx.shape(bias) for bias in match.scaled]  # known: _bias checked them
+    rank = max(len(shape) for shape in shapes)  # type: ignore[arg-type]
+    aligned = [[1] * (rank - len(shape)) + list(shape) for shape in shapes]  # type: ignore[arg-type]
+    dims = [next((d for d in column if d != 1), 1) for column in zip(*aligned, strict=True)]
+    for node in built:
+        typed(node.outputs[0], dtype, ir.Shape(dims))
+    return built[-1].outputs[0], built
 
 
 def _widened(
@@ -1365,7 +1421,7 @@ class _AttentionFusion(FusionPass):
             return "the sink logits are not one per head"
         nodes = match.nodes + plan.absorbed
         keep = {value for value in inputs if value is not None}
-        keep |= set(match.biases) | set(match.folded) | set(plan.pasts)
+        keep |= set(match.biases) | set(match.folded) | set(match.scaled) | set(plan.pasts)
         keep |= {_bias_source(node) for node in match.derived}
         # Flattened to 2-D for the next Linear (a later Reshape folded into this one): the
         # fused op's [B, S, hidden] output gets that Reshape back.
@@ -1374,7 +1430,10 @@ class _AttentionFusion(FusionPass):
             keep.add(match.root.inputs[1])
         absorb_shape_arithmetic(ctx, nodes, keep)
         replaced_outputs = [match.output, *plan.presents]
-        staying = _still_read(ctx, nodes, replaced_outputs)
+        # Shapes read from the scores (XLNet's key length): read from what stays instead.
+        reads = size_reads(ctx, nodes, replaced_outputs) or {}
+        read_outputs = [reader.outputs[0] for reader in reads]
+        staying = _still_read(ctx, [*nodes, *reads], [*replaced_outputs, *read_outputs])
         if staying is None:
             return uses_outside(nodes, replaced_outputs)
         dtype = ctx.dtype(match.query)
@@ -1400,10 +1459,19 @@ class _AttentionFusion(FusionPass):
                 "a mask is subtracted from the scores, its values unknown, so it may hold "
                 "FLT_MAX, which the standard Attention kernel takes for inf"
             )
+        if self.clamps_mask and match.scaled:
+            return (
+                "a bias is added before the scale, its values unknown, so it may hold "
+                "-FLT_MAX, which the standard Attention kernel takes for -inf"
+            )
         cached = set(shared)
         new_nodes: list[ir.Node] = list(merged)
         for node in match.derived:  # last: no site declines past this point
             bias, built = _derived_bias(ctx, node, shared)
+            biases.append(bias)
+            new_nodes += built
+        if match.scaled:
+            bias, built = _scaled_bias(ctx, match, dtype)
             biases.append(bias)
             new_nodes += built
         if self.clamps_mask:
@@ -1473,19 +1541,33 @@ class _AttentionFusion(FusionPass):
             reshape = ir.node("Reshape", [result, match.root.inputs[1]])
             new_nodes.append(reshape)
             result = reshape.outputs[0]
+        graph = match.root.graph
+        assert graph is not None
+        rereads = [
+            read_again(ctx, graph, f"{ctx.spec.name}/{reader.name}", reader, parts)
+            for reader, parts in reads.items()
+        ]
+        sizes = [node for reread in rereads for node in reread.nodes]
         refused = replace_subgraph(
             ctx,
             self.op_type,
             match.root,
-            [node for node in nodes if node not in staying],
-            new_nodes,
-            replaced_outputs,
-            [result, *attention.outputs[1:]],
+            [node for node in [*nodes, *reads] if node not in staying]
+            + [node for reread in rereads for node in reread.replaced_nodes],
+            new_nodes + sizes,
+            [*replaced_outputs, *(value for reread in rereads for value in reread.replaced)],
+            [
+                result,
+                *attention.outputs[1:],
+                *(value for reread in rereads for value in reread.values),
+            ],
         )
         if refused is not None:  # left out by a bisection (and counted): so are its new values
             for key in set(shared) - cached:
                 del shared[key]
             return None
+        if sizes:  # placed at the fused op; their readers come before it
+            move_before_readers(graph, [node for node in sizes if node.graph is graph])
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
         output.shape = fused

@@ -24,16 +24,19 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.evaluate import Unevaluable, dependencies, evaluate, traced_sizes
+from fusectl.rewrite.evaluate import (
+    PROBE_SIZES,
+    Unevaluable,
+    dependencies,
+    dimension_names,
+    evaluate,
+)
 from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 MS = "com.microsoft"
 # Per op: the index of its 2-D mask input and of its additive bias.
 _INPUTS = {"Attention": (3, 5), "MultiHeadAttention": (4, 5)}
-# Sizes the named dimensions take in the two probes: distinct, so that a bias that mixes two
-# of them up (the batch for the length) does not pass.
-_PROBE_SIZES = ((3, 5, 7, 11, 13, 17), (4, 6, 9, 10, 14, 15))
 _MASK_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
 
 
@@ -95,18 +98,6 @@ def _fill(bias: np.ndarray, mask: np.ndarray) -> float | str:
     return fill
 
 
-def _named_sizes(ctx: PassContext, bias: ir.Value, mask: ir.Value) -> list[str]:
-    """The named dimensions the bias depends on: the mask's first, then those of every tensor
-    whose shape it reads (a decoder's length beside the encoder's, in cross-attention)."""
-    found: list[str] = []
-    read = [mask]
-    read += [n.inputs[0] for n in dependencies(bias, {mask}) if n.op_type in ("Shape", "Size")]
-    for value in read:
-        sizes = traced_sizes(ctx, value) if value is not None else None
-        found += [name for size in sizes or () if size is not None for name in size[1]]
-    return list(dict.fromkeys(found))
-
-
 def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
     """The mask the bias is built from, why it is not a key padding mask, or None where the
     bias is no mask at all."""
@@ -118,9 +109,9 @@ def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
         return mask
     shape, dtype = ctx.shape(mask), ctx.dtype(mask)
     assert shape is not None and dtype is not None
-    names = _named_sizes(ctx, bias, mask)
+    names = dimension_names(ctx, bias, [mask])
     fills = set()
-    for sizes in _PROBE_SIZES:
+    for sizes in PROBE_SIZES:
         probe = dict(zip(names, sizes, strict=False))
         dims = [d if isinstance(d, int) else probe.get(d.value) for d in shape]  # type: ignore[union-attr]
         if None in dims or len(names) > len(sizes):

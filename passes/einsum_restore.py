@@ -15,17 +15,22 @@ import string
 
 import onnx_ir as ir
 
-from fusectl.rewrite.context import LINEAGE_NAMES, LINEAGE_PASSES, PassContext
+from fusectl.rewrite.context import LINEAGE_NAMES, LINEAGE_PASSES, LINEAGE_TYPES, PassContext
 from fusectl.rewrite.graph import replace_subgraph, transpose_perm
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _CANONICAL = "EinsumMatMulCanonicalizationPass"
+_RESTORATION = "EinsumRestorationPass"
 
 
 def _origin(node: ir.Node) -> str | None:
-    """The Einsum a node was written for, when only the canonicalization wrote it."""
+    """The Einsum a node was written for, when only the canonicalization wrote it (and this
+    pass, in an earlier run: an Einsum restored then is taken apart and restored again, so a
+    second run leaves the output as it is)."""
     props = node.metadata_props
-    if props.get(LINEAGE_PASSES) != json.dumps([_CANONICAL]):
+    passes = props.get(LINEAGE_PASSES)
+    written = set(json.loads(passes)) if passes is not None else set()
+    if _CANONICAL not in written or not written <= {_CANONICAL, _RESTORATION}:
         return None
     return props.get(LINEAGE_NAMES)
 
@@ -73,7 +78,7 @@ class EinsumRestorationPass(FusionPass):
     """Not a pattern: each MatMul the Einsum canonicalization wrote is judged alone."""
 
     spec = PassSpec(
-        name="EinsumRestorationPass",
+        name=_RESTORATION,
         category=Category.UB,
         description="Transposes + MatMul that EinsumMatMulCanonicalizationPass wrote for an "
         "Einsum no fusion took -> the Einsum again (one node, the model's own spelling)",
@@ -115,7 +120,7 @@ class EinsumRestorationPass(FusionPass):
         einsum.outputs[0].dtype = final.dtype
         einsum.outputs[0].shape = final.shape
         root = after or matmul
-        replace_subgraph(
+        refused = replace_subgraph(
             ctx,
             "EinsumRestoration",
             root,
@@ -124,3 +129,84 @@ class EinsumRestorationPass(FusionPass):
             [final],
             einsum.outputs,
         )
+        if refused is None:
+            _as_taken_apart(einsum)
+
+
+def _as_taken_apart(einsum: ir.Node) -> None:
+    """The Einsum is the one taken apart: its name back (where nothing took it since) and its
+    lineage that one Einsum's, not one per node it was written as. A second run, which takes
+    it apart and restores it again, then writes the same model."""
+    graph = einsum.graph
+    props = einsum.metadata_props
+    pairs = zip(json.loads(props[LINEAGE_NAMES]), json.loads(props[LINEAGE_TYPES]), strict=True)
+    names, types = zip(*dict.fromkeys(pairs), strict=True)
+    props[LINEAGE_NAMES], props[LINEAGE_TYPES] = json.dumps(names), json.dumps(types)
+    if graph is not None and all(node.name != names[0] for node in graph):
+        einsum.name = names[0]
+
+
+def _absorbed(equation: str, index: int, perm: list[int]) -> str | None:
+    """The equation with operand ``index`` read before Transpose(perm): its labels permuted
+    back. None for an equation with an ellipsis or without an explicit output."""
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    operands = inputs.split(",")
+    labels = operands[index]
+    if len(labels) != len(perm):
+        return None
+    before = [""] * len(perm)
+    for position, axis in enumerate(perm):
+        before[axis] = labels[position]
+    operands[index] = "".join(before)
+    return f"{','.join(operands)}->{output}"
+
+
+@register_pass
+class TransposeEinsumFusionPass(FusionPass):
+    """Not a pattern: each Einsum operand is judged alone."""
+
+    spec = PassSpec(
+        name="TransposeEinsumFusionPass",
+        category=Category.UB,
+        description="Einsum of a Transpose read only there -> the Einsum of the Transpose's "
+        "input, its labels permuted back (a fused op's output moved back to the layout an "
+        "Einsum reads: XLNet's sequence-first attention)",
+        aliases=("transpose_einsum_fusion",),
+        priority=5965,  # the down band, after the Einsums are restored
+        emits=("Einsum",),
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        for einsum in ctx.op_index.of_type(model.graph, "Einsum"):
+            if einsum.graph is not model.graph:
+                continue
+            for index, operand in enumerate(einsum.inputs):
+                transpose = operand.producer() if operand is not None else None
+                if transpose is None or transpose.op_type != "Transpose":
+                    continue
+                if transpose.domain not in ("", "ai.onnx"):
+                    continue
+                if operand.is_graph_output() or len(operand.uses()) != 1:  # type: ignore[union-attr]
+                    continue
+                perm = transpose_perm(transpose, len(ctx.shape(operand) or ()) or None)
+                formula = _absorbed(einsum.attributes.get_string("equation", ""), index, perm or [])
+                if perm is None or formula is None:
+                    continue
+                inputs = list(einsum.inputs)
+                inputs[index] = transpose.inputs[0]
+                fused = ir.node("Einsum", inputs, attributes={"equation": formula})
+                fused.outputs[0].dtype = einsum.outputs[0].dtype
+                fused.outputs[0].shape = einsum.outputs[0].shape
+                replace_subgraph(
+                    ctx,
+                    "TransposeEinsum",
+                    einsum,
+                    [einsum, transpose],
+                    [fused],
+                    einsum.outputs,
+                    fused.outputs,
+                )
+                break  # the Einsum is replaced: its other operands on the next run

@@ -13,7 +13,9 @@ fusions too (LayoutChainCanonicalizationPass): dynamo writes a matmul of repeate
 a fold to [B*N, L, H], a 3-D transpose and an unfold, which is the head layout the attention
 passes read, K^T, once written as a Reshape and a Transpose. Chains of Reshapes alone or
 Transposes alone are ReshapeReshapeFusionPass's and TransposeTransposeFusionPass's, each with
-its own switch.
+its own switch; those graph passes run before the fusions, so the late pass takes such a chain
+where a pass wrote one of its ops (XLNet's key, transposed for the scores and again for the
+fused attention).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.context import LINEAGE_PASSES, PassContext
 from fusectl.rewrite.graph import new_constant, node_label, remove_dead, replace_subgraph, typed
 from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
@@ -82,18 +84,22 @@ def _layout_ops(
 
 
 def _collapse(
-    ctx: PassContext, name: str, pattern: str, end: ir.Node, shortest: int, report: bool
+    ctx: PassContext, name: str, pattern: str, end: ir.Node, shortest: int, late: bool
 ) -> None:
-    """Rewrite the mixed Reshape/Transpose chain ending at ``end`` (``shortest`` ops or more)
-    into the fewest ops computing it; a chain it cannot read is a near miss if ``report``."""
+    """Rewrite the Reshape/Transpose chain ending at ``end`` (``shortest`` ops or more) into
+    the fewest ops computing it. A chain of one op type is ReshapeReshape's or
+    TransposeTranspose's, graph passes that run before the fusions: ``late``, after them, it
+    is taken here where a pass wrote one of its ops (a fused op's layout next to the graph's
+    own), and a chain it cannot read is a near miss."""
     chain = _chain(end)
-    if len(chain) < shortest or len({node.op_type for node in chain}) < 2:
-        return  # one op type: ReshapeReshape's or TransposeTranspose's
+    written = late and any(LINEAGE_PASSES in node.metadata_props for node in chain)
+    if len(chain) < shortest or (len({node.op_type for node in chain}) < 2 and not written):
+        return
     source = chain[0].inputs[0]
     assert source is not None
     layout = follow(ctx, source, chain)
     if isinstance(layout, str):
-        if report:
+        if late:
             ctx.pattern(pattern).decline(layout, node_label(end))
         return
     built = None if layout is None else _layout_ops(ctx, name, end, source, layout, len(chain))
@@ -139,7 +145,7 @@ class LayoutChainCanonicalizationPass(FusionPass):
         for end in _ends(ctx, model.graph):
             if end.graph is model.graph:
                 # the late pass reports what it cannot read, once
-                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=3, report=False)
+                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=3, late=False)
         if ctx.changed and ctx.shapes is not None:
             ctx.shapes.invalidate()
 
@@ -161,4 +167,4 @@ class LayoutChainFusionPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         for end in _ends(ctx, model.graph):
             if end.graph is model.graph:
-                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=2, report=True)
+                _collapse(ctx, self.spec.name, "LayoutChain", end, shortest=2, late=True)

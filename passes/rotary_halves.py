@@ -9,17 +9,22 @@ which is, exactly, x * Concat(c, c) + Concat(-x2, x1) * Concat(s, s): LLaMA's ro
 form, which RotaryEmbeddingFusionPass proves and fuses (its caches are then c and s
 themselves). Every product and sum is the same floating-point operation as before (a - b is
 a + (-b)), so the rewrite is exact; the Split's halves become the rotate_half Slices.
+
+x1 and x2 need not be halves: any two equal parts that take each element of x's last axis
+once will do, since then they are the halves of x[..., order] for one fixed order. DeepSeek
+rotates x[..., 0::2] and x[..., 1::2] this way; one Gather puts x in that order first.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import last_axis_slice
+from fusectl.rewrite.axes import last_axis_positions
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
-    constant_value,
     new_constant,
     node_label,
     producer_of,
@@ -42,48 +47,40 @@ def _products(value: ir.Value) -> list[tuple[ir.Value, ir.Value]] | None:
     return [(a, b), (b, a)]
 
 
-def _halves(ctx: PassContext, low: ir.Value, high: ir.Value) -> tuple[ir.Value, int] | None:
-    """(x, H/2) when ``low`` and ``high`` are the first and second half of x's last axis: the
-    two outputs of an even Split, or Slices [0, H/2) and [H/2, H)."""
-    split = low.producer()
-    if split is None or split.domain not in _DEFAULT_DOMAINS:
+def _selection(
+    ctx: PassContext, low: ir.Value, high: ir.Value
+) -> tuple[ir.Value, list[int]] | None:
+    """(x, order) where ``low`` and ``high`` are equal parts of x's last axis that together
+    take every element once: x[..., order] is Concat(low, high). The two halves (an even
+    Split, two Slices) take them in order; DeepSeek's x[..., 0::2] and x[..., 1::2] do not."""
+    parts = [last_axis_positions(ctx, part) for part in (low, high)]
+    if parts[0] is None or parts[1] is None or parts[0][0] is not parts[1][0]:
         return None
-    x = split.inputs[0]
-    shape = ctx.shape(x) if x is not None else None
-    if x is None or shape is None or not isinstance(shape[-1], int) or shape[-1] % 2:
+    x, order = parts[0][0], parts[0][1] + parts[1][1]
+    size = ctx.shape(x)[-1]  # type: ignore[index]  (static: last_axis_positions proved it)
+    if len(parts[0][1]) != len(parts[1][1]) or sorted(order) != list(range(size)):
         return None
-    half, rank = shape[-1] // 2, len(shape)
-    if split.op_type == "Split":
-        sizes = constant_value(split.inputs[1]) if len(split.inputs) > 1 else None
-        even = sizes is None or [int(v) for v in np.ravel(sizes)] == [half, half]
-        if (
-            split.attributes.get_int("axis", 0) % rank == rank - 1
-            and list(split.outputs) == [low, high]
-            and even
-        ):
-            return x, half
-        return None
-    other = high.producer()
-    if split.op_type != "Slice" or other is None or other.op_type != "Slice":
-        return None
-    if other.inputs[0] is not x:
-        return None
-    ranges = [last_axis_slice(node, rank) for node in (split, other)]
-    if None in ranges:
-        return None
-    clamped = [(start, min(end, 2 * half)) for start, end in ranges]  # type: ignore[misc]
-    return (x, half) if clamped == [(0, half), (half, 2 * half)] else None
+    return x, order
 
 
-def _rotation(
-    ctx: PassContext, concat: ir.Node
-) -> tuple[ir.Value, int, ir.Value, ir.Value, list[ir.Node]] | str | None:
-    """(x, H/2, c, s, matched nodes) of Concat(x1*c - x2*s, x2*c + x1*s) on the last axis;
-    why not, where it is that sum of products but x1, x2 are not the halves of one x."""
-    if len(concat.inputs) != 2 or None in concat.inputs:
-        return None
-    first, second = concat.inputs
-    assert first is not None and second is not None
+_Rotation = tuple[ir.Value, list[int], ir.Value, ir.Value, list[ir.Node]]
+
+
+def _rotation_in(ctx: PassContext, concat: ir.Node) -> tuple[int, _Rotation | str] | None:
+    """(i, rotation) for the first two adjacent Concat inputs i, i+1 that are one; a nested
+    cat (TorchScript flattens DeepSeek's Concat(q_pass, Concat(rotated halves))) counts."""
+    inputs = list(concat.inputs)
+    for index, (first, second) in enumerate(itertools.pairwise(inputs)):
+        found = _rotation(ctx, first, second) if first and second else None
+        if found is not None:
+            return index, found
+    return None
+
+
+def _rotation(ctx: PassContext, first: ir.Value, second: ir.Value) -> _Rotation | str | None:
+    """(x, order, c, s, matched nodes) of the two Concat parts x1*c - x2*s and x2*c + x1*s,
+    x1 and x2 the two parts of x[..., order]; why not, where it is that sum of products but
+    x1, x2 are not such parts of one x."""
     sub, add = producer_of(first, "Sub"), producer_of(second, "Add")
     if sub is None or add is None or None in (*sub.inputs, *add.inputs):
         return None
@@ -97,15 +94,14 @@ def _rotation(
                 assert left is not None and right is not None
                 if (x2, c) not in left or (x1, s) not in right:
                     continue
-                halves = _halves(ctx, x1, x2)
-                if halves is None:
+                selection = _selection(ctx, x1, x2)
+                if selection is None:
                     return (
-                        "the rotated parts are not the two halves of one tensor's last axis "
-                        "(every second element, say: RotaryEmbedding would interleave the "
-                        "output too)"
+                        "the rotated parts are not one tensor's last axis taken in two equal "
+                        "parts, each element once"
                     )
                 muls = [v.producer() for v in (*sub.inputs, *add.inputs)]
-                return halves[0], halves[1], c, s, [concat, sub, add, *muls]  # type: ignore[list-item]
+                return *selection, c, s, [sub, add, *muls]  # type: ignore[list-item]
     return None
 
 
@@ -115,12 +111,13 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         name="RotaryHalvesCanonicalizationPass",
         category=Category.GRAPH,
         description="rotary embedding computed half by half, Concat(x1*c - x2*s, x2*c + x1*s) "
-        "(GPT-OSS) -> x * Concat(c, c) + Concat(-x2, x1) * Concat(s, s), the rotate_half form "
+        "(GPT-OSS; DeepSeek's even and odd elements after one Gather) -> "
+        "x * Concat(c, c) + Concat(-x2, x1) * Concat(s, s), the rotate_half form "
         "RotaryEmbeddingFusionPass reads",
         aliases=("RotaryHalvesToRotateHalf",),
         priority=3045,
         canonical=True,
-        emits=("Concat", "Neg", "Slice", "Mul", "Add"),
+        emits=("Gather", "Concat", "Neg", "Slice", "Mul", "Add"),
     )
     counts_changes = True
 
@@ -130,17 +127,19 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         for concat in ctx.op_index.of_type(graph, "Concat", _DEFAULT_DOMAINS):
             if concat.graph is not graph:
                 continue
-            found = _rotation(ctx, concat)  # op types first: most Concats fail there
-            if found is None:
+            located = _rotation_in(ctx, concat)  # op types first: most Concats fail there
+            if located is None:
                 continue
+            index, found = located
             rank = len(shape) if (shape := ctx.shape(concat.outputs[0])) is not None else None
             if rank is None or concat.attributes.get_int("axis", 0) % rank != rank - 1:
                 continue
             if isinstance(found, str):
                 stats.decline(found, node_label(concat))
                 continue
-            x, half, c, s, nodes = found
-            reason = uses_outside(nodes, concat.outputs)
+            x, order, c, s, nodes = found
+            half = len(order) // 2
+            reason = uses_outside([concat, *nodes], concat.outputs)
             for angle in (c, s):
                 angle_shape = ctx.shape(angle)
                 if angle_shape is None or len(angle_shape) != rank or angle_shape[-1] != half:
@@ -148,9 +147,21 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
             if reason is not None:
                 stats.decline(reason, node_label(concat))
                 continue
-            built = self._whole(ctx, graph, concat, x, half, c, s)
+            built = self._whole(ctx, graph, concat, x, order, c, s)
+            if len(concat.inputs) > 2:  # the other parts around the rotation stay
+                parts = list(concat.inputs)
+                parts[index : index + 2] = [built[-1].outputs[0]]
+                whole = ir.node("Concat", parts, attributes={"axis": -1})
+                built.append(whole)
+                typed(whole.outputs[0], ctx.dtype(concat.outputs[0]), shape)
             replace_subgraph(
-                ctx, "RotaryHalves", concat, nodes, built, concat.outputs, built[-1].outputs
+                ctx,
+                "RotaryHalves",
+                concat,
+                [concat, *nodes],
+                built,
+                concat.outputs,
+                built[-1].outputs,
             )
 
     def _whole(
@@ -158,16 +169,25 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         ctx: PassContext,
         graph: ir.Graph,
         concat: ir.Node,
-        x: ir.Value,
-        half: int,
+        source: ir.Value,
+        order: list[int],
         c: ir.Value,
         s: ir.Value,
     ) -> list[ir.Node]:
-        """x * Concat(c, c) + Concat(-x[..., H/2:], x[..., :H/2]) * Concat(s, s)."""
+        """x * Concat(c, c) + Concat(-x[..., H/2:], x[..., :H/2]) * Concat(s, s), where x is
+        the source with its last axis in ``order`` (a Gather, unless that is the identity)."""
         name = f"{self.spec.name}/{node_label(concat)}"
+        half = len(order) // 2
 
         def ints(suffix: str, values: list[int]) -> ir.Value:
             return new_constant(graph, f"{name}/{suffix}", np.array(values, np.int64))
+
+        dtype, shape = ctx.dtype(source), ctx.shape(source)
+        ordered: list[ir.Node] = []
+        x = source
+        if order != sorted(order):
+            gather = ir.node("Gather", [source, ints("order", order)], attributes={"axis": -1})
+            ordered, x = [gather], typed(gather.outputs[0], dtype, shape)
 
         last, middle = ints("axis", [-1]), ints("half", [half])
         low = ir.node("Slice", [x, ints("zero", [0]), middle, last])
@@ -179,7 +199,6 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         direct = ir.node("Mul", [x, cos.outputs[0]])
         rotated = ir.node("Mul", [turned.outputs[0], sin.outputs[0]])
         total = ir.node("Add", [direct.outputs[0], rotated.outputs[0]])
-        dtype, shape = ctx.dtype(x), ctx.shape(x)
         for node in (low, high, negated):
             halved = None if shape is None else ir.Shape([*list(shape)[:-1], half])
             typed(node.outputs[0], dtype, halved)
@@ -189,4 +208,4 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
             angle_shape = ctx.shape(angle)
             assert angle_shape is not None
             typed(node.outputs[0], ctx.dtype(angle), ir.Shape([*list(angle_shape)[:-1], 2 * half]))
-        return [low, high, negated, turned, cos, sin, direct, rotated, total]
+        return [*ordered, low, high, negated, turned, cos, sin, direct, rotated, total]

@@ -6,6 +6,11 @@ the next norm permutes the sum channels-last again. Where the stream itself was 
 a channels-last value, ``T(a) + T(b)`` is ``T(a + b)`` (broadcasting is per axis, so permuting
 both operands alike commutes with it), and the inverse Transpose after it cancels: the Add of
 the two channels-last values is what the norm reads.
+
+A Concat of tensors transposed alike is the same: dynamo writes a slice assignment with the
+assigned axis moved first, so once the assignment is a Concat (SliceAssignmentCanonicalization)
+its parts are joined along the moved axis and moved back; joined along their own axis instead,
+no Transpose is left.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ class TransposeSinkFusionPass(FusionPass):
         category=Category.UB,
         description="Transpose(T(a) op T(b), inverse) for an element-wise op and two "
         "Transposes of one perm -> a op b (ConvNeXt's channels-first residual between "
-        "channels-last blocks)",
+        "channels-last blocks); the same for a Concat of Transposes of one perm, joined on "
+        "the axis it moves (dynamo's slice assignment)",
         aliases=("transpose_sink_fusion",),
         priority=5940,  # the down band, before the layout chains
         emits=(),
@@ -44,7 +50,7 @@ class TransposeSinkFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
-        for op_type in _ELEMENTWISE:
+        for op_type in (*_ELEMENTWISE, "Concat"):
             for node in ctx.op_index.of_type(graph, op_type):
                 if node.graph is graph:
                     self._sink(ctx, node)
@@ -53,23 +59,26 @@ class TransposeSinkFusionPass(FusionPass):
     def _sink(ctx: PassContext, node: ir.Node) -> None:
         result = node.outputs[0]
         uses = result.uses()
-        if result.is_graph_output() or len(uses) != 1 or len(node.inputs) != 2:
+        joined = node.op_type == "Concat"
+        if result.is_graph_output() or len(uses) != 1 or (len(node.inputs) != 2 and not joined):
             return
         after = uses[0][0]
         if after.op_type != "Transpose" or after.domain not in ("", "ai.onnx"):
             return
         transposes = [producer_of(value, "Transpose") for value in node.inputs]
         shapes = [ctx.shape(value) for value in node.inputs if value is not None]
-        if None in transposes or len(shapes) != 2 or None in shapes:
+        if None in transposes or len(shapes) != len(node.inputs) or None in shapes:
             return
         rank = len(shapes[0])  # type: ignore[arg-type]
-        if len(shapes[1]) != rank:  # type: ignore[arg-type]
+        if any(len(shape) != rank for shape in shapes):  # type: ignore[arg-type]
             return
         perms = {tuple(transpose_perm(t, rank)) for t in transposes}  # type: ignore[arg-type]
-        if len(perms) != 1 or transpose_perm(after, rank) != _inverse(list(perms.pop())):
+        perm = list(perms.pop())
+        if perms or transpose_perm(after, rank) != _inverse(perm):
             return
         operands = [t.inputs[0] for t in transposes]  # type: ignore[union-attr]
-        fused = ir.node(node.op_type, operands)
+        axis = {"axis": perm[node.attributes.get_int("axis", 0) % rank]} if joined else {}
+        fused = ir.node(node.op_type, operands, attributes=axis)
         typed(fused.outputs[0], ctx.dtype(after.outputs[0]), ctx.shape(after.outputs[0]))
         # The Transposes go too where the op was their only reader.
         alone = [t for t in transposes if t is not None and len(t.outputs[0].uses()) == 1]

@@ -48,14 +48,20 @@ def _eager(
     head_scale: list[int] | None = None,
     axis: int = -1,
     seq: int | str = "seq",
+    position: bool = False,
+    key_length: bool = False,
+    opset: int = 17,
 ) -> Path:
     """Self-attention over x [batch, seq, 32], 4 heads of 8, scores q @ k^T scaled by 1/sqrt(8)
     (or by a constant of shape ``head_scale``), then: ``fill`` "keep" Where(keep, s, m) or
     "drop" Where(drop, m, s) with the bool input [batch, 1, seq, seq] and m ``fill_value``;
     ``floor``: Add(s, bias) then Max(., floor), the bias an ``input`` or a ``where`` of
-    constants (0 / -FLT_MAX) by the bool input; Softmax over ``axis``."""
+    constants (0 / -FLT_MAX) by the bool input; Softmax over ``axis``. ``position`` adds an
+    input [batch, 1, seq, seq] to q @ k^T before the scale (XLNet); ``key_length`` outputs
+    the scores' last size as a float (XLNet's klen = scores.shape[3])."""
     rng = np.random.default_rng(0)
     inputs = [value("x", ["batch", seq, HIDDEN])]
+    outputs = [value("y", ["batch", seq, HIDDEN])]
     initializers = [
         const("split", [0, 0, HEADS, HEAD], np.int64),
         const("merge", [0, 0, HIDDEN], np.int64),
@@ -81,7 +87,20 @@ def _eager(
     else:
         factor = rng.uniform(0.2, 1.0, size=head_scale)
         initializers.append(const("s", factor))
-    nodes.append(_n("Mul", ["scores", "s"], "scaled"))
+    product = "scores"
+    if position:
+        inputs.append(value("position", ["batch", 1, seq, seq]))
+        nodes.append(_n("Add", ["scores", "position"], "positioned"))
+        product = "positioned"
+    if key_length:
+        initializers.append(const("last", np.array(3), np.int64))
+        nodes += [
+            _n("Shape", ["scores"], "scores_shape"),
+            _n("Gather", ["scores_shape", "last"], "length", axis=0),
+            _n("Cast", ["length"], "key_length", to=TensorProto.FLOAT),
+        ]
+        outputs.append(value("key_length", []))
+    nodes.append(_n("Mul", [product, "s"], "scaled"))
     last = "scaled"
     if fill or floor is not None:
         inputs.append(value("flag", ["batch", 1, seq, seq], TensorProto.BOOL))
@@ -103,7 +122,7 @@ def _eager(
         _n("Transpose", ["context"], "merged", perm=[0, 2, 1, 3]),
         _n("Reshape", ["merged", "merge"], "y"),
     ]
-    return save_model(path, nodes, inputs, [value("y", ["batch", seq, HIDDEN])], initializers)
+    return save_model(path, nodes, inputs, outputs, initializers, opset=opset)
 
 
 def _feeds(model: Path, *, batch: int = 3, seq: int = 5) -> dict[str, np.ndarray]:
@@ -117,6 +136,7 @@ def _feeds(model: Path, *, batch: int = 3, seq: int = 5) -> dict[str, np.ndarray
         "x": rng.normal(size=(batch, seq, HIDDEN)).astype(np.float32),
         "flag": flag,
         "bias": rng.normal(size=(batch, 1, seq, seq)).astype(np.float32),
+        "position": rng.normal(size=(batch, 1, seq, seq)).astype(np.float32),
     }
     inputs = {i.name for i in onnx.load(str(model)).graph.input}
     return {name: array for name, array in feeds.items() if name in inputs}
@@ -124,6 +144,14 @@ def _feeds(model: Path, *, batch: int = 3, seq: int = 5) -> dict[str, np.ndarray
 
 def _fused(run_output: Path) -> Counter[str]:
     return Counter(n.op_type for n in onnx.load(str(run_output)).graph.node)
+
+
+def _attention(run_output: Path) -> tuple[onnx.NodeProto, float]:
+    """The one MultiHeadAttention of the output, and its scale."""
+    graph = onnx.load(str(run_output)).graph
+    (attention,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    scale = {a.name: helper.get_attribute_value(a) for a in attention.attribute}["scale"]
+    return attention, scale
 
 
 @pytest.mark.parametrize("fill", ["keep", "drop"])
@@ -199,9 +227,7 @@ def test_per_head_scale_moves_onto_the_query_heads(shape: list[int], tmp_path: P
     model = _eager(tmp_path / "per_head.onnx", head_scale=shape)
     run = optimize_checked(model, tmp_path, "--disable_pass", QKV, compare=False)
     assert run.counts(MHA) == (1, 1)
-    graph = onnx.load(str(run.output)).graph
-    (attention,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
-    scale = {a.name: helper.get_attribute_value(a) for a in attention.attribute}["scale"]
+    _, scale = _attention(run.output)
     assert scale == pytest.approx(1.0)
     assert _fused(run.output)["Mul"] == 1  # on the query heads
     for batch, seq in [(3, 5), (2, 1)]:
@@ -226,6 +252,72 @@ def test_softmax_over_the_queries_keeps_the_attention(tmp_path: Path) -> None:
     reason = "the Softmax is not provably over the last axis (the key positions)"
     assert_declined(run, MHA, reason, "probs")
     assert _fused(run.output)["Softmax"] == 1
+
+
+def test_position_term_before_the_scale_is_scaled_into_the_bias(tmp_path: Path) -> None:
+    """(q @ k^T + position) * s, XLNet's order: the fused op scales q @ k^T itself and adds
+    s * position as its attention bias."""
+    model = _eager(tmp_path / "position.onnx", position=True)
+    run = optimize_checked(model, tmp_path, "--disable_pass", QKV, compare=False)
+    assert run.counts(MHA) == (1, 1)
+    attention, scale = _attention(run.output)
+    assert scale == pytest.approx(HEAD**-0.5)
+    graph = onnx.load(str(run.output)).graph
+    (bias,) = [n for n in graph.node if attention.input[5] in n.output]
+    assert (bias.op_type, bias.input[0]) == ("Mul", "position")
+    for batch, seq in [(3, 5), (2, 1)]:
+        compare_on_feeds(model, run.output, _feeds(model, batch=batch, seq=seq))
+
+
+def test_position_term_before_the_scale_is_no_mask_the_standard_op_clamps(
+    tmp_path: Path,
+) -> None:
+    """The standard Attention op (opset 23) takes -FLT_MAX in a mask for -inf; fusectl clamps
+    masks it can read, and a position term computed at run time is not one."""
+    model = _eager(tmp_path / "position23.onnx", position=True, opset=23)
+    run = optimize_checked(model, tmp_path, "--target", "onnx", compare=False)
+    reason = (
+        "a bias is added before the scale, its values unknown, so it may hold -FLT_MAX, "
+        "which the standard Attention kernel takes for -inf"
+    )
+    assert_declined(run, "AttentionFusionPass", reason, "probs")
+
+
+def test_key_length_read_from_the_scores_is_read_from_the_input(tmp_path: Path) -> None:
+    """The scores' shape read outside the attention (XLNet's relative shift takes klen from
+    it): the fused op removes the scores, so the size is read where it is copied from, the
+    farthest copy outside the match (x's sequence, through the key projection and its head
+    split); nothing of the scores' product stays."""
+    model = _eager(tmp_path / "klen.onnx", key_length=True)
+    run = optimize_checked(model, tmp_path, "--disable_pass", QKV, compare=False)
+    assert run.counts(MHA) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (shape,) = [n for n in graph.node if n.op_type == "Shape"]
+    assert shape.input[0] == "x"
+    counts = _fused(run.output)
+    assert (counts["MatMul"], counts["Softmax"]) == (3, 0)  # the projections alone
+    for batch, seq in [(3, 5), (2, 1)]:
+        compare_on_feeds(model, run.output, _feeds(model, batch=batch, seq=seq))
+
+
+def test_xlnet_relative_attention_fused_in_every_layer(tmp_path: Path) -> None:
+    """XLNet (TorchScript): its position term and segment term are added to the content
+    scores before the scale, the mask is subtracted after it through an einsum, the layout is
+    sequence-first, and the relative shift reads the key length from the scores' shape. Both
+    layers become MultiHeadAttention; a second run changes nothing."""
+    model = FIXTURES / "arch" / "xlnet_ts17.onnx"
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(MHA) == (2, 2)
+    assert reasons(run, MHA) == {}
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    compare_on_feeds(model, run.output, named_dim_feeds(model, dims))
+    (tmp_path / "again").mkdir()
+    again = optimize_checked(run.output, tmp_path / "again", compare=False)
+    first, second = (onnx.load(str(path)).graph.node for path in (run.output, again.output))
+    assert [(n.op_type, list(n.input)) for n in first] == [
+        (n.op_type, list(n.input)) for n in second
+    ]
 
 
 # fixture: what makes its scores (the matrix's tests check every class's counts and numerics)

@@ -1,7 +1,8 @@
 """EinsumRestorationPass: the Transposes and MatMul the Einsum canonicalization wrote for an
-Einsum no fusion took become that Einsum again. XLNet's relative attention (TorchScript),
+Einsum no fusion took become that Einsum again; TransposeEinsumFusionPass: an Einsum reads a
+Transpose's input with its labels permuted back. XLNet's relative attention (TorchScript),
 Funnel's einsum attention (fused, so nothing is restored), the equation read back from the
-perms checked against numpy, and numerics on onnxruntime."""
+perms checked against numpy, the Transposes that must stay, and numerics on onnxruntime."""
 
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from onnx import helper
 
 from fusectl.passes.einsum import plan
 from fusectl.passes.einsum_restore import equation
-from tests.pass_helpers import ARCH_FIXTURES, optimize_checked, pattern_counts
+from tests.pass_helpers import (
+    ARCH_FIXTURES,
+    compare_on_feeds,
+    const,
+    optimize_checked,
+    pattern_counts,
+    save_model,
+    value,
+)
 
 RESTORE = "EinsumRestorationPass"
+TRANSPOSE = "TransposeEinsumFusionPass"
 
 
 def _einsums(path: Path) -> Counter[str]:
@@ -30,18 +41,23 @@ def _einsums(path: Path) -> Counter[str]:
     )
 
 
-def test_xlnet_attention_einsums_come_back(tmp_path: Path) -> None:
-    """XLNet's scores (ibnd,jbnd->bnij, twice) and context (bnij,jbnd->ibnd) einsums are
-    canonicalized, the attention around them does not fuse (the scale follows the position
-    term), and each comes back as one Einsum: the same products, relabelled."""
+def test_xlnet_position_einsums_come_back(tmp_path: Path) -> None:
+    """XLNet's scores (ibnd,jbnd->bnij: content and position) and context (bnij,jbnd->ibnd)
+    einsums are canonicalized. The attention takes the content scores and the context; the
+    position term, added before the scale, is its bias, and each layer's comes back as one
+    Einsum. The output projection reads the fused output through its own equation: the
+    Transpose back to sequence-first is absorbed (TransposeEinsumFusionPass)."""
     source = ARCH_FIXTURES / "xlnet_ts17.onnx"
     run = optimize_checked(source, tmp_path)
-    assert pattern_counts(run, RESTORE) == {"EinsumRestoration": (6, 6)}
-    before, after = _einsums(source), _einsums(run.output)
-    assert sum(after.values()) == sum(before.values()) == 17
-    ops = run.op_counts()
-    assert ops["MatMul"] == 4  # the feed-forward layers', never einsums
-    assert ops["Transpose"] == 3  # the model's own: none of the canonicalization's is left
+    assert pattern_counts(run, RESTORE) == {"EinsumRestoration": (2, 2)}
+    assert pattern_counts(run, TRANSPOSE) == {"TransposeEinsum": (2, 2)}
+    assert _einsums(run.output) == {
+        "ibh,hnd->ibnd": 8,  # the projections, never canonicalized
+        "cabd,eabd->abce": 2,  # the position term, restored
+        "bind,hnd->ibh": 2,  # the output projection, reading [B, S, N, H]
+        "ijbn->bnij": 1,  # the mask's layout
+    }
+    assert run.op_counts()["MatMul"] == 4  # the feed-forward layers', never einsums
 
 
 @pytest.mark.parametrize("model", ["funnel_ts17", "funnel_dynamo"])
@@ -67,3 +83,33 @@ def test_the_equation_read_back_computes_the_same(written: str) -> None:
     a_perm, b_perm, _, out_perm = plan(written, (a.ndim, b.ndim))
     formula = equation(a.ndim, b.ndim, a_perm, b_perm, out_perm)
     np.testing.assert_allclose(np.einsum(formula, a, b), np.einsum(written, a, b), rtol=1e-12)
+
+
+def _transposed_einsum(path: Path, shared: bool = False) -> Path:
+    """y = Einsum("bind,hnd->ibh", Transpose(x, [1, 0, 2, 3]), w), x [S, B, N, H]; ``shared``
+    also outputs the Transpose."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2, 3]),
+        helper.make_node("Einsum", ["t", "w"], ["y"], equation="bind,hnd->ibh"),
+    ]
+    outputs = [value("y", ["S", "B", 6])]
+    outputs += [value("t", ["B", "S", 2, 4])] if shared else []
+    weights = [const("w", rng.normal(size=(6, 2, 4)))]
+    return save_model(path, nodes, [value("x", ["S", "B", 2, 4])], outputs, weights)
+
+
+def test_transpose_read_by_an_einsum_is_absorbed(tmp_path: Path) -> None:
+    model = _transposed_einsum(tmp_path / "transposed.onnx")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, TRANSPOSE) == {"TransposeEinsum": (1, 1)}
+    assert _einsums(run.output) == {"ibnd,hnd->ibh": 1}
+    assert "Transpose" not in run.op_counts()
+    feeds = {"x": np.random.default_rng(1).normal(size=(3, 2, 2, 4)).astype(np.float32)}
+    compare_on_feeds(model, run.output, feeds)
+
+
+def test_transpose_read_elsewhere_stays(tmp_path: Path) -> None:
+    run = optimize_checked(_transposed_einsum(tmp_path / "shared.onnx", shared=True), tmp_path)
+    assert run.counts(TRANSPOSE) == (0, 0)
+    assert run.op_counts()["Transpose"] == 1

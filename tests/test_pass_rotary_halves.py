@@ -42,9 +42,22 @@ def test_gpt_oss_rotary_fused_in_every_layer(tmp_path: Path, exporter: str) -> N
 HEADS, HEAD, HALF = 2, 8, 4
 
 
-def _model(path: Path, *, split: bool = True, angles: int = HALF, swap: bool = False) -> Path:
-    """x [B, N, S, H] rotated half by half with angles of width ``angles`` from positions;
-    ``swap`` puts sin where cos belongs in the second half (no rotation)."""
+# How x1 and x2 are taken from x's last axis: (op, its inputs for x1, for x2), the constants
+# named below. "strided" is DeepSeek's x[..., 0::2] / x[..., 1::2]; "gathered" any order that
+# takes each element once; "overlapping" takes some twice.
+PARTS = {
+    "split": ("Split", [], []),
+    "slices": ("Slice", ["zero", "half", "last"], ["half", "end", "last"]),
+    "strided": ("Slice", ["zero", "end", "last", "two"], ["one", "end", "last", "two"]),
+    "gathered": ("Gather", ["low_order"], ["high_order"]),
+    "overlapping": ("Slice", ["zero", "half", "last"], ["one", "five", "last"]),
+}
+
+
+def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool = False) -> Path:
+    """x [B, N, S, H] rotated half by half with angles of width ``angles`` from positions, its
+    two parts taken as PARTS[parts] says; ``swap`` puts sin where cos belongs in the second
+    half (no rotation)."""
     rng = np.random.default_rng(0)
     nodes = [
         helper.make_node("Unsqueeze", ["positions", "last"], ["p"]),
@@ -54,12 +67,14 @@ def _model(path: Path, *, split: bool = True, angles: int = HALF, swap: bool = F
         helper.make_node("Unsqueeze", ["c3", "heads_axis"], ["c"]),
         helper.make_node("Unsqueeze", ["s3", "heads_axis"], ["s"]),
     ]
-    if split:
+    op, low, high = PARTS[parts]
+    if op == "Split":
         nodes.append(helper.make_node("Split", ["x"], ["x1", "x2"], axis=-1, num_outputs=2))
     else:
+        axis = {"axis": -1} if op == "Gather" else {}
         nodes += [
-            helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1"]),
-            helper.make_node("Slice", ["x", "half", "end", "last"], ["x2"]),
+            helper.make_node(op, ["x", *low], ["x1"], **axis),
+            helper.make_node(op, ["x", *high], ["x2"], **axis),
         ]
     second = ("s", "c") if swap else ("c", "s")
     nodes += [
@@ -78,6 +93,11 @@ def _model(path: Path, *, split: bool = True, angles: int = HALF, swap: bool = F
         const("zero", [0], np.int64),
         const("half", [HALF], np.int64),
         const("end", [2**62], np.int64),
+        const("one", [1], np.int64),
+        const("two", [2], np.int64),
+        const("five", [5], np.int64),
+        const("low_order", [5, 0, 3, 6], np.int64),
+        const("high_order", [1, -1, 2, 4], np.int64),
     ]
     inputs = [value("x", ["batch", HEADS, "seq", HEAD]), value("positions", [1, "seq"])]
     outputs = [value("y", ["batch", HEADS, "seq", HEAD])]
@@ -92,25 +112,41 @@ def _feeds(batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
     }
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "slices"])
-def test_halves_become_rotate_half_and_fuse(tmp_path: Path, split: bool) -> None:
-    model = _model(tmp_path / "halves.onnx", split=split)
+@pytest.mark.parametrize("parts", ["split", "slices", "strided", "gathered"])
+def test_parts_become_rotate_half_and_fuse(tmp_path: Path, parts: str) -> None:
+    """Halves, even and odd elements, any order: one rotation, fused."""
+    model = _model(tmp_path / f"{parts}.onnx", parts=parts)
     run = optimize_checked(model, tmp_path, compare=False)
     assert pattern_counts(run, HALVES) == {"RotaryHalves": (1, 1)}
     assert run.counts(ROTARY) == (1, 1)
-    assert run.op_counts()["RotaryEmbedding"] == 1
+    counts = run.op_counts()
+    assert counts["RotaryEmbedding"] == 1
+    assert counts.get("Gather", 0) == (parts in ("strided", "gathered"))
     compare_on_feeds(model, run.output, _feeds())
     compare_on_feeds(model, run.output, _feeds(batch=1, seq=3))
 
 
-def test_exact_without_the_rotary_fusion(tmp_path: Path) -> None:
-    """The rewrite alone (rotary fusion off) computes the same values bit for bit."""
-    model = _model(tmp_path / "halves.onnx")
+@pytest.mark.parametrize("parts", ["split", "strided"])
+def test_exact_without_the_rotary_fusion(tmp_path: Path, parts: str) -> None:
+    """The rewrite alone (rotary fusion off) computes the same values bit for bit: the Gather
+    only moves elements."""
+    model = _model(tmp_path / "halves.onnx", parts=parts)
     run = optimize_checked(model, tmp_path, "--disable_pass", ROTARY, compare=False)
     assert pattern_counts(run, HALVES) == {"RotaryHalves": (1, 1)}
     feeds = _feeds()
     (want,), (got,) = run_model(model, feeds), run_model(run.output, feeds)
     np.testing.assert_array_equal(got, want)
+
+
+def test_parts_that_overlap_are_a_near_miss(tmp_path: Path) -> None:
+    """x[..., 0:4] and x[..., 1:5] share elements: no order of x gives them as halves."""
+    run = optimize_checked(_model(tmp_path / "overlap.onnx", parts="overlapping"), tmp_path)
+    reason = (
+        "the rotated parts are not one tensor's last axis taken in two equal parts, "
+        "each element once"
+    )
+    assert reasons(run, HALVES) == {reason: 1}
+    assert run.counts(ROTARY) == (0, 0)
 
 
 def test_angles_that_broadcast_are_declined(tmp_path: Path) -> None:
@@ -140,16 +176,14 @@ def test_other_combinations_stay(tmp_path: Path) -> None:
     assert (run.op_counts()["Sub"], run.op_counts()["RotaryEmbedding"]) == (1, 0)
 
 
-def test_every_second_element_is_a_reported_near_miss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_deepseek_even_and_odd_elements_fused_in_every_layer(tmp_path: Path, exporter: str) -> None:
     """DeepSeek-V3 rotates q[..., 0::2] and q[..., 1::2] and concatenates the results half by
-    half: not the halves of one axis (RotaryEmbedding would interleave its output), so it
-    stays, and coverage names the pass and the reason at each site."""
-    run = optimize_checked(ARCH_FIXTURES / "deepseek_v3_ts17.onnx", tmp_path)
-    coverage = run.report["coverage"]["rotary"]
-    assert (coverage["fused"], coverage["total"]) == (0, 2)
-    reason = (
-        "RotaryHalvesCanonicalizationPass: the rotated parts are not the two halves of one "
-        "tensor's last axis (every second element, say: RotaryEmbedding would interleave the "
-        "output too)"
-    )
-    assert [site["reason"] for site in coverage["unfused"]] == [reason, reason]
+    half: the rotate_half form of x[..., order], one Gather in front. TorchScript flattens the
+    query's Concat(q_pass, Concat(halves)) into one Concat of three; its rotation is found
+    among the parts and the pass part stays in front."""
+    run = optimize_checked(ARCH_FIXTURES / f"deepseek_v3_{exporter}.onnx", tmp_path)
+    assert pattern_counts(run, HALVES) == {"RotaryHalves": (4, 4)}
+    assert run.counts(ROTARY) == (4, 4)
+    assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
+    assert run.op_counts()["RotaryEmbedding"] == 4

@@ -1,12 +1,15 @@
-"""TransposeSinkFusionPass: Transpose(T(a) + T(b), inverse) is a + b. ConvNeXt's residual
-between its channels-last blocks (a block built with onnx.helper the way its exports spell
-it), the ops it must leave, and numerics on onnxruntime."""
+"""TransposeSinkFusionPass: Transpose(T(a) + T(b), inverse) is a + b, and Transpose(Concat(T(a),
+T(b)), inverse) is a Concat of a and b on the axis T moved. ConvNeXt's residual between its
+channels-last blocks (a block built with onnx.helper the way its exports spell it), the ops it
+must leave, and numerics on onnxruntime. Dynamo's slice assignment, which leaves such a Concat,
+is in test_pass_slice_assign."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -16,18 +19,23 @@ SINK = "TransposeSinkFusionPass"
 CHANNELS_FIRST, CHANNELS_LAST = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
-def _block(path: Path, perm_b: list[int], back: list[int], shared: bool = False) -> Path:
-    """a, b channels-last [N, H, W, C]: z = Transpose(T(a) + T(b'), back) with T the
-    channels-first perm, b' = b transposed by ``perm_b``; ``shared`` also outputs T(a) + ..."""
+def _block(
+    path: Path, perm_b: list[int], back: list[int], shared: bool = False, op: str = "Add"
+) -> Path:
+    """a, b channels-last [N, H, W, C]: z = Transpose(T(a) op T(b'), back) with T the
+    channels-first perm, b' = b transposed by ``perm_b``, op Add or a Concat of the channels;
+    ``shared`` also outputs T(a) op ..."""
+    joined = {"axis": 1} if op == "Concat" else {}
+    channels = 16 if op == "Concat" else 8
     nodes = [
         helper.make_node("Transpose", ["a"], ["a_first"], perm=CHANNELS_FIRST),
         helper.make_node("Transpose", ["b"], ["b_first"], perm=perm_b),
-        helper.make_node("Add", ["a_first", "b_first"], ["total"]),
+        helper.make_node(op, ["a_first", "b_first"], ["total"], **joined),
         helper.make_node("Transpose", ["total"], ["last"], perm=back),
         helper.make_node("Relu", ["last"], ["z"]),
     ]
-    first = ["N", 8, 4, 4]  # both perms of the tests put the channels second
-    outputs = [value("z", ["N", 4, 4, 8] if back == CHANNELS_LAST else first)]
+    first = ["N", channels, 4, 4]  # both perms of the tests put the channels second
+    outputs = [value("z", ["N", 4, 4, channels] if back == CHANNELS_LAST else first)]
     outputs += [value("total", first)] if shared else []
     inputs = [value("a", ["N", 4, 4, 8]), value("b", ["N", 4, 4, 8])]
     return save_model(path, nodes, inputs, outputs)
@@ -38,14 +46,19 @@ def _feeds() -> dict[str, np.ndarray]:
     return {name: rng.normal(size=(2, 4, 4, 8)).astype(np.float32) for name in "ab"}
 
 
-def test_channels_first_residual_between_channels_last_blocks(tmp_path: Path) -> None:
-    model = _block(tmp_path / "block.onnx", CHANNELS_FIRST, CHANNELS_LAST)
+@pytest.mark.parametrize("op", ["Add", "Concat"])
+def test_channels_first_residual_between_channels_last_blocks(tmp_path: Path, op: str) -> None:
+    model = _block(tmp_path / "block.onnx", CHANNELS_FIRST, CHANNELS_LAST, op=op)
     run = optimize_checked(model, tmp_path, compare=False)
     assert run.counts(SINK) == (1, 1)
     assert run.op_counts()["Transpose"] == 0
+    if op == "Concat":  # the channels, axis 1 channels-first, are axis 3 channels-last
+        (concat,) = [n for n in onnx.load(str(run.output)).graph.node if n.op_type == "Concat"]
+        assert helper.get_attribute_value(concat.attribute[0]) == 3
     compare_on_feeds(model, run.output, _feeds())
 
 
+@pytest.mark.parametrize("op", ["Add", "Concat"])
 @pytest.mark.parametrize(
     ("perm_b", "back", "shared"),
     [
@@ -54,9 +67,11 @@ def test_channels_first_residual_between_channels_last_blocks(tmp_path: Path) ->
         (CHANNELS_FIRST, CHANNELS_LAST, True),  # the sum read channels-first too
     ],
 )
-def test_other_transposes_stay(tmp_path: Path, perm_b: list, back: list, shared: bool) -> None:
-    model = _block(tmp_path / "other.onnx", perm_b, back, shared)
+def test_other_transposes_stay(
+    tmp_path: Path, perm_b: list, back: list, shared: bool, op: str
+) -> None:
+    model = _block(tmp_path / "other.onnx", perm_b, back, shared, op)
     run = optimize_checked(model, tmp_path, compare=False)
     assert run.counts(SINK) == (0, 0)
-    assert run.op_counts()["Add"] == 1
+    assert run.op_counts()[op] == 1
     compare_on_feeds(model, run.output, _feeds())

@@ -110,8 +110,11 @@ def _broadcast_element(ctx: PassContext, value: ir.Value, index: int, depth: int
     return shape_element(ctx, value, 0 if single else index, depth)
 
 
-# Ops whose output has their first input's shape.
-_SAME_SHAPE = frozenset({"Neg", "Cast", "Relu", "Identity", "Sqrt", "Exp", "Softmax", "Tanh"})
+# Ops whose output has their first input's shape (a scatter writes into a copy of its data).
+_SAME_SHAPE = frozenset(
+    {"Neg", "Cast", "Relu", "Identity", "Sqrt", "Exp", "Softmax", "Tanh"}
+    | {"ScatterND", "ScatterElements"}
+)
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
 
 
@@ -204,6 +207,45 @@ def _split_size(
     return whole // count if whole is not None and whole % count == 0 else None
 
 
+def last_axis_positions(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list[int]] | None:
+    """(x, positions): ``value`` is x with only these positions of its static last axis kept,
+    in this order. Split outputs, Slices of the last axis (any step) and Gathers of constant
+    1-D indices are all such selections; a pass reads which elements it gets, not the op."""
+    node = value.producer()
+    data = node.inputs[0] if node is not None and node.inputs else None
+    shape = ctx.shape(data) if data is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or shape is None:
+        return None
+    rank, size = len(shape), shape[-1]
+    if data is None or not isinstance(size, int):
+        return None
+    last = rank - 1
+    if node.op_type == "Split" and node.attributes.get_int("axis", 0) % rank == last:
+        sizes = [_split_size(ctx, node, output, last, rank, 8) for output in node.outputs]
+        known = [part for part in sizes if part is not None]
+        if len(known) != len(sizes) or sum(known) != size:
+            return None
+        index = list(node.outputs).index(value)
+        start = sum(known[:index])
+        return data, list(range(start, start + known[index]))
+    if node.op_type == "Slice":
+        operands = slice_operands(node, rank)
+        if operands is None or len(operands) != 1 or operands[0][0] != last:
+            return None
+        _, start, end, step = operands[0]
+        return data, list(range(*slice(start, min(end, _INT64_MAX), step).indices(size)))
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) % rank == last:
+        indices = constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
+        if (
+            indices is None
+            or indices.ndim != 1
+            or not np.all((-size <= indices) & (indices < size))
+        ):
+            return None
+        return data, [int(index) % size for index in indices]
+    return None
+
+
 def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     """The size a Reshape infers for its -1: the data's element count over the target's other
     sizes, where the symbolic sizes cancel (the target copies them from the data with
@@ -286,8 +328,9 @@ def same_dimension(
 
 def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
     """[(x, i), (x, i+1), ...] when ``value`` is a run of x's sizes: one copied size (below),
-    Shape(x, start, end) with both ends known, or Slice(Shape(x), start, end) with constant
-    bounds on axis 0 and step 1 (``x.flatten(2)``: the leading sizes kept)."""
+    Shape(x, start, end) (the end x's rank unless given, where that is known), or
+    Slice(Shape(x), start, end) with constant bounds on axis 0 and step 1 (``x.flatten(2)``:
+    the leading sizes kept)."""
     single = _copied_dimension(value)
     if single is not None:
         return [single]
@@ -313,14 +356,13 @@ def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | No
     elif shape is not None:
         first = shape.attributes.get_int("start", 0)
         last = shape.attributes.get_int("end", None)
-        if last is None:
-            return None
     else:
         return None
     data = shape.inputs[0]
     if data is None or data.shape is None:  # the bounds are read against the rank
         return None
     rank = len(data.shape)
+    last = rank if last is None else last
     first, last = (min(max(b + rank if b < 0 else b, 0), rank) for b in (first, last))
     return [(data, axis) for axis in range(first, last)] if last > first else None
 
@@ -417,6 +459,15 @@ def _traced_size(
         return _reshaped_size(ctx, node, axis, len(shape), depth - 1)
     if standard and node.op_type == "Expand" and None not in inputs[:2]:
         return _expanded_size(ctx, node, axis, len(shape), depth - 1)
+    if standard and node.op_type == "ConstantOfShape" and inputs and inputs[0] is not None:
+        return _element_size(ctx, inputs[0], axis, depth - 1)
+    joined = standard and node.op_type == "Concat" and None not in inputs
+    if joined and node.attributes.get_int("axis", 0) % len(shape) != axis:
+        for part in inputs:  # every part has the size off the joined axis: any that says
+            size = symbolic_size(ctx, part, axis, depth - 1)  # type: ignore[arg-type]
+            if size is not None:
+                return size
+        return None
     # Ops that copy the size: one path, followed at no cost in depth (a residual stream runs
     # through every layer before it reaches a named size), to the first size it is known by.
     chain = size_sources(ctx, value, axis)

@@ -12,6 +12,7 @@ it: nothing stays unfused silently.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -146,12 +147,15 @@ def _written_out(node: ir.Node) -> str | None:
 
 
 def _rotated_halves(concat: ir.Node) -> bool:
-    """Concat(a*c - b*s, b*c + a*s): a rotation computed half by half (GPT-OSS, DeepSeek)."""
-    kinds = [_producer_type(v) for v in concat.inputs]
-    if kinds != ["Sub", "Add"]:
-        return False
-    parts = [v.producer() for v in concat.inputs if v is not None]
-    return all(_producer_type(v) == "Mul" for part in parts if part for v in part.inputs)
+    """Concat(a*c - b*s, b*c + a*s), maybe among other parts: a rotation computed half by half
+    (GPT-OSS, DeepSeek; TorchScript flattens DeepSeek's Concat(q_pass, rotated halves))."""
+    for first, second in itertools.pairwise(concat.inputs):
+        if [_producer_type(first), _producer_type(second)] != ["Sub", "Add"]:
+            continue
+        parts = [v.producer() for v in (first, second) if v is not None]
+        if all(_producer_type(v) == "Mul" for part in parts if part for v in part.inputs):
+            return True
+    return False
 
 
 def _negated(value: ir.Value | None) -> bool:

@@ -10,7 +10,7 @@ each named dimension set to a probe size.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -22,6 +22,9 @@ from fusectl.rewrite.graph import constant_value
 
 # Nodes a probe evaluation walks at most: a mask or a shape computation, not a network.
 _MAX_NODES = 256
+# Sizes the named dimensions take in two probes: distinct, so that a computation that mixes two
+# of them up (the batch for the length) does not pass.
+PROBE_SIZES = ((3, 5, 7, 11, 13, 17), (4, 6, 9, 10, 14, 15))
 
 
 def run_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> list[np.ndarray] | None:
@@ -62,7 +65,21 @@ def traced_sizes(ctx: PassContext, value: ir.Value) -> list[Size | None] | None:
     return sizes
 
 
-def _probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) -> list[int]:
+def dimension_names(ctx: PassContext, value: ir.Value, feeds: Sequence[ir.Value]) -> list[str]:
+    """The named dimensions ``value`` depends on, in order: those of the ``feeds``, then of
+    every tensor whose shape its computation reads (a decoder's length beside the encoder's,
+    in cross-attention)."""
+    found: list[str] = []
+    read = [*feeds]
+    read += [n.inputs[0] for n in dependencies(value, set(feeds)) if n.op_type in ("Shape", "Size")]
+    for operand in read:
+        sizes = traced_sizes(ctx, operand) if operand is not None else None
+        found += [name for size in sizes or () if size is not None for name in size[1]]
+    return list(dict.fromkeys(found))
+
+
+def probe_shape(ctx: PassContext, value: ir.Value, sizes: Mapping[str, int]) -> list[int]:
+    """``value``'s shape with each named dimension set by ``sizes``."""
     traced = traced_sizes(ctx, value)
     if traced is None:
         raise Unevaluable(f"the shape of {value.name} is unknown")
@@ -154,7 +171,16 @@ def evaluate(
         if node.op_type in ("Shape", "Size"):
             data = node.inputs[0]
             assert data is not None
-            dims = _probe_shape(ctx, data, sizes) if data not in known else known[data].shape
+            if data not in known:
+                try:
+                    dims = probe_shape(ctx, data, sizes)
+                except Unevaluable as unsized:  # the sizes alone do not give it: the data may
+                    try:
+                        known[data] = evaluate(ctx, data, known, sizes)
+                    except Unevaluable:
+                        raise unsized from None
+            if data in known:
+                dims = known[data].shape
             if node.op_type == "Size":
                 outputs = [np.array(int(np.prod(dims)), dtype=np.int64)]
             else:

@@ -1,0 +1,199 @@
+"""Shapes read from values a fusion removes, read instead from values that stay.
+
+A subgraph often reads the shape of an intermediate of the computation a pass fuses: XLNet's
+relative shift takes the key length from the attention scores (``klen = ac.shape[3]``). The
+scores go with the fusion, the shift does not, so the fusion would have to keep the product
+that computes them. But each size is copied from somewhere (size_sources: a MatMul's rows from
+its first operand, element-wise ops from their inputs ...): the Shape becomes a Concat of the
+same sizes read from values outside the fused nodes, or constants where static.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import onnx_ir as ir
+
+from fusectl.rewrite.axes import size_sources
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import constant_value, new_constant, typed
+from fusectl.rewrite.shapes import named
+
+# Shape's start and end attributes came with opset 15.
+_SHAPE_RANGE_OPSET = 15
+
+# A size: (value, axis) it is read from, or a static size.
+Part = tuple[ir.Value, int] | int
+
+
+def size_reads(
+    ctx: PassContext, nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]
+) -> dict[ir.Node, list[Part]] | None:
+    """The Shapes outside ``nodes`` that read a value the nodes compute (other than the
+    ``outputs`` a fusion replaces), each with where its sizes can be read instead: static, or
+    copied from a value no matched node computes. None where some size has no such source."""
+    members = set(nodes)
+    found: dict[ir.Node, list[Part]] = {}
+    for node in nodes:
+        for value in node.outputs:
+            if value in outputs:
+                continue
+            for reader, _ in value.uses():
+                if reader in members or reader.op_type != "Shape" or reader in found:
+                    continue
+                parts = _sources(ctx, reader, value, members)
+                if parts is None:
+                    return None
+                found[reader] = parts
+    return found
+
+
+def _sources(
+    ctx: PassContext, reader: ir.Node, value: ir.Value, members: set[ir.Node]
+) -> list[Part] | None:
+    shape = ctx.shape(value)
+    if shape is None:
+        return None
+    rank = len(shape)
+    start = reader.attributes.get_int("start", 0)
+    end = reader.attributes.get_int("end", rank)
+    axes = range(*slice(start, end).indices(rank))
+    graph = reader.graph
+    inputs = list(graph.inputs) if graph is not None else []
+    parts: list[Part] = []
+    for axis in axes:
+        dim = shape[axis]
+        if isinstance(dim, int):
+            parts.append(dim)
+            continue
+        # The farthest copy that stays: the nearer ones may live only for the fused nodes.
+        staying = [
+            (source, index)
+            for source, index in size_sources(ctx, value, axis)[1:]
+            if source.producer() not in members
+        ]
+        if not staying and named(dim):  # a graph input's own name is that size everywhere
+            staying = [
+                (given, index)
+                for given in inputs
+                for index, size in enumerate(given.shape or ())
+                if size == dim
+            ][:1]
+        if not staying:
+            return None
+        parts.append(staying[-1])
+    return parts
+
+
+class Reread(NamedTuple):
+    """A Shape read again: the new nodes, the readers of the Shape they replace too, and the
+    values replaced, each by the new value at its position."""
+
+    nodes: list[ir.Node]
+    replaced_nodes: list[ir.Node]
+    replaced: list[ir.Value]
+    values: list[ir.Value]
+
+
+def read_again(
+    ctx: PassContext, graph: ir.Graph, name: str, reader: ir.Node, parts: list[Part]
+) -> Reread:
+    """The Shape ``reader`` read again from ``parts``. Where each of its readers takes one
+    size (Gather of a constant scalar index, TorchScript's ``x.shape[i]``), that Gather reads
+    it from its source's Shape (a static size: a constant); else the whole shape is rebuilt
+    (_joined)."""
+    shape = reader.outputs[0]
+    users = [user for user, _ in shape.uses()]
+    picks = [_picked(user, len(parts)) for user in users]
+    if shape.is_graph_output() or not users or None in picks:
+        built = _joined(ctx, graph, name, parts)
+        return Reread(built, [], [shape], [built[-1].outputs[0]])
+    built: list[ir.Node] = []
+    shapes: dict[ir.Value, ir.Node] = {}
+    values: list[ir.Value] = []
+    for index in picks:
+        part = parts[index]  # type: ignore[index]
+        if isinstance(part, int):
+            size = new_constant(graph, f"{name}/size", np.array(part, np.int64))
+            built.append(ir.node("Identity", [size]))
+        else:
+            source, axis = part
+            if source not in shapes:
+                shapes[source] = ir.node("Shape", [source])
+                rank = len(source_shape) if (source_shape := ctx.shape(source)) else None
+                typed(shapes[source].outputs[0], ir.DataType.INT64, ir.Shape([rank]))
+                built.append(shapes[source])
+            position = new_constant(graph, f"{name}/axis", np.array(axis, np.int64))
+            built.append(
+                ir.node("Gather", [shapes[source].outputs[0], position], attributes={"axis": 0})
+            )
+        typed(built[-1].outputs[0], ir.DataType.INT64, ir.Shape([]))
+        values.append(built[-1].outputs[0])
+    return Reread(built, users, [user.outputs[0] for user in users], values)
+
+
+def _picked(user: ir.Node, length: int) -> int | None:
+    """The size a Gather(shape, i) of a constant scalar i takes, where it is one."""
+    if user.op_type != "Gather" or user.domain not in ("", "ai.onnx") or len(user.inputs) < 2:
+        return None
+    index = constant_value(user.inputs[1])
+    if user.attributes.get_int("axis", 0) != 0 or index is None or index.ndim != 0:
+        return None
+    position = int(index)
+    return position % length if -length <= position < length else None
+
+
+def _joined(ctx: PassContext, graph: ir.Graph, name: str, parts: list[Part]) -> list[ir.Node]:
+    """Nodes computing the 1-D shape ``parts`` describe, the last one giving it: runs of one
+    value's consecutive sizes read with one Shape (or Shape then Gather below opset 15), the
+    static sizes one constant each, joined by a Concat."""
+    runs: list[list[Part]] = []
+    for part in parts:
+        last = runs[-1][-1] if runs else None
+        follows = (
+            isinstance(part, tuple)
+            and isinstance(last, tuple)
+            and part[0] is last[0]
+            and part[1] == last[1] + 1
+        )
+        if follows:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    nodes: list[ir.Node] = []
+    pieces: list[ir.Value] = []
+    for index, run in enumerate(runs):
+        first = run[0]
+        if isinstance(first, int):
+            sizes = np.array([first], np.int64)
+            pieces.append(new_constant(graph, f"{name}/size_{index}", sizes))
+            continue
+        source, axis = first  # type: ignore[misc]
+        if ctx.opset >= _SHAPE_RANGE_OPSET:
+            read = [ir.node("Shape", [source], attributes={"start": axis, "end": axis + len(run)})]
+        else:
+            positions = np.arange(axis, axis + len(run), dtype=np.int64)
+            taken = new_constant(graph, f"{name}/axes_{index}", positions)
+            whole = ir.node("Shape", [source])
+            read = [whole, ir.node("Gather", [whole.outputs[0], taken], attributes={"axis": 0})]
+        typed(read[0].outputs[0], ir.DataType.INT64, None)
+        typed(read[-1].outputs[0], ir.DataType.INT64, ir.Shape([len(run)]))
+        nodes += read
+        pieces.append(read[-1].outputs[0])
+    joined = ir.node("Concat", pieces, attributes={"axis": 0})
+    typed(joined.outputs[0], ir.DataType.INT64, ir.Shape([len(parts)]))
+    return [*nodes, joined]
+
+
+def move_before_readers(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Move ``nodes`` (in their order) in front of the first node outside them that reads
+    one of their outputs, which a replacement placed them after: the graph stays sorted."""
+    moved = set(nodes)
+    readers = {user for node in nodes for v in node.outputs for user, _ in v.uses()} - moved
+    first = next((node for node in graph if node in readers), None)
+    if first is None:
+        return
+    graph.remove(nodes)
+    graph.insert_before(first, nodes)

@@ -11,7 +11,9 @@ every position of ``data`` with one axis kept to a constant range [a, b) (b may 
 end), in row-major order, the ScatterND is ``Concat(data[.., :a], updates, data[.., b:])`` on
 that axis: data movement, exact. A part of ``data`` that is itself such a Concat's part is taken
 from it directly, so a tensor filled completely keeps no Slice of what it started as, and the
-attention passes then see the key for what it is.
+attention passes then see the key for what it is. Where ``data`` is computed (not a tensor made
+to be filled) and a part of it beside the range stays, the ScatterND stays too: Slices of it
+around the new part would be more nodes for nothing a fusion reads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fusectl.rewrite.evaluate import (
     run_node,
 )
 from fusectl.rewrite.graph import (
+    constant_value,
     new_constant,
     node_label,
     producer_of,
@@ -149,24 +152,46 @@ def _behind_cancelling_transposes(value: ir.Value) -> ir.Value:
     return value
 
 
-def _part(
-    ctx: PassContext, graph: ir.Graph, name: str, data: ir.Value, axis: int, bounds: tuple[int, int]
-) -> tuple[list[ir.Value], list[ir.Node]]:
-    """data[.., lo:hi, ..] on ``axis`` (hi _END: to the end): the parts of a Concat on that axis
-    where the range falls on their boundaries, else one new Slice."""
+def _joined_parts(
+    ctx: PassContext, data: ir.Value, axis: int, bounds: tuple[int, int]
+) -> list[ir.Value] | None:
+    """data[.., lo:hi, ..] on ``axis`` (hi _END: to the end) as parts of the Concat on that
+    axis that data is, where the range falls on their boundaries."""
     lo, hi = bounds
     concat = _behind_cancelling_transposes(data).producer()
-    if concat is not None and concat.op_type == "Concat" and concat.domain in _DEFAULT_DOMAINS:
-        rank = len(ctx.shape(data))  # type: ignore[arg-type]
-        widths = [ctx.shape(part) for part in concat.inputs if part is not None]
-        static = [w[axis] if w is not None and len(w) == rank else None for w in widths]
-        same_axis = concat.attributes.get_int("axis", 0) % rank == axis
-        if same_axis and None not in concat.inputs and all(isinstance(w, int) for w in static):
-            edges = np.cumsum([0, *static]).tolist()
-            end = edges[-1] if hi == _END else hi
-            if lo in edges and end in edges:
-                chosen = concat.inputs[edges.index(lo) : edges.index(end)]
-                return [part for part in chosen if part is not None], []
+    if concat is None or concat.op_type != "Concat" or concat.domain not in _DEFAULT_DOMAINS:
+        return None
+    rank = len(ctx.shape(data))  # type: ignore[arg-type]
+    widths = [ctx.shape(part) for part in concat.inputs if part is not None]
+    static = [w[axis] if w is not None and len(w) == rank else None for w in widths]
+    same_axis = concat.attributes.get_int("axis", 0) % rank == axis
+    if not same_axis or None in concat.inputs or not all(isinstance(w, int) for w in static):
+        return None
+    edges = np.cumsum([0, *static]).tolist()
+    end = edges[-1] if hi == _END else hi
+    if lo not in edges or end not in edges:
+        return None
+    return [part for part in concat.inputs[edges.index(lo) : edges.index(end)] if part]
+
+
+def _fresh(value: ir.Value) -> bool:
+    """Whether ``value`` is a tensor made to be filled: a ConstantOfShape or a constant, maybe
+    expanded, reshaped, transposed or cast (``new_empty``, ``new_zeros``, dynamo's moved axis)."""
+    node = value.producer()
+    while node is not None and node.op_type in ("Expand", "Reshape", "Transpose", "Cast"):
+        if node.inputs[0] is None:
+            return False
+        value, node = node.inputs[0], node.inputs[0].producer()
+    return constant_value(value) is not None or (
+        node is not None and node.op_type == "ConstantOfShape"
+    )
+
+
+def _slice(
+    ctx: PassContext, graph: ir.Graph, name: str, data: ir.Value, axis: int, bounds: tuple[int, int]
+) -> ir.Node:
+    """A new Slice data[.., lo:hi, ..] on ``axis`` (hi _END: to the end)."""
+    lo, hi = bounds
     starts = new_constant(graph, f"{name}/starts_{lo}", np.array([lo], np.int64))
     ends = new_constant(
         graph, f"{name}/ends_{hi}", np.array([_INT64_MAX if hi == _END else hi], np.int64)
@@ -181,7 +206,7 @@ def _part(
         dims[axis] = end - lo if isinstance(end, int) else None
         shape = ir.Shape(dims)
     typed(node.outputs[0], ctx.dtype(data), shape)
-    return [node.outputs[0]], [node]
+    return node
 
 
 @register_pass
@@ -215,17 +240,30 @@ class SliceAssignmentCanonicalizationPass(FusionPass):
                 stats.decline(found, node_label(scatter))
                 continue
             (axis, lo, hi), source = found
+            ranges = ([(0, lo)] if lo > 0 else []) + ([(hi, _END)] if hi != _END else [])
+            kept = {r: _joined_parts(ctx, data, axis, r) for r in ranges}
+            if not all(kept.values()) and not _fresh(data):
+                stats.decline(
+                    "the tensor assigned into is computed and keeps a part beside the range: "
+                    "a Slice of it each side is no fewer nodes than the ScatterND",
+                    node_label(scatter),
+                )
+                continue
             name = f"{self.spec.name}/{node_label(scatter)}"
-            none: tuple[list[ir.Value], list[ir.Node]] = ([], [])
-            before = _part(ctx, graph, name, data, axis, (0, lo)) if lo > 0 else none
-            after = _part(ctx, graph, name, data, axis, (hi, _END)) if hi != _END else none
-            parts = [*before[0], source, *after[0]]
-            if len(parts) == 1:  # the whole tensor assigned
-                result = ir.node("Identity", parts)
+            built: list[ir.Node] = []
+            parts: dict[tuple[int, int], list[ir.Value]] = {}
+            for bounds, joined in kept.items():
+                if joined is None:
+                    built.append(_slice(ctx, graph, name, data, axis, bounds))
+                    joined = list(built[-1].outputs)
+                parts[bounds] = joined
+            ordered = [*parts.get((0, lo), []), source, *parts.get((hi, _END), [])]
+            if len(ordered) == 1:  # the whole tensor assigned
+                result = ir.node("Identity", ordered)
             else:
-                result = ir.node("Concat", parts, attributes={"axis": axis})
+                result = ir.node("Concat", ordered, attributes={"axis": axis})
             typed(result.outputs[0], ctx.dtype(data), shape)
-            built = [*before[1], *after[1], result]
+            built.append(result)
             replace_subgraph(
                 ctx,
                 "SliceAssignment",

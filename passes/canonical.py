@@ -87,8 +87,11 @@ class NoOpSliceConcatEliminationPass(FusionPass):
         emits=(),
         canonical=True,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
+        if not ctx.op_index.holds(model.graph, ("Slice", "Concat")):
+            return
         for node in model.graph:
             if node.domain != "":
                 continue
@@ -144,8 +147,11 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
         emits=("Reshape",),
         canonical=True,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
+        if not ctx.op_index.holds(model.graph, ("Reshape",)):
+            return
         for node in model.graph:
             if node.op_type != "Reshape" or node.domain != "" or len(node.inputs) < 2:
                 continue
@@ -254,6 +260,7 @@ class CommonSubexpressionEliminationPass(FusionPass):
         emits=(),
         canonical=True,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         repeats = _repeats(model.graph)
@@ -364,6 +371,7 @@ class BroadcastExpandEliminationPass(FusionPass):
         emits=(),
         canonical=True,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         for expand in ctx.op_index.of_type(model.graph, "Expand"):

@@ -207,6 +207,7 @@ class ConstantFoldingPass(FusionPass):
         priority=3000,
         canonical=True,
     )
+    counts_changes = True  # folds are counted; lifting Constants only removes nodes
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         if model.ir_version < _INITIALIZERS_NOT_INPUTS_IR:

@@ -101,6 +101,7 @@ class EinsumMatMulCanonicalizationPass(FusionPass):
         emits=("MatMul",),
         canonical=True,
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         for node in ctx.op_index.of_type(model.graph, "Einsum"):

@@ -63,7 +63,10 @@ def _is_sorted(graph: ir.Graph) -> bool:
     this graph's to order."""
     produced: set[ir.Value] = set()
     for node in graph:
-        for value in _reads(node):
+        reads = _reads(node) if node.attributes else node.inputs
+        for value in reads:
+            if value is None:
+                continue
             producer = value.producer()
             if producer is not None and producer.graph is graph and value not in produced:
                 return False
@@ -72,7 +75,8 @@ def _is_sorted(graph: ir.Graph) -> bool:
 
 
 def _reads(node: ir.Node) -> Iterator[ir.Value]:
-    """The node's inputs, and the inputs of every node in its subgraphs."""
+    """The node's inputs, and the inputs of every node in its subgraphs (a node without
+    attributes has none: _is_sorted then reads its inputs directly, it runs on every node)."""
     yield from (value for value in node.inputs if value is not None)
     for attribute in node.attributes.values():
         for body in attribute_graphs(attribute):

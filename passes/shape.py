@@ -247,8 +247,11 @@ class IdentityEliminationPass(FusionPass):
         canonical=True,
         emits=(),
     )
+    counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
+        if not ctx.op_index.holds(model.graph, _PASS_THROUGH, ("", "ai.onnx")):
+            return
         for node in model.graph:
             if node.domain not in ("", "ai.onnx") or node.op_type not in _PASS_THROUGH:
                 continue

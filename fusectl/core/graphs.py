@@ -114,6 +114,8 @@ def _subgraphs(model: ir.Model, scope: GraphScope, next_id: Iterator[str]) -> It
     """The subgraphs held by the nodes of ``scope``'s graph, depth first, each viewed with
     the opset imports of the scope that holds it."""
     for node in scope.graph:
+        if not node.attributes:  # most nodes: spares iterating an empty UserDict
+            continue
         for name, attribute in node.attributes.items():
             graphs = attribute_graphs(attribute)
             for index, graph in enumerate(graphs):

@@ -148,13 +148,14 @@ def _check_external_data(proto: onnx.ModelProto, model_path: Path) -> frozenset[
 def _all_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     """Initializers and attribute tensors of every graph and function of the model."""
     graphs = [proto.graph]
-    nodes: list[onnx.NodeProto] = [n for f in proto.functions for n in f.node]
+    # Only nodes with attributes hold tensors or graphs: most nodes are passed over here.
+    nodes: list[onnx.NodeProto] = [n for f in proto.functions for n in f.node if n.attribute]
     while graphs or nodes:
         if graphs:
             graph = graphs.pop()
             yield from graph.initializer
             yield from (sparse.values for sparse in graph.sparse_initializer)
-            nodes.extend(graph.node)
+            nodes.extend(node for node in graph.node if node.attribute)
             continue
         for attribute in nodes.pop().attribute:
             if attribute.HasField("t"):
@@ -231,6 +232,8 @@ def _ir_tensors(model: ir.Model) -> Iterator[tuple[ir.TensorProtocol, _Place]]:
                 if value.const_value is not None:
                     yield value.const_value, value
         for node in graph:
+            if not node.attributes:  # most nodes: spares iterating an empty UserDict
+                continue
             for name, attr in node.attributes.items():
                 if attr.is_ref():
                     continue

@@ -486,7 +486,7 @@ def _own_values(graph: ir.Graph | ir.Function) -> list[ir.Value]:
 def _metadata(item: ir.Node | ir.Value) -> dict[str, str]:
     """The item's metadata_props, without making them: onnx-ir's property creates an empty
     dict on first read, and one per node and value of a 100k-node graph is about 20 MB that
-    stays for the whole run."""
+    stays for the whole run. Empty when there are none, which callers test before walking."""
     props = getattr(item, "_metadata_props", False)
     return item.metadata_props if props is False else (props or {})
 
@@ -517,7 +517,8 @@ def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
             for attribute in node.attributes.values():
                 if any(_graph_has_bytes(sub, shapes) for sub in attribute_graphs(attribute)):
                     return True
-        if _has_bytes(t for i in _metadata(node).items() for t in i):
+        props = _metadata(node)
+        if props and _has_bytes(t for i in props.items() for t in i):
             return True
         values += node.outputs
         if function:
@@ -527,7 +528,8 @@ def _graph_has_bytes(graph: ir.Graph | ir.Function, shapes: set[int]) -> bool:
             continue
         if type(value.name) is bytes or type(value.doc_string) is bytes:
             return True
-        if _has_bytes(t for i in _metadata(value).items() for t in i):
+        props = _metadata(value)
+        if props and _has_bytes(t for i in props.items() for t in i):
             return True
         shape = value.shape
         if shape is not None and id(shape) not in shapes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -145,6 +145,14 @@ class OpIndex:
         if len(keys) > 1:  # domains or overloads: their lists cannot be merged in graph order
             return [n for n in graph if n.op_type == op_type and n.domain in domains]
         return list(by_op[keys[0]]) if keys else []
+
+    def holds(
+        self, graph: ir.Graph, op_types: Collection[str], domains: tuple[str, ...] = ("",)
+    ) -> bool:
+        """Whether the graph has a node of one of these op types in these domains: a pass
+        whose every rewrite starts at such a node need not walk a graph without one (asked
+        as a pass starts, when the index is exact)."""
+        return any(key[0] in domains and key[1] in op_types for key in self.nodes(graph))
 
     def invalidate(self) -> None:
         self._by_op = None

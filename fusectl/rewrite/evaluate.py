@@ -99,13 +99,16 @@ def dependencies(value: ir.Value, feeds: set[ir.Value]) -> list[ir.Node]:
     start = value.producer()
     if start is None or value in feeds or constant_value(value) is not None:
         return []
-    cone: set[ir.Node] = set()
+    # In the order found (a dict, not a set): a set of nodes iterates in the order of their
+    # addresses, which would make the first node a probe fails on, and so the near-miss
+    # reason reported, depend on memory layout.
+    cone: dict[ir.Node, None] = {}
     stack = [start]
     while stack:
         node = stack.pop()
         if node in cone:
             continue
-        cone.add(node)
+        cone[node] = None
         if len(cone) > _MAX_NODES:
             raise Unevaluable(f"it depends on more than {_MAX_NODES} nodes")
         if node.domain not in ("", "ai.onnx") or any(
@@ -124,7 +127,7 @@ def dependencies(value: ir.Value, feeds: set[ir.Value]) -> list[ir.Node]:
     return _in_order(cone)
 
 
-def _in_order(cone: set[ir.Node]) -> list[ir.Node]:
+def _in_order(cone: dict[ir.Node, None]) -> list[ir.Node]:
     """The cone's nodes, each after every cone node it reads (a Shape after the node whose
     output it reads the shape of): ordered within the cone, not by a walk of the graph."""
     order: list[ir.Node] = []

@@ -114,9 +114,9 @@ class FusionPass(abc.ABC):
 
     spec: ClassVar[PassSpec]
     # True when every change the pass makes to the graph's nodes is counted on its context
-    # (ctx.changed: replace_subgraph, record_fusion): a run of it that changed nothing then
-    # leaves the engine's op index valid. A pass that may add, remove, reorder or retype
-    # nodes without counting it keeps the default.
+    # (ctx.changed: replace_subgraph, record_fusion) or changes the node count (nodes only
+    # removed): a run of it that changed nothing then leaves the engine's op index valid. A
+    # pass that may add, reorder or retype nodes without counting it keeps the default.
     counts_changes: ClassVar[bool] = False
 
     @abc.abstractmethod

@@ -1431,7 +1431,7 @@ class _AttentionFusion(FusionPass):
         absorb_shape_arithmetic(ctx, nodes, keep)
         replaced_outputs = [match.output, *plan.presents]
         # Shapes read from the scores (XLNet's key length): read from what stays instead.
-        reads = size_reads(ctx, nodes, replaced_outputs) or {}
+        reads = size_reads(ctx, nodes, replaced_outputs, keep) or {}
         read_outputs = [reader.outputs[0] for reader in reads]
         staying = _still_read(ctx, [*nodes, *reads], [*replaced_outputs, *read_outputs])
         if staying is None:
@@ -1565,9 +1565,10 @@ class _AttentionFusion(FusionPass):
         if refused is not None:  # left out by a bisection (and counted): so are its new values
             for key in set(shared) - cached:
                 del shared[key]
+            _disconnect(sizes)
             return None
-        if sizes:  # placed at the fused op; their readers come before it
-            move_before_readers(graph, [node for node in sizes if node.graph is graph])
+        for reread in rereads:  # new ones placed at the fused op; their readers come before it
+            move_before_readers(graph, reread.reading)
         # After the replacement, which gives ``result`` the replaced value's shape and type.
         output = attention.outputs[0]
         output.shape = fused

@@ -279,6 +279,25 @@ class CommonSubexpressionEliminationPass(FusionPass):
         stats.effected += len(repeats) - 1
 
 
+@register_pass
+class LateCommonSubexpressionEliminationPass(CommonSubexpressionEliminationPass):
+    """The same merging after every fusion: a fused op reading sizes again from the values that
+    stay (XLNet's key length, once read from each layer's scores, is the input's sequence)
+    leaves each layer's shape arithmetic computing the same thing. Nothing is fused after it,
+    so no fusion can lose a value it would have absorbed; without it, a second run would merge
+    them in its canonicalization."""
+
+    spec = PassSpec(
+        name="LateCommonSubexpressionEliminationPass",
+        category=Category.UB,
+        description="shape arithmetic and small constants the fusions leave repeated (same op, "
+        "attributes and inputs) merged into one, after every fusion",
+        aliases=("late_cse",),
+        priority=9900,  # after every fusion
+        emits=(),
+    )
+
+
 # Constants up to this many elements are compared by value.
 _CSE_CONSTANT_LIMIT = 16
 _SHAPE_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})

@@ -10,13 +10,13 @@ same sizes read from values outside the fused nodes, or constants where static.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import size_sources
+from fusectl.rewrite.axes import size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, new_constant, typed
 from fusectl.rewrite.shapes import named
@@ -29,11 +29,15 @@ Part = tuple[ir.Value, int] | int
 
 
 def size_reads(
-    ctx: PassContext, nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]
+    ctx: PassContext,
+    nodes: Sequence[ir.Node],
+    outputs: Sequence[ir.Value],
+    kept: Collection[ir.Value] = (),
 ) -> dict[ir.Node, list[Part]] | None:
     """The Shapes outside ``nodes`` that read a value the nodes compute (other than the
     ``outputs`` a fusion replaces), each with where its sizes can be read instead: static, or
-    copied from a value no matched node computes. None where some size has no such source."""
+    copied from a value no matched node computes, one of the ``kept`` ones (the fused op's
+    inputs) first. None where some size has no such source."""
     members = set(nodes)
     found: dict[ir.Node, list[Part]] = {}
     for node in nodes:
@@ -43,7 +47,7 @@ def size_reads(
             for reader, _ in value.uses():
                 if reader in members or reader.op_type != "Shape" or reader in found:
                     continue
-                parts = _sources(ctx, reader, value, members)
+                parts = _sources(ctx, reader, value, members, kept)
                 if parts is None:
                     return None
                 found[reader] = parts
@@ -51,50 +55,67 @@ def size_reads(
 
 
 def _sources(
-    ctx: PassContext, reader: ir.Node, value: ir.Value, members: set[ir.Node]
+    ctx: PassContext,
+    reader: ir.Node,
+    value: ir.Value,
+    members: set[ir.Node],
+    kept: Collection[ir.Value],
 ) -> list[Part] | None:
+    """Where each size ``reader`` reads of ``value`` can be read instead (_source)."""
     shape = ctx.shape(value)
     if shape is None:
         return None
     rank = len(shape)
     start = reader.attributes.get_int("start", 0)
     end = reader.attributes.get_int("end", rank)
-    axes = range(*slice(start, end).indices(rank))
     graph = reader.graph
     inputs = list(graph.inputs) if graph is not None else []
-    parts: list[Part] = []
-    for axis in axes:
-        dim = shape[axis]
-        if isinstance(dim, int):
-            parts.append(dim)
-            continue
-        # The farthest copy that stays: the nearer ones may live only for the fused nodes.
-        staying = [
-            (source, index)
-            for source, index in size_sources(ctx, value, axis)[1:]
-            if source.producer() not in members
-        ]
-        if not staying and named(dim):  # a graph input's own name is that size everywhere
-            staying = [
-                (given, index)
-                for given in inputs
-                for index, size in enumerate(given.shape or ())
-                if size == dim
-            ][:1]
-        if not staying:
-            return None
-        parts.append(staying[-1])
-    return parts
+    parts = [_source(ctx, value, axis, members, kept, inputs) for axis in range(rank)[start:end]]
+    return None if None in parts else parts  # type: ignore[return-value]
+
+
+def _source(
+    ctx: PassContext,
+    value: ir.Value,
+    axis: int,
+    members: set[ir.Node],
+    kept: Collection[ir.Value],
+    inputs: list[ir.Value],
+) -> Part | None:
+    """A static size; else a copy of it that stays for sure: one the fused op reads, a graph
+    input's axis of that one named size; else the farthest copy outside the fused nodes (the
+    nearer ones may live only for them, and a later fusion may take the farthest)."""
+    dim = ctx.shape(value)[axis]  # type: ignore[index]
+    if isinstance(dim, int):
+        return dim
+    copies = [
+        (source, index)
+        for source, index in size_sources(ctx, value, axis)[1:]
+        if (producer := source.producer()) is None
+        or (producer.graph is not None and producer not in members)
+    ]
+    read = next(((source, index) for source, index in copies if source in kept), None)
+    if read is not None:
+        return read
+    size = symbolic_size(ctx, value, axis)
+    if size is not None and size[0] == 1 and len(size[1]) == 1:
+        for given in inputs:
+            for index, input_dim in enumerate(given.shape or ()):
+                if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
+                    return given, index
+    return copies[-1] if copies else None
 
 
 class Reread(NamedTuple):
-    """A Shape read again: the new nodes, the readers of the Shape they replace too, and the
-    values replaced, each by the new value at its position."""
+    """A Shape read again: the new nodes, the readers of the Shape they replace too, the values
+    replaced, each by the new value at its position, and the nodes reading the sizes (new or
+    already there) that must come before the replaced values' readers."""
 
     nodes: list[ir.Node]
     replaced_nodes: list[ir.Node]
     replaced: list[ir.Value]
     values: list[ir.Value]
+    reading: list[ir.Node]
 
 
 def read_again(
@@ -102,36 +123,64 @@ def read_again(
 ) -> Reread:
     """The Shape ``reader`` read again from ``parts``. Where each of its readers takes one
     size (Gather of a constant scalar index, TorchScript's ``x.shape[i]``), that Gather reads
-    it from its source's Shape (a static size: a constant); else the whole shape is rebuilt
-    (_joined)."""
+    it from its source's Shape (a static size: a constant), the Shape and Gather already in the
+    graph where there are such (a second run then finds nothing to merge); else the whole
+    shape is rebuilt (_joined)."""
     shape = reader.outputs[0]
     users = [user for user, _ in shape.uses()]
     picks = [_picked(user, len(parts)) for user in users]
     if shape.is_graph_output() or not users or None in picks:
         built = _joined(ctx, graph, name, parts)
-        return Reread(built, [], [shape], [built[-1].outputs[0]])
-    built: list[ir.Node] = []
-    shapes: dict[ir.Value, ir.Node] = {}
-    values: list[ir.Value] = []
+        return Reread(built, [], [shape], [built[-1].outputs[0]], built[:-1])
+    made: list[ir.Node] = []
+    reading: list[ir.Node] = []
+    forwards: list[ir.Node] = []
     for index in picks:
         part = parts[index]  # type: ignore[index]
         if isinstance(part, int):
             size = new_constant(graph, f"{name}/size", np.array(part, np.int64))
-            built.append(ir.node("Identity", [size]))
         else:
-            source, axis = part
-            if source not in shapes:
-                shapes[source] = ir.node("Shape", [source])
-                rank = len(source_shape) if (source_shape := ctx.shape(source)) else None
-                typed(shapes[source].outputs[0], ir.DataType.INT64, ir.Shape([rank]))
-                built.append(shapes[source])
-            position = new_constant(graph, f"{name}/axis", np.array(axis, np.int64))
-            built.append(
-                ir.node("Gather", [shapes[source].outputs[0], position], attributes={"axis": 0})
-            )
-        typed(built[-1].outputs[0], ir.DataType.INT64, ir.Shape([]))
-        values.append(built[-1].outputs[0])
-    return Reread(built, users, [user.outputs[0] for user in users], values)
+            size = _size_of(ctx, graph, name, *part, made, reading)
+        forwards.append(ir.node("Identity", [size]))  # bypassed once it replaces the Gather
+        typed(forwards[-1].outputs[0], ir.DataType.INT64, ir.Shape([]))
+    values = [node.outputs[0] for node in forwards]
+    return Reread(made + forwards, users, [user.outputs[0] for user in users], values, reading)
+
+
+def _size_of(
+    ctx: PassContext,
+    graph: ir.Graph,
+    name: str,
+    source: ir.Value,
+    axis: int,
+    made: list[ir.Node],
+    reading: list[ir.Node],
+) -> ir.Value:
+    """``source.shape[axis]`` as a scalar, read by the Shape and Gather of source already there
+    (made earlier by this pass too), else by new ones, appended to ``made``; both to
+    ``reading``, the Shape first."""
+    shape = next((u for u, _ in source.uses() if u.op_type == "Shape" and not u.attributes), None)
+    if shape is None:
+        shape = ir.node("Shape", [source])
+        rank = len(source_shape) if (source_shape := ctx.shape(source)) else None
+        typed(shape.outputs[0], ir.DataType.INT64, ir.Shape([rank]))
+        made.append(shape)
+    rank = shape.outputs[0].shape[0] if shape.outputs[0].shape else None
+    gather = next(
+        (
+            user
+            for user, index in shape.outputs[0].uses()
+            if index == 0 and _picked(user, rank if isinstance(rank, int) else axis + 1) == axis
+        ),
+        None,
+    )
+    if gather is None:
+        position = new_constant(graph, f"{name}/axis", np.array(axis, np.int64))
+        gather = ir.node("Gather", [shape.outputs[0], position], attributes={"axis": 0})
+        typed(gather.outputs[0], ir.DataType.INT64, ir.Shape([]))
+        made.append(gather)
+    reading += [node for node in (shape, gather) if node not in reading]
+    return gather.outputs[0]
 
 
 def _picked(user: ir.Node, length: int) -> int | None:

@@ -50,6 +50,7 @@ def _eager(
     seq: int | str = "seq",
     position: bool = False,
     key_length: bool = False,
+    scores_shape: bool = False,
     opset: int = 17,
 ) -> Path:
     """Self-attention over x [batch, seq, 32], 4 heads of 8, scores q @ k^T scaled by 1/sqrt(8)
@@ -58,7 +59,8 @@ def _eager(
     ``floor``: Add(s, bias) then Max(., floor), the bias an ``input`` or a ``where`` of
     constants (0 / -FLT_MAX) by the bool input; Softmax over ``axis``. ``position`` adds an
     input [batch, 1, seq, seq] to q @ k^T before the scale (XLNet); ``key_length`` outputs
-    the scores' last size as a float (XLNet's klen = scores.shape[3])."""
+    the scores' last size as a float (XLNet's klen = scores.shape[3]); ``scores_shape`` their
+    whole shape."""
     rng = np.random.default_rng(0)
     inputs = [value("x", ["batch", seq, HIDDEN])]
     outputs = [value("y", ["batch", seq, HIDDEN])]
@@ -100,6 +102,9 @@ def _eager(
             _n("Cast", ["length"], "key_length", to=TensorProto.FLOAT),
         ]
         outputs.append(value("key_length", []))
+    if scores_shape:
+        nodes.append(_n("Shape", ["scores"], "scores_shape"))
+        outputs.append(value("scores_shape", [4], TensorProto.INT64))
     nodes.append(_n("Mul", [product, "s"], "scaled"))
     last = "scaled"
     if fill or floor is not None:
@@ -295,6 +300,21 @@ def test_key_length_read_from_the_scores_is_read_from_the_key(tmp_path: Path) ->
     assert shape.input[0] == "K"
     counts = _fused(run.output)
     assert (counts["MatMul"], counts["Softmax"]) == (3, 0)  # the projections alone
+    for batch, seq in [(3, 5), (2, 1)]:
+        compare_on_feeds(model, run.output, _feeds(model, batch=batch, seq=seq))
+
+
+def test_scores_shape_read_whole_is_rebuilt_from_the_sizes_it_copies(tmp_path: Path) -> None:
+    """The scores' whole shape, a graph output: rebuilt as a Concat of the sizes it copies
+    (batch and lengths from the projections the fused op reads, the heads a constant), in
+    front of nothing that reads it late (the full checker checks the order)."""
+    model = _eager(tmp_path / "shape.onnx", scores_shape=True)
+    run = optimize_checked(model, tmp_path, "--disable_pass", QKV, compare=False)
+    assert run.counts(MHA) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (concat,) = [n for n in graph.node if "scores_shape" in n.output]
+    assert concat.op_type == "Concat"
+    assert _fused(run.output)["MatMul"] == 3  # the projections alone
     for batch, seq in [(3, 5), (2, 1)]:
         compare_on_feeds(model, run.output, _feeds(model, batch=batch, seq=seq))
 

@@ -4,8 +4,9 @@ A subgraph often reads the shape of an intermediate of the computation a pass fu
 relative shift takes the key length from the attention scores (``klen = ac.shape[3]``). The
 scores go with the fusion, the shift does not, so the fusion would have to keep the product
 that computes them. But each size is copied from somewhere (size_sources: a MatMul's rows from
-its first operand, element-wise ops from their inputs ...): the Shape becomes a Concat of the
-same sizes read from values outside the fused nodes, or constants where static.
+its first operand, element-wise ops from their inputs ...), and is read from there instead:
+each ``x.shape[i]`` (a Gather of the Shape) from its copy's Shape, a Shape read whole as a
+Concat of those sizes (constants where static).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def read_again(
     picks = [_picked(user, len(parts)) for user in users]
     if shape.is_graph_output() or not users or None in picks:
         built = _joined(ctx, graph, name, parts)
-        return Reread(built, [], [shape], [built[-1].outputs[0]], built[:-1])
+        return Reread(built, [], [shape], [built[-1].outputs[0]], built)
     made: list[ir.Node] = []
     reading: list[ir.Node] = []
     forwards: list[ir.Node] = []

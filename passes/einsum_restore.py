@@ -181,32 +181,38 @@ class TransposeEinsumFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         for einsum in ctx.op_index.of_type(model.graph, "Einsum"):
-            if einsum.graph is not model.graph:
+            # each operand's Transpose in turn: a second run finds none left
+            while einsum.graph is model.graph and (fused := self._absorb(ctx, einsum)):
+                einsum = fused
+
+    @staticmethod
+    def _absorb(ctx: PassContext, einsum: ir.Node) -> ir.Node | None:
+        """The Einsum with its first absorbable operand Transpose absorbed, if it has one."""
+        for index, operand in enumerate(einsum.inputs):
+            transpose = operand.producer() if operand is not None else None
+            if transpose is None or transpose.op_type != "Transpose":
                 continue
-            for index, operand in enumerate(einsum.inputs):
-                transpose = operand.producer() if operand is not None else None
-                if transpose is None or transpose.op_type != "Transpose":
-                    continue
-                if transpose.domain not in ("", "ai.onnx"):
-                    continue
-                if operand.is_graph_output() or len(operand.uses()) != 1:  # type: ignore[union-attr]
-                    continue
-                perm = transpose_perm(transpose, len(ctx.shape(operand) or ()) or None)
-                formula = _absorbed(einsum.attributes.get_string("equation", ""), index, perm or [])
-                if perm is None or formula is None:
-                    continue
-                inputs = list(einsum.inputs)
-                inputs[index] = transpose.inputs[0]
-                fused = ir.node("Einsum", inputs, attributes={"equation": formula})
-                fused.outputs[0].dtype = einsum.outputs[0].dtype
-                fused.outputs[0].shape = einsum.outputs[0].shape
-                replace_subgraph(
-                    ctx,
-                    "TransposeEinsum",
-                    einsum,
-                    [einsum, transpose],
-                    [fused],
-                    einsum.outputs,
-                    fused.outputs,
-                )
-                break  # the Einsum is replaced: its other operands on the next run
+            if transpose.domain not in ("", "ai.onnx"):
+                continue
+            if operand.is_graph_output() or len(operand.uses()) != 1:  # type: ignore[union-attr]
+                continue
+            perm = transpose_perm(transpose, len(ctx.shape(operand) or ()) or None)
+            formula = _absorbed(einsum.attributes.get_string("equation", ""), index, perm or [])
+            if perm is None or formula is None:
+                continue
+            inputs = list(einsum.inputs)
+            inputs[index] = transpose.inputs[0]
+            fused = ir.node("Einsum", inputs, attributes={"equation": formula})
+            fused.outputs[0].dtype = einsum.outputs[0].dtype
+            fused.outputs[0].shape = einsum.outputs[0].shape
+            refused = replace_subgraph(
+                ctx,
+                "TransposeEinsum",
+                einsum,
+                [einsum, transpose],
+                [fused],
+                einsum.outputs,
+                fused.outputs,
+            )
+            return None if refused is not None else fused
+        return None

@@ -71,7 +71,7 @@ def _rotation_in(ctx: PassContext, concat: ir.Node) -> tuple[int, _Rotation | st
     cat (TorchScript flattens DeepSeek's Concat(q_pass, Concat(rotated halves))) counts."""
     inputs = list(concat.inputs)
     for index, (first, second) in enumerate(itertools.pairwise(inputs)):
-        found = _rotation(ctx, first, second) if first and second else None
+        found = None if first is None or second is None else _rotation(ctx, first, second)
         if found is not None:
             return index, found
     return None

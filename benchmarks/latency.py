@@ -13,6 +13,8 @@ Outputs per model (each tool once, in a fresh process, as transformers_peers.py 
 
     fusectl       fusectl optimize MODEL -o OUT   (default: the shipped CPU knowledge repository)
     fusectl-none  fusectl optimize MODEL -o OUT --repository none
+    fusectl-ext   fusectl optimize MODEL -o OUT --external_data  (only where the original keeps
+                  its weights inline: ViT and the CNNs)
     onnxscript    onnxscript.rewriter.ort_fusions.optimize_for_ort
     ORT           python -m onnxruntime.transformers.optimizer --model_type bert|gpt2|vit
                   (none for the CNNs: onnxruntime's optimizer has no CNN model type)
@@ -64,7 +66,7 @@ MODELS: dict[str, dict] = {
     "resnet50": {"vision": "resnet50_torchscript_eval"},
     "mobilenetv2": {"vision": "mobilenetv2_torchscript_eval"},
 }
-TOOLS = ("fusectl", "fusectl-none", "onnxscript", "ORT")
+TOOLS = ("fusectl", "fusectl-none", "fusectl-ext", "onnxscript", "ORT")
 
 
 def export(name: str, force: bool) -> Path:
@@ -90,6 +92,8 @@ def tool_command(tool: str, name: str, model: Path, out: Path) -> list[str] | No
         return h.fusectl_cmd(model, out)
     if tool == "fusectl-none":
         return [*h.fusectl_cmd(model, out), "--repository", "none"]
+    if tool == "fusectl-ext":
+        return [*h.fusectl_cmd(model, out), "--external_data"]
     if tool == "onnxscript":
         return [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(model), str(out)]
     if case.get("ort") is None:
@@ -112,8 +116,12 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     shutil.copyfile(model, control)
     outputs: list[tuple[str, Path]] = [("original", model), ("control", control)]
     result: dict = {"model": name, "tools": {}}
+    inline = not model.with_name(model.name + ".data").exists()
     for tool in TOOLS:
         out = out_dir / f"{tool}.onnx"
+        if tool == "fusectl-ext" and not inline:
+            result["tools"][tool] = {"error": "weights external already: as fusectl"}
+            continue
         cmd = tool_command(tool, name, model, out)
         if cmd is None:
             result["tools"][tool] = {"error": "no model type for this architecture"}

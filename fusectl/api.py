@@ -157,6 +157,7 @@ def optimize(
     strict: bool = False,
     providers: str | Sequence[str] | None = None,
     repository: PathLike | None = None,
+    external_data: bool = False,
     on_pass: Callable[[str, int, int], None] | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) as
@@ -171,7 +172,9 @@ def optimize(
     called before each enabled pass. ``providers`` names the execution provider(s) the output
     is for (default CPU; the first decides); ``repository`` is the knowledge repository whose
     measurements for it decline fusions that are slower there: a path, ``"none"``, or by
-    default the one shipped with fusectl. Raises FusectlError on bad input.
+    default the one shipped with fusectl. ``external_data`` writes the weights beside the
+    output (``OUT.onnx.data``, memory-mapped by onnxruntime: a faster session creation) even
+    when the input keeps them inline. Raises FusectlError on bad input.
     """
     output_path = _optional_path(output)
     if output_path is not None and not output_path.suffix:
@@ -198,7 +201,7 @@ def optimize(
     result_path = _optional_path(fusion_result) if str(export_compile_stat) != "0" else None
     check_outputs(
         {"output path": output_path, "--fusion_result": result_path, "--report": report_path}
-        | _external_data_role(loaded, output_path),
+        | _external_data_role(loaded, output_path, external_data),
         protected=loaded.protected_files(),
         dump_dir=dump_dir,
     )
@@ -222,7 +225,7 @@ def optimize(
                     working,
                     output_path,
                     staged,
-                    external=loaded.uses_external_data,
+                    external=external_data or loaded.uses_external_data,
                     sparse=loaded.sparse_initializers,
                     source=loaded.path,
                 )
@@ -264,6 +267,7 @@ def optimize(
             "graph_kernel_flags": graph_kernel_flags or None,
             "providers": parse_provider_list(providers),
             "repository": str(repository) if repository is not None else None,
+            "external_data": external_data,
         }
         # verify needs the output on disk: the report is written once its result is known.
         staged_report = report_path is not None and not verify
@@ -300,9 +304,12 @@ def optimize(
     )
 
 
-def _external_data_role(loaded: LoadedModel, output: Path | None) -> dict[str, Path | None]:
-    """The output's weight file is an output too when the input keeps weights outside."""
-    if output is None or not loaded.uses_external_data:
+def _external_data_role(
+    loaded: LoadedModel, output: Path | None, external_data: bool
+) -> dict[str, Path | None]:
+    """The output's weight file is an output too when it is asked for or the input keeps
+    weights outside."""
+    if output is None or not (external_data or loaded.uses_external_data):
         return {}
     return {"the output's external data file": output.with_name(output.name + ".data")}
 

@@ -160,6 +160,12 @@ def cli() -> None:
     "provider; none: no repository [the CPU repository shipped with fusectl].",
 )
 @_option(
+    "--external_data",
+    is_flag=True,
+    help="Write the weights to OUT.onnx.data even when MODEL keeps them inline: onnxruntime "
+    "memory-maps them, so sessions start faster. [as MODEL]",
+)
+@_option(
     "--log",
     "log_level",
     type=click.Choice(list(logs.LEVELS)),

@@ -41,6 +41,17 @@ def test_python_one_liner_writes_the_cli_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "x.onnx").read_bytes() == cli_output.read_bytes()
 
 
+def test_external_data_keyword_writes_the_cli_bytes(sample: Path, tmp_path: Path) -> None:
+    result = fusectl.optimize(sample, tmp_path / "api.onnx", external_data=True)
+    data = tmp_path / "api.onnx.data"
+    assert result.paths["external_data"] == data
+    cli_output = _cli(sample, tmp_path, "--external_data")
+    assert data.read_bytes() == (tmp_path / "cli.onnx.data").read_bytes()
+    # The model files differ only in the data file's name they refer to.
+    api_text = (tmp_path / "api.onnx").read_bytes().replace(b"api.onnx.data", b"cli.onnx.data")
+    assert api_text == cli_output.read_bytes()
+
+
 def test_result_holds_model_report_and_fusion_result(sample: Path, tmp_path: Path) -> None:
     fusion_result = tmp_path / "api.json"
     report = tmp_path / "report.json"

@@ -279,6 +279,43 @@ def test_external_data_in_external_data_out(sample: Path, tmp_path: Path) -> Non
     assert_same_outputs(sample, run.output)
 
 
+def test_external_data_asked_for_an_inline_model(sample: Path, tmp_path: Path) -> None:
+    (tmp_path / "inline").mkdir()
+    (tmp_path / "external").mkdir()
+    inline = optimize(sample, tmp_path / "inline")
+    assert not inline.output.with_name(inline.output.name + ".data").exists()
+    run = optimize(sample, tmp_path / "external", "--external_data")
+    data = run.output.with_name(run.output.name + ".data")
+    assert data.stat().st_size > 0
+    assert run.report["paths"]["external_data"] == str(data)
+    assert run.report["options"]["external_data"] is True
+    model = onnx.load(str(run.output), load_external_data=False)
+    external = {
+        i.name for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL
+    }
+    assert "fc.weight" in external
+    assert run.output.stat().st_size < inline.output.stat().st_size / 2
+    ext, inl = onnx.load(str(run.output)).graph, onnx.load(str(inline.output)).graph
+    assert ext.node == inl.node
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in inl.initializer}
+    assert {i.name: onnx.numpy_helper.to_array(i).tobytes() for i in ext.initializer} == {
+        name: array.tobytes() for name, array in weights.items()
+    }
+    assert_same_outputs(sample, run.output)
+
+
+def test_external_data_refuses_a_protected_data_path(sample: Path, tmp_path: Path) -> None:
+    """OUT.onnx.data is an output of the run: it must not be the input model."""
+    model = tmp_path / "m.onnx.data"
+    model.write_bytes(sample.read_bytes())
+    before = digest(model)
+    refused = run_cli("optimize", str(model), "-o", str(tmp_path / "m.onnx"), "--external_data")
+    assert refused.exit_code == 2, refused.stderr
+    assert "external data file" in refused.stderr
+    assert digest(model) == before
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_input_shape_fixes_symbolic_dims(tmp_path: Path) -> None:
     model = onnx.load(str(SAMPLE))
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"

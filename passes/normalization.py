@@ -10,6 +10,7 @@ them fused with them into onnxruntime's SkipLayerNormalization / SkipSimplifiedL
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -561,8 +562,9 @@ class AddLayerNormFusionPass(PatternPass):
         return changed
 
 
-def _rms(inverse: str, cast: bool = False) -> Callable[..., Any]:
-    """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways.
+def _rms(inverse: str, cast: bool = False, weighted: bool = True) -> Callable[..., Any]:
+    """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways;
+    without the weight unless ``weighted``.
 
     ``cast``: the fp16/bf16 export's form, computed in float32 and rounded to gamma's type
     before the weight: Mul(gamma, Cast(x * rsqrt(...))) (the rounded value bound as
@@ -579,27 +581,82 @@ def _rms(inverse: str, cast: bool = False) -> Callable[..., Any]:
             scaled = op.Div(x, std)
         if cast:
             scaled = op.Cast(scaled, _allow_other_attributes=True, _outputs=["rounded"])
-        return op.Mul(scaled, gamma)
+        return op.Mul(scaled, gamma) if weighted else scaled
 
     return normalise
 
 
-def _rms_pattern(inverse: str, residual: bool, cast: bool = False) -> Callable[..., Any]:
-    """The RMS norm over x, or over a residual sum ``total`` = Add(a, b)."""
-    norm = _rms(inverse, cast)
+def _rms_pattern(
+    inverse: str, residual: bool, cast: bool = False, weighted: bool = True
+) -> Callable[..., Any]:
+    """The RMS norm over x, or over a residual sum ``total`` = Add(a, b). The pattern's
+    variables are its parameters' names, so the function declares exactly those it binds."""
+    norm = _rms(inverse, cast, weighted)
+    names = [
+        *(("a", "b") if residual else ("x",)),
+        "two",
+        "eps",
+        *(("gamma",) if weighted else ()),
+        *(("one",) if inverse == "DivOne" else ()),
+    ]
 
-    def summed(op: Any, a: Any, b: Any) -> Any:
-        return op.Add(a, b, _outputs=["total"])
+    def pattern(op: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        x = op.Add(bound["a"], bound["b"], _outputs=["total"]) if residual else bound["x"]
+        return norm(op, x, bound["two"], bound["eps"], bound.get("gamma"), bound.get("one"))
 
-    if residual and inverse == "DivOne":
-        return lambda op, a, b, two, eps, gamma, one: norm(
-            op, summed(op, a, b), two, eps, gamma, one
-        )
-    if residual:
-        return lambda op, a, b, two, eps, gamma: norm(op, summed(op, a, b), two, eps, gamma)
-    if inverse == "DivOne":
-        return lambda op, x, two, eps, gamma, one: norm(op, x, two, eps, gamma, one)
-    return lambda op, x, two, eps, gamma: norm(op, x, two, eps, gamma)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [inspect.Parameter(name, kind) for name in ("op", *names)]
+    pattern.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    return pattern
+
+
+def _spanning_weight(rewrite: Callable[..., Any]) -> Callable[..., Any]:
+    """``rewrite`` with the norm's weight spelled over the normalised axes, as the fused ops
+    take it: ones for a norm without a weight (Gemma-3n's value norm), a constant weight that
+    broadcasts over them expanded (DiffLlama's scalar ``1 - lambda_init``). Either needs the
+    normalised axes static; a weight that spans them already is kept as it is."""
+
+    def spanning(op: Any, site: Site, **bindings: Any) -> Any:
+        x = bindings["total"] if "total" in bindings else bindings["x"]
+        gamma = bindings.get("gamma")
+        array = None if gamma is None else site.constant(gamma)
+        if gamma is not None and array is None:
+            return rewrite(op, site, **bindings)  # normalised_axis names what is wrong
+        unweighted = {k: v for k, v in bindings.items() if k != "gamma"} | {"x": x}
+        shape = site.shape(x)
+        normalised = None if shape is None else list(shape)[normalised_axis(site, **unweighted) :]
+        static = normalised is not None and all(isinstance(d, int) for d in normalised)
+        if array is not None and (not static or list(array.shape) == normalised):
+            return rewrite(op, site, **bindings)
+        if not static:
+            raise Decline("the norm has no weight and its normalised axes are not static")
+        assert normalised is not None
+        if array is None:
+            dtype = site.dtype(x)
+            if dtype is None:
+                raise Decline("the normalised input's type is unknown")
+            array = np.ones(normalised, dtype=dtype.numpy())
+        elif array.ndim > len(normalised) or any(
+            d not in (1, n) for d, n in zip(array.shape[::-1], normalised[::-1], strict=False)
+        ):
+            return rewrite(op, site, **bindings)  # normalised_axis names what is wrong
+        spanned = np.ascontiguousarray(np.broadcast_to(array, normalised))
+        bindings["gamma"] = site.initializer(op, spanned, "weight")
+        return rewrite(op, site, **bindings)
+
+    return spanning
+
+
+def _scaled_next(site: Site, **bindings: Any) -> bool:
+    """Whether a norm without a weight is one: not the inside of a weighted norm, whose output
+    a Mul reads, perhaps after a Cast (that norm is the weighted rules' match, taken or
+    declined with their reason)."""
+    del bindings
+    readers = [use.node for use in site.root.outputs[0].uses()]
+    while readers and all(node.op_type == "Cast" for node in readers):  # the fp16 form's rounding
+        readers = [use.node for node in readers for use in node.outputs[0].uses()]
+    return not any(node.op_type == "Mul" for node in readers)
 
 
 _RMS_FORMS = ("Reciprocal", "DivOne", "Div")
@@ -659,15 +716,27 @@ def _to_rms_normalization(op: Any, site: Site, x: ir.Value, **bindings: Any) -> 
 
 def _rms_rules(prefix: str, rewrite: Callable[..., Any], *, residual: bool) -> tuple[Rule, ...]:
     """The RMS-norm rule family one pass runs: every spelling of the reciprocal square root,
-    and the fp16 export's Cast round trip; with ``residual``, behind a residual Add whose sum
-    the fused op keeps available."""
+    and the fp16 export's Cast round trip, then each spelling without a weight; with
+    ``residual``, behind a residual Add whose sum the fused op keeps available."""
     exposes = ("total",) if residual else ()
+    spanning = _spanning_weight(rewrite)
     rules = [
-        Rule(f"{prefix}{form}", _rms_pattern(form, residual), rewrite, exposes=exposes)
+        Rule(f"{prefix}{form}", _rms_pattern(form, residual), spanning, exposes=exposes)
         for form in _RMS_FORMS
     ]
     cast = _rms_pattern(_RMS_CAST_FORM, residual, True)
-    return (*rules, Rule(f"{prefix}Cast", cast, rewrite, exposes=exposes))
+    # After the weighted forms, which take a norm with its weight whole.
+    unweighted = [
+        Rule(
+            f"{prefix}{form}Unweighted",
+            _rms_pattern(form, residual, weighted=False),
+            spanning,
+            exposes=exposes,
+            candidate=_scaled_next,
+        )
+        for form in _RMS_FORMS
+    ]
+    return (*rules, Rule(f"{prefix}Cast", cast, spanning, exposes=exposes), *unweighted)
 
 
 @register_pass

@@ -38,7 +38,14 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite import runtime
-from fusectl.rewrite.axes import Size, last_axis_slice, shape_element, slice_operands, symbolic_size
+from fusectl.rewrite.axes import (
+    Size,
+    axis_size,
+    last_axis_slice,
+    shape_element,
+    slice_operands,
+    symbolic_size,
+)
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
@@ -477,7 +484,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
             return "cos and sin run along different axes of the input"
         # [B, S, N, H] heads not transposed: merged to [B, S, N*H] around the rotary.
         merging = axes == {1}
-        if merging and not isinstance(shape[2], int):
+        head_count = axis_size(ctx, match.x, 2) if merging else None
+        if merging and head_count is None:
             return "the number of heads of the rotary's [B, S, N, H] input is unknown"
         dtype = ctx.dtype(match.x)
         if ctx.target == "ort" and not runtime.has_kernel("RotaryEmbedding", MS, 1, dtype):
@@ -510,20 +518,20 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if merging:  # [B, S, N, H] -> [B, S, N*H], as the kernel's 3-D input
             graph = match.root.graph
             assert graph is not None
-            heads = int(shape[2])
+            assert head_count is not None
             targets = {
-                "merged": [0, 0, heads * head_size],
-                "split": [0, 0, heads, head_size],
+                "merged": [0, 0, head_count * head_size],
+                "split": [0, 0, head_count, head_size],
             }
             merge, back = (
-                _shared_constant(graph, f"{ctx.spec.name}/{name}_{heads}x{head_size}", t)
+                _shared_constant(graph, f"{ctx.spec.name}/{name}_{head_count}x{head_size}", t)
                 for name, t in targets.items()
             )
             merged = ir.node("Reshape", [match.x, merge])
             new_nodes.append(merged)
-            merged_shape = ir.Shape([shape[0], shape[1], heads * head_size])
+            merged_shape = ir.Shape([shape[0], shape[1], head_count * head_size])
             source = typed(merged.outputs[0], ctx.dtype(match.x), merged_shape)
-            attributes["num_heads"] = heads
+            attributes["num_heads"] = head_count
         rotary = ir.node(
             "RotaryEmbedding",
             [source, offset, cos_cache, sin_cache],

@@ -414,6 +414,9 @@ def test_residual_norms(
 RMS, SKIP_RMS = "RmsNormFusionPass", "AddRmsNormFusionPass"
 
 
+_RANDOM_WEIGHT = np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1]).astype(np.float32)
+
+
 def _rms_model(
     path: Path,
     *,
@@ -422,7 +425,10 @@ def _rms_model(
     opset: int = 18,
     one: float = 1.0,
     shape: list[int | str] = SHAPE,
+    weight: np.ndarray | None = _RANDOM_WEIGHT,
 ) -> Path:
+    """The RMS norm of ``a`` (after ``a + b`` with ``residual``), times ``weight`` unless it
+    is None."""
     inputs = [value("a", shape)]
     nodes: list[onnx.NodeProto] = []
     x = "a"
@@ -442,14 +448,17 @@ def _rms_model(
         nodes += [_n("Div", ["one", "rms"], "inv"), _n("Mul", [x, "inv"], "scaled")]
     else:
         nodes += [_n("Div", [x, "rms"], "scaled")]
-    nodes.append(_n("Mul", ["weight", "scaled"], "y"))
     inits = [
         const("two", np.array(2.0, np.float32)),
         const("eps", np.array(1e-6, np.float32)),
         const("one", np.array(one, np.float32)),
-        const("weight", np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1])),
         const("axes", np.array([-1], np.int64), np.int64),
     ]
+    if weight is None:
+        nodes.append(_n("Identity", ["scaled"], "y"))
+    else:
+        nodes.append(_n("Mul", ["weight", "scaled"], "y"))
+        inits.append(const("weight", weight))
     return save_model(path, nodes, inputs, [value("y", shape)], inits, opset=opset)
 
 
@@ -529,6 +538,70 @@ def test_doubled_skip_norm_declines_an_unknown_last_axis(tmp_path: Path) -> None
     assert_declined(run, DOUBLED, reason, "y")
     feeds = {"a": np.random.default_rng(2).normal(size=(2, 5, 3, SHAPE[-1])).astype(np.float32)}
     np.testing.assert_allclose(run_model(run.output, feeds)[0], run_model(model, feeds)[0])
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_gemma3n_value_norms_without_a_weight(exporter: str, tmp_path: Path) -> None:
+    """Gemma-3n normalises the values per head with no weight (``with_scale=False``): a
+    doubled skip norm whose weight is ones, after the 20 weighted RMS norms; the insides of
+    those are not counted again. Outputs equal on onnxruntime."""
+    name = f"arch/gemma3n_text_{exporter}"
+    run = optimize_checked(fixture_path(name), tmp_path, compare=False)
+    patterns = {k: v for k, v in run.passed(DOUBLED)["patterns"].items() if v["matched"]}
+    weighted, unweighted = sorted(patterns, key=lambda name: name.endswith("Unweighted"))
+    assert unweighted == f"{weighted}Unweighted"
+    assert patterns == {
+        weighted: {"matched": 20, "effected": 20},
+        unweighted: {"matched": 2, "effected": 2},
+    }
+    assert run.counts(RMS) == (24, 0)
+    graph = onnx.load(str(run.output)).graph
+    ones = [i for i in graph.initializer if i.name.endswith("/weight")]
+    assert len(ones) == 2
+    assert all(np.array_equal(onnx.numpy_helper.to_array(i), np.ones(16)) for i in ones)
+    feeds = named_dim_feeds(fixture_path(name), ARCH_DIMS)
+    for want, got in zip(
+        run_model(fixture_path(name), feeds), run_model(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("inverse", ["Reciprocal", "DivOne", "Div"])
+def test_rms_norm_without_a_weight(inverse: str, tmp_path: Path) -> None:
+    model = _rms_model(tmp_path / "rms.onnx", inverse=inverse, residual=False, weight=None)
+    run = optimize_checked(model, tmp_path, atol=1e-6)
+    assert run.counts(DOUBLED) == (1, 1)
+    assert run.passed(DOUBLED)["patterns"][f"DoubledRmsNorm{inverse}Unweighted"] == {
+        "matched": 1,
+        "effected": 1,
+    }
+    assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+    residual = _rms_model(tmp_path / "skip.onnx", inverse=inverse, residual=True, weight=None)
+    run = optimize_checked(residual, tmp_path)
+    assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+
+
+def test_rms_norm_weight_broadcast_over_the_normalised_axes(tmp_path: Path) -> None:
+    """A scalar weight (DiffLlama's ``1 - lambda_init`` after its group norm) is the weight
+    spread over the normalised axis."""
+    model = _rms_model(
+        tmp_path / "rms.onnx", inverse="Div", residual=False, weight=np.array(0.8, np.float32)
+    )
+    run = optimize_checked(model, tmp_path, atol=1e-6)
+    assert run.counts(DOUBLED) == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (weight,) = [i for i in graph.initializer if i.name.endswith("/weight")]
+    assert np.array_equal(onnx.numpy_helper.to_array(weight), np.full(SHAPE[-1], 0.8, np.float32))
+
+
+def test_rms_norm_without_a_weight_needs_static_normalised_axes(tmp_path: Path) -> None:
+    model = _rms_model(
+        tmp_path / "rms.onnx", inverse="Div", residual=False, shape=[2, 5, "hidden"], weight=None
+    )
+    run = optimize_checked(model, tmp_path)
+    reason = "the norm has no weight and its normalised axes are not static"
+    assert_declined(run, DOUBLED, reason, "scaled")
 
 
 def test_doubled_skip_norm_not_for_other_targets(tmp_path: Path) -> None:

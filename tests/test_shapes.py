@@ -11,6 +11,9 @@ import pytest
 from onnx import helper
 
 from fusectl.rewrite import shapes
+from fusectl.rewrite.axes import axis_size
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.registry import Category, PassSpec
 from fusectl.rewrite.shapes import ShapeOracle
 from tests.pass_helpers import IR_VERSION, const, value
 
@@ -94,3 +97,65 @@ def test_symbolic_dims_within_a_node_budget(monkeypatch: pytest.MonkeyPatch) -> 
     assert oracle.symbolic_dims([zeros]) == [None]
     monkeypatch.setattr(shapes, "SYMBOLIC_NODE_LIMIT", 2)
     assert ShapeOracle(model, proto).symbolic_dims([zeros]) == [["S"]]
+
+
+def _size_of(shape: str, index: int, out: str) -> list[onnx.NodeProto]:
+    """TorchScript's x.shape[index] as a 1-element tensor: Unsqueeze(Gather(shape, index))."""
+    return [
+        helper.make_node("Gather", [shape, f"i{index}"], [f"{out}_g"], axis=0),
+        helper.make_node("Unsqueeze", [f"{out}_g", "zero"], [out]),
+    ]
+
+
+def test_axis_size_reads_whole_shape_targets_as_far_up_as_the_walk() -> None:
+    """LFM2's key: heads split with a -1, a per-head norm written as
+    Reshape(norm(Reshape(k, [0, -1, 8])), Shape(k)), a transpose and element-wise ops, then
+    the heads repeated by a Reshape whose target multiplies a size read at run time. The
+    head counts are static: the whole Shape(k) is read element by element, and the repeat's
+    target follows its copied size as far up as the walk to the Reshape reached."""
+    nodes = [
+        helper.make_node("Shape", ["h"], ["h_shape"]),
+        *_size_of("h_shape", 0, "b"),
+        *_size_of("h_shape", 1, "s"),
+        helper.make_node("Concat", ["b", "s", "minus_one", "eight"], ["split"], axis=0),
+        helper.make_node("Reshape", ["h", "split"], ["k"]),
+        helper.make_node("Reshape", ["k", "as_3d"], ["flat"]),
+        helper.make_node("Relu", ["flat"], ["normed"]),
+        helper.make_node("Shape", ["k"], ["k_shape"]),
+        helper.make_node("Reshape", ["normed", "k_shape"], ["back"]),
+        helper.make_node("Transpose", ["back"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Neg", ["t"], ["t1"]),
+        helper.make_node("Abs", ["t1"], ["t2"]),
+        helper.make_node("Relu", ["t2"], ["t3"]),
+        helper.make_node("Unsqueeze", ["t3", "two_axis"], ["wide"]),
+        helper.make_node("Expand", ["wide", "twice"], ["repeated"]),
+        helper.make_node("Shape", ["t3"], ["t_shape"]),
+        *_size_of("t_shape", 0, "rb"),
+        helper.make_node("Gather", ["t_shape", "i1"], ["heads"], axis=0),
+        helper.make_node("Mul", ["heads", "two"], ["all_heads"]),
+        helper.make_node("Unsqueeze", ["all_heads", "zero"], ["rn"]),
+        *_size_of("t_shape", 2, "rs"),
+        helper.make_node("Concat", ["rb", "rn", "rs", "eight"], ["merge"], axis=0),
+        helper.make_node("Reshape", ["repeated", "merge"], ["key"]),
+    ]
+    inits = [
+        const("i0", 0, np.int64),
+        const("i1", 1, np.int64),
+        const("i2", 2, np.int64),
+        const("zero", [0], np.int64),
+        const("two_axis", [2], np.int64),
+        const("two", 2, np.int64),
+        const("minus_one", [-1], np.int64),
+        const("eight", [8], np.int64),
+        const("as_3d", [0, -1, 8], np.int64),
+        const("twice", [1, 1, 2, 1, 1], np.int64),
+    ]
+    proto = _model(nodes, [value("h", ["B", "S", 16])], [value("key", None)], inits)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    spec = PassSpec(name="Probe", category=Category.GRAPH, description="reads sizes")
+    ctx = PassContext(spec=spec, target="ort", opset=17)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    assert ctx.shape(values["back"]) is not None and ctx.shape(values["back"])[2] != 2
+    assert [axis_size(ctx, values["back"], axis) for axis in range(4)] == [None, None, 2, 8]
+    assert axis_size(ctx, values["t3"], 1) == 2
+    assert axis_size(ctx, values["key"], 1) == 4

@@ -62,7 +62,8 @@ def kept_length(start: int, end: int, step: int, size: int) -> int:
 
 def shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8) -> int | None:
     """Element ``index`` of a 1-D integer tensor that spells a shape, where it is a constant:
-    through Concat, Reshape, Unsqueeze and TorchScript's Where(Equal(s, -1), 1, s)."""
+    through Concat, Reshape, Unsqueeze, TorchScript's Where(Equal(s, -1), 1, s) and sizes
+    copied from a tensor whose size there is static (a whole ``Shape(x)`` included)."""
     array = constant_value(value)
     if array is not None:
         flat = array.reshape(-1)
@@ -89,9 +90,9 @@ def shape_element(ctx: PassContext, value: ir.Value, index: int, depth: int = 8)
             return None
         element = shape_element(ctx, node.inputs[2], index, depth - 1)
         return element if bool(np.all(minus == -1)) and element != -1 else None
-    copied = _copied_dimension(value)
-    if copied is not None:  # a size read from a tensor at run time: static there, perhaps
-        return axis_size(ctx, copied[0], copied[1], depth - 1) if index == 0 else None
+    copied = copied_dimensions(value)
+    if copied is not None:  # sizes read from a tensor at run time: static there, perhaps
+        return axis_size(ctx, *copied[index], depth - 1) if 0 <= index < len(copied) else None
     if node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and None not in node.inputs:
         left, right = (_broadcast_element(ctx, v, index, depth - 1) for v in node.inputs)  # type: ignore[arg-type]
         if left is None or right is None:
@@ -111,8 +112,13 @@ def _broadcast_element(ctx: PassContext, value: ir.Value, index: int, depth: int
 
 
 # Ops whose output has their first input's shape (a scatter writes into a copy of its data).
+# Ops whose (first) output has their first input's shape: unary element-wise ops, softmaxes,
+# scatters (their data's shape), Clip (its bounds are scalars).
 _SAME_SHAPE = frozenset(
     {"Neg", "Cast", "Relu", "Identity", "Sqrt", "Exp", "Softmax", "Tanh"}
+    | {"Abs", "Reciprocal", "Sigmoid", "Erf", "Log", "Sin", "Cos", "Floor", "Ceil", "Round"}
+    | {"Sign", "Not", "IsNaN", "IsInf", "Softplus", "Softsign", "Elu", "Selu", "Celu"}
+    | {"LeakyRelu", "HardSigmoid", "HardSwish", "Mish", "Gelu", "LogSoftmax", "Clip"}
     | {"ScatterND", "ScatterElements"}
 )
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
@@ -176,11 +182,14 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     if op == "Tile" and len(inputs) == 2:
         size, times = (
             axis_size(ctx, inputs[0], axis, depth - 1),
-            shape_element(ctx, inputs[1], axis),
+            shape_element(ctx, inputs[1], axis, max(depth, 8)),
         )
         return size * times if size is not None and times is not None else None
     if op == "Reshape":
-        element = shape_element(ctx, inputs[1], axis)
+        # The target's walk shares this one's reach: a size it copies from a tensor may be
+        # as far up as the walk to this Reshape (a per-head norm between the head split and
+        # the key's repeat).
+        element = shape_element(ctx, inputs[1], axis, max(depth, 8))
         if element == 0 and not node.attributes.get_int("allowzero", 0):
             return axis_size(ctx, inputs[0], axis, depth - 1)
         if element == -1:

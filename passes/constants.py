@@ -206,6 +206,7 @@ class ConstantFoldingPass(FusionPass):
         aliases=("ConstantFolding", "constant_folding"),
         priority=3000,
         canonical=True,
+        again_after_fusions=True,  # sizes a fused op's output has statically
     )
     counts_changes = True  # folds are counted; lifting Constants only removes nodes
 

@@ -75,6 +75,7 @@ register_replacement(
     min_opset=5,
     emits=("Reshape",),
     pattern_name="ReshapeReshape",
+    again_after_fusions=True,
 )
 
 
@@ -104,6 +105,7 @@ register_replacement(
     aliases=("transpose_transpose_fusion", "TransposeOptimizer"),
     emits=("Transpose",),
     pattern_name="TransposeTranspose",
+    again_after_fusions=True,
 )
 
 

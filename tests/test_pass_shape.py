@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import optimize
+from tests.conftest import named_dim_feeds, optimize, run_model
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -85,6 +85,25 @@ def test_exported_views_fusion_result_and_alias(tmp_path: Path) -> None:
     off = optimize(fixture_path("views_torchscript"), tmp_path, "--disable_pass", "shape_reshape")
     assert off.counts(RR) == (0, 0)
     assert off.op_counts()["Reshape"] == 9
+
+
+def test_reshapes_the_fusions_make_adjacent_are_merged_after_them(tmp_path: Path) -> None:
+    """GPT-BigCode (TorchScript): the attention fusion leaves the exporter's key Reshape next
+    to another; ReshapeReshapeFusionPass runs again after the fusions (its switch as it is)
+    and merges them, where only a second run of fusectl used to (90 -> 76 nodes)."""
+    model = fixture_path("arch/gpt_bigcode_ts17")
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    run = optimize_checked(model, tmp_path / "on", compare=False)
+    assert run.counts(RR) == (3, 2)
+    assert reasons(run, RR) == {"outer target shape is not a constant": 1}
+    assert run.report["model"]["after"]["nodes"] == 76
+    off = optimize(model, tmp_path / "off", "--disable_pass", RR)
+    assert off.passed(RR)["state"] == "off"
+    assert off.report["model"]["after"]["nodes"] == 90
+    feeds = named_dim_feeds(model, {"batch": 3, "sequence": 5})
+    for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------

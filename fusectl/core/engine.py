@@ -210,6 +210,20 @@ def run_plan(
             ctx.changed = ctx.changed or earlier
         return changed
 
+    # Enabled graph passes that take what the fusions make adjacent run again once every
+    # pass has run (see PassSpec.again_after_fusions); the required passes that tidy the
+    # graph run again after them where they changed it.
+    again = [
+        index
+        for index, decision in enumerate(decisions)
+        if decision.enabled and decision.fusion_pass.spec.again_after_fusions
+    ]
+    tidy = [
+        index
+        for index, decision in enumerate(decisions)
+        if decision.enabled and decision.fusion_pass.spec.required
+    ]
+
     position = 0
     with reading_constants():
         while position < len(decisions):
@@ -223,6 +237,9 @@ def run_plan(
                 if not any(changed):
                     break
             position += len(group)
+        if any([run_one(index, decisions[index]) for index in again]):
+            for index in tidy:
+                run_one(index, decisions[index])
     for graph in graphs:
         graph.removed = not graph.scope.alive(model)
         graph.nodes_after = 0 if graph.removed else len(graph.scope.graph)

@@ -84,6 +84,10 @@ class PassSpec:
     # Whether what the pass fuses is in every layer of a model that has it: when not (the one
     # norm with no residual Add in front), the per-layer coverage does not flag the others.
     every_layer: bool = True
+    # A graph pass the engine runs once more after the UB fusions, when it is enabled: it
+    # merges chains the fusions make adjacent (two Reshapes that a removed op stood between),
+    # which a second run of fusectl would otherwise find.
+    again_after_fusions: bool = False
 
     def __post_init__(self) -> None:
         for label in (self.name, *self.aliases):

@@ -38,6 +38,7 @@ def register_replacement(
     commute: bool = True,
     pattern_name: str | None = None,
     replace: bool = False,
+    again_after_fusions: bool = False,
 ) -> PatternPass:
     """Register a pass that rewrites every match of ``search`` into ``replacement``.
 
@@ -57,6 +58,8 @@ def register_replacement(
     - ``pattern_name`` names a single pattern in logs and lineage (default: the pass name).
     - ``targets`` lists the ``--target`` values whose runtimes run what the replacement emits:
       ``("ort",)`` for onnxruntime contrib ops.
+    - ``again_after_fusions``: the pass runs once more after the UB fusions (when enabled),
+      for matches the fusions create.
 
     Registering a name (or alias) that is taken raises ValueError unless ``replace`` is True.
     Returns the registered pass.
@@ -81,6 +84,7 @@ def register_replacement(
         min_opset=min_opset,
         emits=tuple(emits),
         emits_domain=emits_domain,
+        again_after_fusions=again_after_fusions,
     )
     rewrite = _rewrite(replacement)
     check = _check(extra_check) if extra_check is not None else None

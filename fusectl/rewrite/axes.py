@@ -111,7 +111,6 @@ def _broadcast_element(ctx: PassContext, value: ir.Value, index: int, depth: int
     return shape_element(ctx, value, 0 if single else index, depth)
 
 
-# Ops whose output has their first input's shape (a scatter writes into a copy of its data).
 # Ops whose (first) output has their first input's shape: unary element-wise ops, softmaxes,
 # scatters (their data's shape), Clip (its bounds are scalars).
 _SAME_SHAPE = frozenset(

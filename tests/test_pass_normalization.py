@@ -604,6 +604,39 @@ def test_rms_norm_without_a_weight_needs_static_normalised_axes(tmp_path: Path) 
     assert_declined(run, DOUBLED, reason, "scaled")
 
 
+def test_coverage_names_a_switched_off_pass_that_could_take_the_norm(tmp_path: Path) -> None:
+    """With every pass that could fuse it switched off, the written-out RMS norm's coverage
+    entry names the RMS-norm pass, not the layer-norm pass that is off too."""
+    model = _rms_model(tmp_path / "rms.onnx", inverse="Div", residual=False, opset=23)
+    off = ",".join([LN, RMS, DOUBLED])
+    run = optimize_checked(model, tmp_path, "--disable_pass", off)
+    (site,) = run.report["coverage"]["norms"]["unfused"]
+    assert site["reason"] == f"{RMS} is off (CLI)"
+
+
+def test_coverage_of_a_layer_norm_without_epsilon(tmp_path: Path) -> None:
+    """I-BERT's float layer norm has no epsilon: no norm pass recognizes it, and its coverage
+    entry says so rather than naming a switched-off pass that would not take it either."""
+    nodes = [
+        _n("ReduceMean", ["a", "axes"], "mean"),
+        _n("Sub", ["a", "mean"], "centred"),
+        _n("Pow", ["centred", "two"], "sq"),
+        _n("ReduceMean", ["sq", "axes"], "var"),
+        _n("Sqrt", ["var"], "std"),
+        _n("Div", ["centred", "std"], "y"),
+    ]
+    inits = [
+        const("two", np.array(2.0, np.float32)),
+        const("axes", np.array([-1], np.int64), np.int64),
+    ]
+    model = save_model(
+        tmp_path / "ln.onnx", nodes, [value("a", SHAPE)], [value("y", SHAPE)], inits, opset=18
+    )
+    run = optimize_checked(model, tmp_path)
+    (site,) = run.report["coverage"]["norms"]["unfused"]
+    assert site["reason"] == "no pass recognized this spelling"
+
+
 def test_doubled_skip_norm_not_for_other_targets(tmp_path: Path) -> None:
     model = _rms_model(tmp_path / "rms.onnx", inverse="Div", residual=False)
     run = optimize_checked(model, tmp_path, "--target", "onnx")

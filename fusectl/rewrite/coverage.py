@@ -69,8 +69,8 @@ class ClassCoverage:
 
 def measure(graphs: Sequence[ir.Graph], runs: Sequence[PassRun]) -> dict[str, ClassCoverage]:
     """Coverage per op class in ``graphs`` (the model's graphs as optimized). Each
-    written-out site gets the near-miss reason a pass gave for one of its nodes, else the pass
-    that would fuse it and is switched off, else "no pass recognized this spelling"."""
+    written-out site gets the near-miss reason a pass gave for one of its nodes, else a pass
+    that could fuse it and is switched off, else "no pass recognized this spelling"."""
     found: dict[str, list[str]] = {}
     for run in runs:
         if run.ctx is None:
@@ -86,17 +86,6 @@ def measure(graphs: Sequence[ir.Graph], runs: Sequence[PassRun]) -> dict[str, Cl
         site: "; ".join(sorted(said, key=lambda s: "needs opset" in s))
         for site, said in found.items()
     }
-    switched_off = {
-        name: next(
-            (
-                f"{run.decision.name} is off ({run.decision.source.value})"
-                for run in runs
-                if not run.decision.enabled and set(run.decision.fusion_pass.spec.emits) & ops
-            ),
-            None,
-        )
-        for name, ops in FUSED_OPS.items()
-    }
     classes = {name: ClassCoverage() for name in FUSED_OPS}
     for node in (node for graph in graphs for node in graph):
         for name, ops in FUSED_OPS.items():
@@ -107,25 +96,41 @@ def measure(graphs: Sequence[ir.Graph], runs: Sequence[PassRun]) -> dict[str, Cl
         kind = _written_out(node)
         if kind is None:
             continue
-        reason = next((reasons[n] for n in _site_names(node) if n in reasons), None)
-        reason = reason or switched_off[kind] or "no pass recognized this spelling"
+        site = _site_nodes(node)
+        reason = next((reasons[n.name] for n in site if n.name in reasons), None)
+        reason = reason or _switched_off(kind, site, runs) or "no pass recognized this spelling"
         classes[kind].unfused.append({"node": node.name or node.op_type, "reason": reason})
     return classes
 
 
-def _site_names(anchor: ir.Node, depth: int = 6) -> list[str]:
+def _site_nodes(anchor: ir.Node, depth: int = 6) -> list[ir.Node]:
     """The anchor and the nodes a few ops below it, nearest first: a pass labels a decline
     with the root of its match, which is the anchor or follows it."""
-    names: list[str] = []
+    nodes: list[ir.Node] = []
     frontier = [anchor]
     for _ in range(depth):
         following = []
         for node in frontier:
-            if node.name and node.name not in names:
-                names.append(node.name)
+            if node not in nodes:
+                nodes.append(node)
             following += [user for value in node.outputs for user, _ in value.uses()]
         frontier = following
-    return names
+    return nodes
+
+
+def _switched_off(kind: str, site: Sequence[ir.Node], runs: Sequence[PassRun]) -> str | None:
+    """The first pass, switched off, that emits this class's fused ops and could take the site:
+    a pattern pass whose rules' op skeletons fit none of its nodes would not (I-BERT's layer
+    norm without an epsilon is no RMS norm, whichever norm pass is off)."""
+    for run in runs:
+        fusion_pass = run.decision.fusion_pass
+        if run.decision.enabled or not set(fusion_pass.spec.emits) & FUSED_OPS[kind]:
+            continue
+        could_match = getattr(fusion_pass, "could_match", None)
+        if could_match is not None and not any(could_match(node) for node in site):
+            continue
+        return f"{run.decision.name} is off ({run.decision.source.value})"
+    return None
 
 
 def _written_out(node: ir.Node) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
@@ -149,3 +150,31 @@ def test_softmax_not_between_matmuls_is_not_attention(tmp_path: Path) -> None:
     run = optimize_checked(_scores_model(tmp_path, softcap=False, reread=False), tmp_path)
     assert reasons(run, MHA) == {}
     assert "attention" not in run.report["coverage"]
+
+
+def test_a_router_softmax_is_not_reported_as_attention(tmp_path: Path) -> None:
+    """A mixture-of-experts router: Softmax of the tokens times the gate weights, its top
+    experts picked by TopK, the picked weights then used in a MatMul. It sits between two
+    MatMuls but is no attention: no attention pass reports it and coverage has no attention."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "gate"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+        helper.make_node("TopK", ["probs", "k"], ["weights", "experts"], axis=-1),
+        helper.make_node("MatMul", ["weights", "mix"], ["y"]),
+    ]
+    inits = [
+        const("gate", [[0.5, -0.25, 1.0, 0.0]] * 8),
+        const("k", [2], dtype=np.int64),
+        const("mix", [[1.0] * 8, [0.5] * 8]),
+    ]
+    model = save_model(
+        tmp_path / "router.onnx",
+        nodes,
+        [value("x", ["tokens", 8])],
+        [value("y", ["tokens", 8]), value("experts", ["tokens", 2], TensorProto.INT64)],
+        inits,
+    )
+    run = optimize_checked(model, tmp_path)
+    assert "attention" not in run.report["coverage"]
+    assert reasons(run, MHA) == {}
+    assert run.counts(MHA) == (0, 0)

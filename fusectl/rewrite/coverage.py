@@ -55,6 +55,7 @@ FUSED_OPS: dict[str, frozenset[str]] = {
 # Einsum that is no plain matrix product stays one).
 _MATMULS = frozenset({"MatMul", "FusedMatMul", "Gemm", "Einsum"})
 _SQRT = frozenset({"Sqrt"})
+_SELECTIONS = frozenset({"TopK", "ArgMax", "ArgMin"})
 
 
 @dataclass
@@ -205,9 +206,10 @@ def _has_cube(value: ir.Value | None, depth: int = 4) -> bool:
 
 def attention_shaped(softmax: ir.Node) -> bool:
     """A Softmax between two MatMuls: scores computed from a MatMul a few ops up, weights read
-    by a MatMul a few ops down. Every such Softmax left unfused is reported."""
+    by a MatMul a few ops down, not through a selection (a mixture-of-experts router picks
+    its top experts from a Softmax of a MatMul). Every such Softmax left unfused is reported."""
     return within(softmax.inputs[0], _MATMULS, upward=True) and within(
-        softmax.outputs[0], _MATMULS, upward=False, depth=4
+        softmax.outputs[0], _MATMULS, upward=False, depth=4, stop=_SELECTIONS
     )
 
 

@@ -140,10 +140,15 @@ def _fold_constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
 
 
 def within(
-    value: ir.Value | None, op_types: frozenset[str], *, upward: bool, depth: int = 5
+    value: ir.Value | None,
+    op_types: frozenset[str],
+    *,
+    upward: bool,
+    depth: int = 5,
+    stop: frozenset[str] = frozenset(),
 ) -> bool:
     """Whether a node of one of ``op_types`` is within ``depth`` ops of ``value``, following
-    producers or readers."""
+    producers or readers, not through nodes of ``stop``."""
     if value is None or depth == 0:
         return False
     if upward:
@@ -154,8 +159,10 @@ def within(
     for node in nodes:
         if node.op_type in op_types:
             return True
+        if node.op_type in stop:
+            continue
         following = node.inputs if upward else node.outputs
-        if any(within(v, op_types, upward=upward, depth=depth - 1) for v in following):
+        if any(within(v, op_types, upward=upward, depth=depth - 1, stop=stop) for v in following):
             return True
     return False
 

@@ -455,6 +455,12 @@ def test_passes_lists_the_catalogue() -> None:
     assert catalogue["ConvBatchnormFusionPass"]["numerics"] == "reassociating"
     assert catalogue["DeadNodeEliminationPass"]["closable"] is False
     assert catalogue["ConvBatchnormFusionPass"]["providers"] == ["CPUExecutionProvider"]
+    again = {name for name, p in catalogue.items() if p["again_after_fusions"]}
+    assert again == {
+        "ConstantFoldingPass",
+        "ReshapeReshapeFusionPass",
+        "TransposeTransposeFusionPass",
+    }
     graph_only = json.loads(run_cli("passes", "--json", "--category", "UBFusion").stdout)
     assert all(p["category"] == "UBFusion" for p in graph_only)
     table = run_cli("passes")

@@ -183,6 +183,7 @@ def _spec_document(spec: PassSpec) -> dict[str, Any]:
         "closable": spec.closable,
         "numerics": spec.numerics.value,
         "priority": spec.effective_priority,
+        "again_after_fusions": spec.again_after_fusions,
         "targets": list(spec.targets),
         "min_opset": spec.min_opset,
         "emits": list(spec.emits),

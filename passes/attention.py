@@ -35,6 +35,7 @@ before the Softmax the fold after it (the Softmax is over the last axis, which i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -158,7 +159,8 @@ def _heads(ctx: PassContext, value: ir.Value) -> _Heads:
     if repeated is not None:
         inner = _through_concat(repeated, nodes)
     projection = _split_heads(ctx, inner, nodes)
-    cache = _appended(ctx, value) if projection is None and repeated is None else None
+    # A cache is appended to before repeat_kv repeats it (GroupQueryAttention's past).
+    cache = _appended(ctx, value if repeated is None else inner) if projection is None else None
     split = nodes if projection else []
     return _Heads(value, projection, repeated is not None, split, cache=cache, kv=kv)
 
@@ -1693,6 +1695,66 @@ def _appended_plan(ctx: PassContext, match: _Attention, heads: int, head_size: i
     return plan
 
 
+def _grouped_cache(match: _Attention) -> bool:
+    """Whether key and value are KV caches appended to, then repeated by repeat_kv."""
+    key, value = match.key, match.value
+    return bool(key.repeated and value.repeated and key.cache and value.cache)
+
+
+def _grouped_cache_plan(
+    ctx: PassContext, match: _Attention, heads: int, head_size: int
+) -> _Plan | str:
+    """GroupQueryAttention on a KV cache that key and value append new heads to before
+    repeat_kv: the op reads the new projections, takes the pasts as past_key / past_value
+    ([B, KV, P, H]), repeats the heads itself, and its present_key / present_value replace the
+    Concats (the graph's presents)."""
+    key, value = match.key, match.value
+    assert key.cache is not None and value.cache is not None
+    assert key.kv is not None and value.kv is not None
+    query = ctx.shape(match.query)
+    if query is None or (query[0] != 1 and query[1] != 1):
+        return (
+            "onnxruntime's GroupQueryAttention takes a past only for one sequence or one new "
+            "token at a time, and the batch and sequence are not fixed to 1 (--input_shape "
+            "can fix them)"
+        )
+    if head_size % _GQA_HEAD_SIZE_MULTIPLE:
+        return (
+            f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
+            f"{_GQA_HEAD_SIZE_MULTIPLE}"
+        )
+    widths = [ctx.shape(cache.projection) for cache in (key.cache, value.cache)]
+    if any(w is None or len(w) != 3 for w in widths):
+        return "the key/value projections are not 3-D [batch, length, hidden]"
+    hidden = {w[2] for w in widths}  # type: ignore[index]
+    width = hidden.pop() if len(hidden) == 1 else None
+    if not isinstance(width, int) or width % head_size or heads % (width // head_size):
+        return "the key/value projections' hidden size is unknown or does not divide the heads"
+    kv_heads = width // head_size
+    for operand, size in ((key, head_size), (value, None)):
+        assert operand.cache is not None and operand.kv is not None
+        if not _is_heads(ctx, operand.cache.past, kv_heads, size):
+            return "the past key or value is not provably [batch, KV heads, length, head size]"
+        repeat = dataclasses.replace(operand, nodes=operand.kv[1])
+        if not _repeats_each_head(ctx, repeat, heads, head_size, heads // kv_heads):
+            return (
+                f"the repeat_kv is not provably {heads // kv_heads} copies of each of the "
+                f"{kv_heads} key/value heads"
+            )
+    inputs = [
+        match.query,
+        key.cache.projection,
+        value.cache.projection,
+        key.cache.past,
+        value.cache.past,
+    ]
+    attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "causal": 0}
+    absorbed = key.kv[1] + value.kv[1] + key.cache.nodes + value.cache.nodes
+    plan = _Plan(inputs, attributes, absorbed)  # type: ignore[arg-type]
+    plan.presents = [key.kv[0], value.kv[0]]
+    return plan
+
+
 def _projection(
     value: ir.Value,
 ) -> tuple[ir.Value, np.ndarray, np.ndarray | None, list[ir.Node]] | None:
@@ -1917,9 +1979,9 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         name="GroupQueryAttentionFusionPass",
         category=Category.UB,
         description="written-out attention with repeated key/value heads (LLaMA-style "
-        "grouped-query attention, no KV cache), one key/value head for all query heads "
-        "(multi-query: Falcon, GPT-BigCode), or soft-capped scores (Gemma-2) -> "
-        "com.microsoft GroupQueryAttention",
+        "grouped-query attention; a KV cache where batch or new tokens are fixed to 1), one "
+        "key/value head for all query heads (multi-query: Falcon, GPT-BigCode), or "
+        "soft-capped scores (Gemma-2) -> com.microsoft GroupQueryAttention",
         aliases=("group_query_attention_fusion", "GroupQueryAttentionFusion", "GQAFusion"),
         numerics=Numerics.REASSOCIATING,
         priority=4450,
@@ -1944,6 +2006,8 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         grouped = (key.repeated and value.repeated) or _shared_head(ctx, match)
         if not grouped and not match.softcap:
             return None  # one KV head per query head: MultiHeadAttention's (no softcap)
+        if _grouped_cache(match):
+            return _grouped_cache_plan(ctx, match, heads, head_size)
         if key.projection is None or value.projection is None:
             return (
                 "the grouped key/value are not plain head splits of projections (a KV cache, "
@@ -1989,12 +2053,15 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     def _prelude(
         self, ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
     ) -> _Prelude:
-        """seqlens_k ([B] int32, S - 1: every key is there; padding is in the mask) and
-        total_sequence_length (S), from the query's shape; shared by the layers whose queries
-        have the same named batch and sequence dimensions."""
+        """seqlens_k ([B] int32, T - 1: every key is there; padding is in the mask) and
+        total_sequence_length (T: the query's length S, plus the past's P with a KV cache),
+        from the shapes; shared by the layers whose queries (and pasts) have the same named
+        dimensions."""
         shape = ctx.shape(match.query)
         assert shape is not None
-        dims = (shape[0], shape[1])
+        past = match.key.cache.past if _grouped_cache(match) else None  # type: ignore[union-attr]
+        past_shape = ctx.shape(past) if past is not None else None
+        dims = (shape[0], shape[1], *(() if past_shape is None else (past_shape[2],)))
         named = all(isinstance(d, int) or d.value is not None for d in dims)
         if named and dims in shared:
             return list(shared[dims]), []
@@ -2004,23 +2071,27 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         one = new_constant(graph, f"{base}/one", np.array(1, np.int32))
         second = new_constant(graph, f"{base}/sequence_axis", np.array(1, np.int64))
         first = new_constant(graph, f"{base}/batch_axis", np.array([0], np.int64))
+        int32, int64 = ir.DataType.INT32, ir.DataType.INT64
         query_shape = ir.node("Shape", [match.query])
         sequence = ir.node("Gather", [query_shape.outputs[0], second])
-        total = ir.node("Cast", [sequence.outputs[0]], attributes={"to": ir.DataType.INT32})
+        computed = [(query_shape, int64, [3]), (sequence, int64, [])]
+        length = sequence
+        if past is not None:  # T = P + S
+            third = new_constant(graph, f"{base}/past_axis", np.array(2, np.int64))
+            past_shape = ir.node("Shape", [past])
+            past_length = ir.node("Gather", [past_shape.outputs[0], third])
+            summed = ir.node("Add", [past_length.outputs[0], sequence.outputs[0]])
+            computed += [(past_shape, int64, [4]), (past_length, int64, []), (summed, int64, [])]
+            length = summed
+        total = ir.node("Cast", [length.outputs[0]], attributes={"to": int32})
         last = ir.node("Sub", [total.outputs[0], one])
         batch = ir.node("Gather", [query_shape.outputs[0], first])
         seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
-        int32, int64 = ir.DataType.INT32, ir.DataType.INT64
-        for node, dtype, known in (
-            (query_shape, int64, [3]),
-            (sequence, int64, []),
-            (total, int32, []),
-            (last, int32, []),
-            (batch, int64, [1]),
-            (seqlens, int32, [dims[0]]),
-        ):
+        computed += [(total, int32, []), (last, int32, []), (batch, int64, [1])]
+        computed.append((seqlens, int32, [dims[0]]))
+        for node, dtype, known in computed:
             typed(node.outputs[0], dtype, ir.Shape(known))
         lengths = (seqlens.outputs[0], total.outputs[0])
         if named:
             shared[dims] = lengths
-        return list(lengths), [query_shape, sequence, total, last, batch, seqlens]
+        return list(lengths), [node for node, _, _ in computed]

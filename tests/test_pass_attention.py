@@ -455,16 +455,7 @@ def _decode_shapes(batch: int, sequence: int, past: int) -> str:
         ("ts17", 3, 1),
         ("dynamo", 3, 1),
         ("ts17", 1, 3),
-        pytest.param(
-            "dynamo",
-            1,
-            3,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="with the batch fixed to 1, dynamo's repeated key is not provably "
-                "[batch, heads, length, head size] (no attention pass takes it, as before)",
-            ),
-        ),
+        ("dynamo", 1, 3),
     ],
 )
 def test_grouped_cache_becomes_group_query_attention_with_its_past(

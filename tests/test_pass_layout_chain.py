@@ -117,6 +117,24 @@ def test_repeated_heads_folded_for_a_batched_matmul_become_a_head_split(tmp_path
     compare_on_feeds(model, run.output, _feeds([3, 2, 2, 6, 8]))
 
 
+def test_a_batch_of_one_stays_in_front_of_the_heads(tmp_path: Path) -> None:
+    """The same K^T with the batch fixed to 1 (a decode graph, --input_shape): the unit axis
+    holds no piece of the source, and goes just before the heads in the head split, Reshape([1,
+    4, 6, 8]) then Transpose([0, 1, 3, 2])."""
+    steps = [
+        ("Reshape", [1, 4, 6, 8]),
+        ("Reshape", [4, 6, 8]),
+        ("Transpose", [0, 2, 1]),
+        ("Reshape", [1, 4, 8, 6]),
+    ]
+    model = _chain(tmp_path / "kt1.onnx", steps, [1, 2, 2, 6, 8], [1, 4, 8, 6])
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, CANONICAL) == {"LayoutChain": (1, 1)}
+    counts = run.op_counts()
+    assert counts["Reshape"] == counts["Transpose"] == 1
+    compare_on_feeds(model, run.output, _feeds([1, 2, 2, 6, 8]))
+
+
 def test_head_split_stays(tmp_path: Path) -> None:
     """A head split [B, S, C] -> [B, N, S, H] interleaves pieces of two axes: no single op
     computes it, and it is no near miss either."""

@@ -136,13 +136,20 @@ class Layout:
     def as_reshape_transpose(self) -> tuple[list[int], list[int]] | None:
         """(Reshape target, perm) when this layout is a Reshape of the source that keeps its
         order, then a Transpose: each axis one run of the source's pieces (a head split: the
-        runs regrouped, then reordered)."""
+        runs regrouped, then reordered). A unit axis, which holds no piece, goes just before
+        the next axis that does (a batch of 1 stays in front of the heads)."""
         flat = [leaf for axis in self.source for leaf in self.leaves(axis)]
         runs = [self.leaves(axis) for axis in self.axes]
-        if any(not run for run in runs):
+        if not any(runs):
             return None
-        starts = [flat.index(run[0]) if run[0] in flat else -1 for run in runs]
-        order = sorted(range(len(runs)), key=lambda axis: starts[axis])
+        starts = [flat.index(run[0]) if run and run[0] in flat else -1 for run in runs]
+        following = len(flat)
+        for axis in reversed(range(len(runs))):  # a unit axis: the start of the next run
+            if runs[axis]:
+                following = starts[axis]
+            else:
+                starts[axis] = following
+        order = sorted(range(len(runs)), key=lambda axis: (starts[axis], bool(runs[axis])))
         if [leaf for axis in order for leaf in runs[axis]] != flat:
             return None
         target = self._reshape_target([self.axes[axis] for axis in order])

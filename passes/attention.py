@@ -127,8 +127,12 @@ class _Cache:
     takes the past and the projection and computes that Concat itself (its present output)."""
 
     past: ir.Value
-    projection: ir.Value
+    # The [B, L, N*H] projection the new heads are a plain split of; None for heads
+    # transformed after the split (Qwen3's per-head key norm), which a fused op may read
+    # merged instead.
+    projection: ir.Value | None
     nodes: list[ir.Node]  # the Concat and the head split
+    heads: ir.Value  # the new heads [B, N, L, H]
 
 
 @dataclass
@@ -176,7 +180,7 @@ def _appended(ctx: PassContext, value: ir.Value) -> _Cache | None:
         return None
     nodes = [concat]
     projection = _split_heads(ctx, new, nodes)
-    return None if projection is None else _Cache(past, projection, nodes)
+    return _Cache(past, projection, nodes, new)
 
 
 def _key_source(
@@ -1685,6 +1689,8 @@ def _appended_plan(ctx: PassContext, match: _Attention, heads: int, head_size: i
     if key.cache is None or value.cache is None:
         return None
     for cache, size in ((key.cache, head_size), (value.cache, None)):
+        if cache.projection is None:
+            return None
         shape = ctx.shape(cache.projection)
         if shape is None or len(shape) != 3 or not _is_heads(ctx, cache.past, heads, size):
             return None
@@ -1701,6 +1707,33 @@ def _grouped_cache(match: _Attention) -> bool:
     return bool(key.repeated and value.repeated and key.cache and value.cache)
 
 
+def _decode_shaped(ctx: PassContext, match: _Attention) -> bool:
+    """Whether the query's batch or sequence is fixed to 1: onnxruntime's GroupQueryAttention
+    takes a past only then."""
+    query = ctx.shape(match.query)
+    return query is not None and (query[0] == 1 or query[1] == 1)
+
+
+def _merged_cache_heads(
+    ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+) -> list[ir.Node] | str:
+    """The new heads of a grouped KV cache that are no plain head split, merged to the
+    [B, L, KV*H] projection GroupQueryAttention reads (where it will take the cache)."""
+    if not _decode_shaped(ctx, match):
+        return []  # the plan says why
+    nodes: list[ir.Node] = []
+    for operand in (match.key, match.value):
+        cache = operand.cache
+        if cache is None or cache.projection is not None:
+            continue
+        found = _merged_heads(ctx, cache.heads, shared, transposed=True, graph=_graph(match))
+        if isinstance(found, str):
+            return found
+        cache.projection, merged = found
+        nodes += merged
+    return nodes
+
+
 def _grouped_cache_plan(
     ctx: PassContext, match: _Attention, heads: int, head_size: int
 ) -> _Plan | str:
@@ -1711,8 +1744,7 @@ def _grouped_cache_plan(
     key, value = match.key, match.value
     assert key.cache is not None and value.cache is not None
     assert key.kv is not None and value.kv is not None
-    query = ctx.shape(match.query)
-    if query is None or (query[0] != 1 and query[1] != 1):
+    if not _decode_shaped(ctx, match):
         return (
             "onnxruntime's GroupQueryAttention takes a past only for one sequence or one new "
             "token at a time, and the batch and sequence are not fixed to 1 (--input_shape "
@@ -1723,7 +1755,8 @@ def _grouped_cache_plan(
             f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
             f"{_GQA_HEAD_SIZE_MULTIPLE}"
         )
-    widths = [ctx.shape(cache.projection) for cache in (key.cache, value.cache)]
+    projections = [cache.projection for cache in (key.cache, value.cache)]
+    widths = [ctx.shape(v) if v is not None else None for v in projections]
     if any(w is None or len(w) != 3 for w in widths):
         return "the key/value projections are not 3-D [batch, length, hidden]"
     hidden = {w[2] for w in widths}  # type: ignore[index]
@@ -2036,7 +2069,11 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     ) -> list[ir.Node] | str:
         """One key/value head shared by every query head (multi-query attention) that is no
         plain head split (transformed after the split: rotary; sliced from a fused QKV
-        projection: GPT-BigCode): read merged, [B, L, H]; its repeat goes with the match."""
+        projection: GPT-BigCode): read merged, [B, L, H]; its repeat goes with the match.
+        Likewise the new heads a KV cache appends that are no plain head split (a per-head
+        key norm)."""
+        if _grouped_cache(match):
+            return _merged_cache_heads(ctx, match, shared)
         if not _shared_head(ctx, match):
             return []
         nodes: list[ir.Node] = []

@@ -549,13 +549,16 @@ def _grouped(
     target: str = "constant",
     past: bool = False,
     broadcast: bool = False,
+    key_gain: bool = False,
 ) -> Path:
     """``repeat``: copies of each key/value head (heads / kv_heads); ``scale``: Mul by
     1/sqrt(H) or Div by sqrt(H); ``kv``: K and V projected (MatMul) and split into heads, fed
     as inputs of unknown width, or "one_head": projected to one head [B, 1, S, H] by an
     Unsqueeze, no split (GPT-BigCode); ``target``: repeat_kv's Reshape target a constant or a
     graph input ``kv_shape``; ``past``: the heads appended to a cache ``past_k`` / ``past_v``
-    [B, KV, P, H]; ``broadcast``: no repeat_kv, the MatMuls broadcast the key/value heads."""
+    [B, KV, P, H]; ``broadcast``: no repeat_kv, the MatMuls broadcast the key/value heads;
+    ``key_gain``: the key heads scaled per element of the head after the split (a per-head
+    norm's weight), so that they are no plain split."""
     rng = np.random.default_rng(0)
     nodes = [
         _n("MatMul", ["x", "wq"], "Q"),
@@ -593,6 +596,10 @@ def _grouped(
                 _n("Transpose", [f"{t}_heads"], f"{t}_split", perm=[0, 2, 1, 3]),
             ]
         read = f"{t}_split"
+        if key_gain and t == "k":
+            initializers.append(const("k_gain", rng.uniform(0.5, 1.5, head)))
+            nodes.append(_n("Mul", [read, "k_gain"], "k_scaled"))
+            read = "k_scaled"
         if past:
             inputs.append(value(f"past_{t}", ["batch", kv_heads, "past", head]))
             nodes.append(_n("Concat", [f"past_{t}", read], f"{t}_cache", axis=2))
@@ -637,6 +644,37 @@ def _grouped_feeds(
 def _fused_ops(run: Run) -> Counter[str]:
     graph = _graph(run.output)
     return Counter(n.op_type for n in graph.node if n.domain == MS)
+
+
+def test_grouped_cache_of_transformed_heads_is_read_merged(tmp_path: Path) -> None:
+    """A grouped KV cache whose new key heads are transformed after the split (Qwen3's
+    per-head key norm; here a gain per head element): with the batch fixed to 1,
+    GroupQueryAttention reads them merged back to [B, L, KV*H] and takes the cache as its
+    past; with free shapes the cache stays MultiHeadAttention's, with the reason."""
+    model = _grouped(tmp_path / "gain.onnx", past=True, key_gain=True)
+    shapes = "x:1,3,32;mask:1,1,3,7;past_k:1,2,4,16;past_v:1,2,4,16"
+    (tmp_path / "fixed").mkdir()
+    run = optimize_checked(model, tmp_path / "fixed", "--input_shape", shapes, compare=False)
+    assert run.counts(GQA) == (1, 1)
+    (node,) = [n for n in _graph(run.output).node if n.op_type == "GroupQueryAttention"]
+    assert list(node.input[3:5]) == ["past_k", "past_v"]
+    producers = _producers(_graph(run.output))
+    merge = producers[node.input[1]]  # the scaled heads, back to [B, L, KV*H]
+    swap = producers[merge.input[0]]
+    assert (merge.op_type, swap.op_type, producers[swap.input[0]].op_type) == (
+        "Reshape",
+        "Transpose",
+        "Mul",
+    )
+    feeds = _grouped_feeds(model, batch=1, seq=3, kv_len=7, past=4)
+    compare_on_feeds(model, run.output, feeds)
+    (tmp_path / "free").mkdir()
+    free = optimize_checked(model, tmp_path / "free", compare=False)
+    assert free.counts(MHA) == (1, 1)
+    assert list(reasons(free, GQA)) == [
+        "onnxruntime's GroupQueryAttention takes a past only for one sequence or one new token "
+        "at a time, and the batch and sequence are not fixed to 1 (--input_shape can fix them)"
+    ]
 
 
 @pytest.mark.parametrize("scale", ["mul", "div"])

@@ -1750,30 +1750,19 @@ def _grouped_cache_plan(
             "token at a time, and the batch and sequence are not fixed to 1 (--input_shape "
             "can fix them)"
         )
-    if head_size % _GQA_HEAD_SIZE_MULTIPLE:
-        return (
-            f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
-            f"{_GQA_HEAD_SIZE_MULTIPLE}"
-        )
-    projections = [cache.projection for cache in (key.cache, value.cache)]
-    widths = [ctx.shape(v) if v is not None else None for v in projections]
-    if any(w is None or len(w) != 3 for w in widths):
-        return "the key/value projections are not 3-D [batch, length, hidden]"
-    hidden = {w[2] for w in widths}  # type: ignore[index]
-    width = hidden.pop() if len(hidden) == 1 else None
-    if not isinstance(width, int) or width % head_size or heads % (width // head_size):
-        return "the key/value projections' hidden size is unknown or does not divide the heads"
-    kv_heads = width // head_size
-    for operand, size in ((key, head_size), (value, None)):
-        assert operand.cache is not None and operand.kv is not None
-        if not _is_heads(ctx, operand.cache.past, kv_heads, size):
+    if (reason := _gqa_head_size(head_size)) is not None:
+        return reason
+    projections = [key.cache.projection, value.cache.projection]
+    repeats = [
+        dataclasses.replace(key, nodes=key.kv[1]),
+        dataclasses.replace(value, nodes=value.kv[1]),
+    ]
+    kv_heads = _kv_heads(ctx, projections, repeats, heads, head_size)
+    if isinstance(kv_heads, str):
+        return kv_heads
+    for past, size in ((key.cache.past, head_size), (value.cache.past, None)):
+        if not _is_heads(ctx, past, kv_heads, size):
             return "the past key or value is not provably [batch, KV heads, length, head size]"
-        repeat = dataclasses.replace(operand, nodes=operand.kv[1])
-        if not _repeats_each_head(ctx, repeat, heads, head_size, heads // kv_heads):
-            return (
-                f"the repeat_kv is not provably {heads // kv_heads} copies of each of the "
-                f"{kv_heads} key/value heads"
-            )
     inputs = [
         match.query,
         key.cache.projection,
@@ -1911,10 +1900,17 @@ def _query_length(ctx: PassContext, match: _Attention, operand: _Heads) -> bool:
     return length is not None and length == symbolic_size(ctx, match.query, 1)
 
 
-def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -> int | str:
-    """How many key/value heads the plain key and value projections hold (their width over the
-    head size), or why that is unknown or does not divide the query heads."""
-    widths = [ctx.shape(v) for v in (match.key.projection, match.value.projection) if v]
+def _kv_heads(
+    ctx: PassContext,
+    projections: list[ir.Value | None],
+    repeats: list[_Heads],
+    heads: int,
+    head_size: int,
+) -> int | str:
+    """How many key/value heads the key and value ``projections`` hold (their width over the
+    head size), with each of ``repeats`` (operands whose nodes hold a repeat_kv) provably
+    repeating every one of them alike; else why not."""
+    widths = [ctx.shape(v) for v in projections if v is not None]
     if len(widths) != 2 or any(w is None or len(w) != 3 for w in widths):
         return "the key/value projections are not 3-D [batch, length, hidden]"
     hidden = {w[2] for w in widths}  # type: ignore[index]
@@ -1925,8 +1921,8 @@ def _kv_heads(ctx: PassContext, match: _Attention, heads: int, head_size: int) -
     if heads % kv_heads:
         return "the key/value heads do not divide the query heads"
     times = heads // kv_heads
-    for operand in (match.key, match.value):
-        if operand.repeated and not _repeats_each_head(ctx, operand, heads, head_size, times):
+    for operand in repeats:
+        if not _repeats_each_head(ctx, operand, heads, head_size, times):
             return (
                 f"the repeat_kv is not provably {times} copies of each of the {kv_heads} "
                 "key/value heads"
@@ -1994,7 +1990,8 @@ class AttentionFusionPass(_AttentionFusion):
             )
         if key.repeated != value.repeated:
             return "only one of key and value has repeated heads"
-        kv_heads = _kv_heads(ctx, match, heads, head_size)
+        repeats = [operand for operand in (key, value) if operand.repeated]
+        kv_heads = _kv_heads(ctx, [key.projection, value.projection], repeats, heads, head_size)
         if isinstance(kv_heads, str):
             return kv_heads
         attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads}
@@ -2004,6 +2001,16 @@ class AttentionFusionPass(_AttentionFusion):
 
 # onnxruntime's CPU GroupQueryAttention kernel rejects other head sizes at run time.
 _GQA_HEAD_SIZE_MULTIPLE = 16
+
+
+def _gqa_head_size(head_size: int) -> str | None:
+    """Why GroupQueryAttention cannot take this head size, or None."""
+    if head_size % _GQA_HEAD_SIZE_MULTIPLE == 0:
+        return None
+    return (
+        f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
+        f"{_GQA_HEAD_SIZE_MULTIPLE}"
+    )
 
 
 @register_pass
@@ -2051,12 +2058,10 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
                 "the key/value length is not provably the query's (a KV cache, or "
                 "cross-attention), which GroupQueryAttention without a past assumes"
             )
-        if head_size % _GQA_HEAD_SIZE_MULTIPLE:
-            return (
-                f"head size {head_size}: onnxruntime's GroupQueryAttention takes multiples of "
-                f"{_GQA_HEAD_SIZE_MULTIPLE}"
-            )
-        kv_heads = _kv_heads(ctx, match, heads, head_size)
+        if (reason := _gqa_head_size(head_size)) is not None:
+            return reason
+        repeats = [operand for operand in (key, value) if operand.repeated]
+        kv_heads = _kv_heads(ctx, [key.projection, value.projection], repeats, heads, head_size)
         if isinstance(kv_heads, str):
             return kv_heads
         # causal=0: the model's own additive mask (attention_bias) masks everything it masked.

@@ -650,13 +650,32 @@ def _spanning_weight(rewrite: Callable[..., Any]) -> Callable[..., Any]:
 
 def _scaled_next(site: Site, **bindings: Any) -> bool:
     """Whether a norm without a weight is one: not the inside of a weighted norm, whose output
-    a Mul reads, perhaps after a Cast (that norm is the weighted rules' match, taken or
-    declined with their reason)."""
+    a Mul by a weight reads, perhaps after a Cast (that norm is the weighted rules' match,
+    taken or declined with their reason). A Mul whose other operand is computed from the
+    norm's output is no weight: the next norm's x * rsqrt(mean(x^2)) (NanoChat's norm before
+    the first layer, read by that layer's norm)."""
     del bindings
-    readers = [use.node for use in site.root.outputs[0].uses()]
+    output = site.root.outputs[0]
+    values = [output]
+    readers = [use.node for use in output.uses()]
     while readers and all(node.op_type == "Cast" for node in readers):  # the fp16 form's rounding
-        readers = [use.node for node in readers for use in node.outputs[0].uses()]
-    return not any(node.op_type == "Mul" for node in readers)
+        values = [node.outputs[0] for node in readers]
+        readers = [use.node for value in values for use in value.uses()]
+    return not any(
+        node.op_type == "Mul"
+        and not all(_computed_from(v, output) for v in node.inputs if v not in values)
+        for node in readers
+    )
+
+
+def _computed_from(value: ir.Value | None, source: ir.Value, depth: int = 8) -> bool:
+    """Whether ``value`` is computed from ``source`` within ``depth`` ops."""
+    if value is source:
+        return True
+    node = value.producer() if value is not None else None
+    if node is None or depth == 0:
+        return False
+    return any(_computed_from(v, source, depth - 1) for v in node.inputs)
 
 
 _RMS_FORMS = ("Reciprocal", "DivOne", "Div")

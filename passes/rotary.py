@@ -85,6 +85,9 @@ class _Rotary:
     nodes: list[ir.Node]
     root: ir.Node
     interleaved: bool = False  # rotate every two (GPT-J), not rotate_half
+    # The rotated part negated (NanoChat's Concat(x2, -x1)): a rotation by -angle, which is
+    # RotaryEmbedding with the sin cache negated.
+    flipped: bool = False
 
 
 def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
@@ -96,19 +99,35 @@ def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
     return node.inputs[0] if rank - 1 in [a % rank for a in axes] else None
 
 
-def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list] | None:
+def _one_negated(
+    first: ir.Value | None, second: ir.Value | None
+) -> tuple[ir.Value, ir.Value, ir.Node, bool] | None:
+    """A rotation's two parts, the first of which is negated (-x2, x1), or the second (x2,
+    -x1: the rotation's negation, ``flipped``): (the first part, negation undone; the second
+    part, likewise; the Neg; flipped)."""
+    for flipped, negated, plain in ((False, first, second), (True, second, first)):
+        negate = producer_of(negated, "Neg")
+        if negate is not None and plain is not None and negate.inputs[0] is not None:
+            parts = (plain, negate.inputs[0]) if flipped else (negate.inputs[0], plain)
+            return parts[0], parts[1], negate, flipped
+    return None
+
+
+def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list, bool] | None:
     """x [..., R] from Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., 0::2],
-    -1), axis=-1), [..., R]) (GPT-J's rotate_every_two), and the nodes doing it."""
+    -1), axis=-1), [..., R]) (GPT-J's rotate_every_two) or its negation (the Neg on the even
+    part), the nodes doing it and whether it is negated."""
     reshape = producer_of(value, "Reshape")
     concat = producer_of(reshape.inputs[0], "Concat") if reshape is not None else None
     if concat is None or len(concat.inputs) != 2:
         return None
     if concat.attributes.get_int("axis") not in (-1, 4):
         return None
-    negated, even_value = (_last_axis_unsqueeze(v, 5) for v in concat.inputs)
-    negate = producer_of(negated, "Neg")
-    odd = producer_of(negate.inputs[0], "Slice") if negate is not None else None
-    even = producer_of(even_value, "Slice")
+    signed = _one_negated(*(_last_axis_unsqueeze(v, 5) for v in concat.inputs))
+    if signed is None:
+        return None
+    odd_value, even_value, negate, flipped = signed
+    odd, even = producer_of(odd_value, "Slice"), producer_of(even_value, "Slice")
     if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
         return None
     x = even.inputs[0]
@@ -129,7 +148,7 @@ def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, l
     if odd_range[0] != 1 or even_range[0] != 0 or min(odd_range[1], even_range[1]) < shape[3]:
         return None
     nodes = [reshape, concat, negate, odd, even]
-    return x, nodes + [v.producer() for v in concat.inputs]
+    return x, nodes + [v.producer() for v in concat.inputs], flipped
 
 
 def _keeps_leading(
@@ -146,8 +165,9 @@ def _keeps_leading(
     return all(_same_dim(before[axis], after[axis]) or copied(axis) for axis in range(count))
 
 
-def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
-    """x from Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1), and the nodes doing it."""
+def _rotate_half_of(value: ir.Value, head_size: int) -> tuple[ir.Value, list, bool] | None:
+    """x from Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1) or its negation Concat(x[...,
+    H/2:], Neg(x[..., :H/2])), the nodes doing it and whether it is negated."""
     concat = producer_of(value, "Concat")
     if (
         concat is None
@@ -155,9 +175,11 @@ def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
         or concat.attributes.get_int("axis") not in (-1, 3)
     ):
         return None
-    negate = producer_of(concat.inputs[0], "Neg")
-    high = producer_of(negate.inputs[0], "Slice") if negate is not None else None
-    low = producer_of(concat.inputs[1], "Slice")
+    signed = _one_negated(*concat.inputs)
+    if signed is None:
+        return None
+    high_value, low_value, negate, flipped = signed
+    high, low = producer_of(high_value, "Slice"), producer_of(low_value, "Slice")
     if high is None or low is None or high.inputs[0] is not low.inputs[0]:
         return None
     half = head_size // 2
@@ -166,7 +188,7 @@ def _rotate_half_of(value: ir.Value, head_size: int) -> ir.Value | None:
         return None
     if high_range[0] != half or high_range[1] < head_size or low_range != (0, half):
         return None
-    return low.inputs[0]
+    return low.inputs[0], [concat, negate, high, low], flipped
 
 
 def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
@@ -180,15 +202,12 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
             if shape is None or len(shape) != 4 or not isinstance(shape[3], int):
                 continue
             for half_turn, sin in (rotated.inputs, rotated.inputs[::-1]):
-                if _rotate_half_of(half_turn, int(shape[3])) is x:
-                    concat = half_turn.producer()
-                    negate = concat.inputs[0].producer()
-                    slices = [negate.inputs[0].producer(), concat.inputs[1].producer()]
-                    nodes = [add, direct, rotated, concat, negate, *slices]
-                    return _Rotary(x, cos, sin, nodes, add)
-                pairs = _rotate_every_two_of(ctx, half_turn)
-                if pairs is not None and pairs[0] is x:
-                    return _Rotary(x, cos, sin, [add, direct, rotated, *pairs[1]], add, True)
+                halves = _rotate_half_of(half_turn, int(shape[3]))
+                pairs = None if halves is not None else _rotate_every_two_of(ctx, half_turn)
+                for found, interleaved in ((halves, False), (pairs, True)):
+                    if found is not None and found[0] is x:
+                        nodes = [add, direct, rotated, *found[1]]
+                        return _Rotary(x, cos, sin, nodes, add, interleaved, found[2])
     return None
 
 
@@ -348,23 +367,39 @@ def _dims(ctx: PassContext, value: ir.Value) -> list[int | ir.SymbolicDim] | Non
     return dims
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Where the rows of a cos / sin table run in x [B, ., ., R]: x's position ``axis``, the
+    table's size there, and whether the table holds such rows for each batch row (positions
+    per row: a [B, S] position_ids input, multimodal rotary) rather than one set for all."""
+
+    axis: int
+    rows: int | ir.SymbolicDim
+    per_batch: bool
+
+
 def _position_axis(
     table: list[int | ir.SymbolicDim], x: ir.Shape, candidates: tuple[int, ...]
-) -> tuple[int, int | ir.SymbolicDim] | str:
-    """(axis, rows): the axis of x [B, ., ., R] the cos / sin table's rows run along, of
-    ``candidates`` (2 for heads transposed to [B, N, S, R], 1 for [B, S, N, R]) the first along
-    which alone the table may vary (broadcast along its others but the last), and the table's
-    size there; else why there is none."""
+) -> _Rows | str:
+    """The rows of the cos / sin table in x [B, ., ., R], along the first of ``candidates``
+    (2 for heads transposed to [B, N, S, R], 1 for [B, S, N, R]) along which alone, besides
+    the batch, the table may vary (broadcast along its other axes but the last); else why
+    there is none. A table varying along the batch must have x's batch."""
     padded = [1] * (4 - len(table)) + list(table)
+    per_batch = padded[0] != 1
+    if per_batch and not _same_dim(padded[0], x[0]):
+        return "cos / sin have a batch axis that is not provably the input's batch"
     fitting = [
-        axis for axis in candidates if all(d == 1 for i, d in enumerate(padded[:3]) if i != axis)
+        axis
+        for axis in candidates
+        if all(d == 1 for i, d in enumerate(padded[1:3], 1) if i != axis)
     ]
     if not fitting:
-        return "cos / sin differ per batch row or head (position ids per row)"
+        return "cos / sin differ per head"
     for axis in fitting:
         rows, positions = padded[axis], x[axis]
         if rows == positions or (rows != 1 and not isinstance(positions, int)):
-            return axis, rows
+            return _Rows(axis, rows, per_batch)
     return "cos / sin do not have one row per query position"
 
 
@@ -413,7 +448,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("RotaryEmbedding")
-        caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]] = {}
+        caches: dict[tuple[ir.Value, ir.Value, bool], tuple[ir.Value, ir.Value, ir.Value]] = {}
         for add in ctx.op_index.of_type(model.graph, "Add"):
             if add.graph is not model.graph:
                 continue
@@ -430,9 +465,11 @@ class RotaryEmbeddingFusionPass(FusionPass):
         kind: str,
         shape: tuple[int | ir.SymbolicDim, int],
         label: str,
+        negated: bool = False,
     ) -> tuple[list[ir.Node], ir.Value]:
         """``shape`` [S, R/2] rows of cos or sin: one copy of each angle of the last axis (its
-        first half, or every second element), flattened; a constant table gives a constant."""
+        first half, or every second element), flattened, ``negated`` or not; a constant table
+        gives a constant."""
         graph = angles.graph
         assert graph is not None
         half, step = shape[1], (1 if kind == HALVES else 2)
@@ -440,7 +477,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         table = constant_value(angles)
         if table is not None:  # a constant table: its cache is a constant too
             copy = np.ascontiguousarray(table[..., 0:ends:step].reshape(-1, half))
-            return [], new_constant(graph, f"{label}/cache", copy)
+            return [], new_constant(graph, f"{label}/cache", -copy if negated else copy)
         bounds = {"starts": [0], "ends": [ends], "axes": [-1], "steps": [step], "rows": [-1, half]}
         constants = {
             suffix: new_constant(graph, f"{label}/{suffix}", np.array(numbers, np.int64))
@@ -453,14 +490,17 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if table_shape is not None:
             typed(first.outputs[0], dtype, ir.Shape([*table_shape[:-1], half]))
         typed(flat.outputs[0], dtype, ir.Shape(list(shape)))
-        return [first, flat], flat.outputs[0]
+        if not negated:
+            return [first, flat], flat.outputs[0]
+        negate = ir.node("Neg", [flat.outputs[0]])
+        return [first, flat, negate], typed(negate.outputs[0], dtype, ir.Shape(list(shape)))
 
     @classmethod
     def _fuse(
         cls,
         ctx: PassContext,
         match: _Rotary,
-        caches: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value]],
+        caches: dict[tuple[ir.Value, ir.Value, bool], tuple[ir.Value, ir.Value, ir.Value]],
     ) -> str | None:
         shape = ctx.shape(match.x)
         assert shape is not None
@@ -468,7 +508,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         kind = PAIRS if match.interleaved else HALVES
         # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
         split = _head_split(ctx, match.x)
-        axes = set()
+        placements = set()
         for angles in (match.cos, match.sin):
             if not _repeats(ctx, angles, kind):
                 return _NOT_REPEATED[kind]
@@ -478,12 +518,12 @@ class RotaryEmbeddingFusionPass(FusionPass):
             found = _position_axis(dims, shape, (2,) if split is not None else (2, 1))
             if isinstance(found, str):
                 return found
-            axes.add(found[0])
-            rows = found[1]
-        if len(axes) != 1:
+            placements.add((found.axis, found.per_batch))
+            placement = found
+        if len(placements) != 1:
             return "cos and sin run along different axes of the input"
         # [B, S, N, H] heads not transposed: merged to [B, S, N*H] around the rotary.
-        merging = axes == {1}
+        merging = placement.axis == 1
         head_count = axis_size(ctx, match.x, 2) if merging else None
         if merging and head_count is None:
             return "the number of heads of the rotary's [B, S, N, H] input is unknown"
@@ -502,17 +542,23 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if reason is not None:
             return reason
         new_nodes: list[ir.Node] = []
-        key = (match.cos, match.sin)
+        key = (match.cos, match.sin, match.flipped)
         new_cache = key not in caches
         if new_cache:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
-            rows_shape = (rows, head_size // 2)
+            rows_shape = (_cache_rows(placement, shape[0]), head_size // 2)
             cos_nodes, cos_cache = cls._cache(ctx, match.cos, kind, rows_shape, f"{label}/cos")
-            sin_nodes, sin_cache = cls._cache(ctx, match.sin, kind, rows_shape, f"{label}/sin")
+            sin_nodes, sin_cache = cls._cache(
+                ctx, match.sin, kind, rows_shape, f"{label}/sin", negated=match.flipped
+            )
             new_nodes += cos_nodes + sin_nodes
-            caches[key] = (cos_cache, sin_cache)
-        cos_cache, sin_cache = caches[key]
-        offset = _position_offset(match.root.graph)
+            if placement.per_batch:
+                id_nodes, positions = _batch_row_positions(ctx, match.cos, placement, label)
+                new_nodes += id_nodes
+            else:
+                positions = _position_offset(match.root.graph)
+            caches[key] = (cos_cache, sin_cache, positions)
+        cos_cache, sin_cache, positions = caches[key]
         source = split[0].inputs[0] if split is not None else match.x
         attributes = {"interleaved": int(match.interleaved)}
         if merging:  # [B, S, N, H] -> [B, S, N*H], as the kernel's 3-D input
@@ -534,7 +580,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             attributes["num_heads"] = head_count
         rotary = ir.node(
             "RotaryEmbedding",
-            [source, offset, cos_cache, sin_cache],
+            [source, positions, cos_cache, sin_cache],
             attributes=attributes,
             domain=MS,
         )
@@ -570,6 +616,47 @@ class RotaryEmbeddingFusionPass(FusionPass):
 
 
 _OFFSET_NAME = "RotaryEmbeddingFusionPass/position_offset"
+
+
+def _cache_rows(placement: _Rows, batch: int | ir.SymbolicDim) -> int | ir.SymbolicDim:
+    """How many rows the flattened cache has: the table's, times the batch for a table with
+    rows per batch row (unknown unless both are static)."""
+    if not placement.per_batch:
+        return placement.rows
+    if isinstance(placement.rows, int) and isinstance(batch, int):
+        return batch * placement.rows
+    return ir.SymbolicDim(None)
+
+
+def _batch_row_positions(
+    ctx: PassContext, table: ir.Value, placement: _Rows, label: str
+) -> tuple[list[ir.Node], ir.Value]:
+    """position_ids [B, S] reading a per-batch-row table [B, ., S, R] flattened to [B*S, R/2]:
+    b * S + s for batch row b and query row s. A constant when B and S are static; else
+    Range(0, B*S) shaped [B, S], B and S read from the table at run time."""
+    graph = table.graph
+    assert graph is not None
+    batch, rows = ctx.shape(table)[0], placement.rows  # type: ignore[index]
+    if isinstance(batch, int) and isinstance(rows, int):
+        ids = np.arange(batch * rows, dtype=np.int64).reshape(batch, rows)
+        return [], new_constant(graph, f"{label}/position_ids", ids)
+    numbers = {"axes": ([0, placement.axis], [2]), "zero": (0, []), "one": (1, [])}
+    constants = {
+        name: new_constant(graph, f"{label}/{name}", np.array(value, np.int64).reshape(dims))
+        for name, (value, dims) in numbers.items()
+    }
+    shape = ir.node("Shape", [table])
+    sizes = ir.node("Gather", [shape.outputs[0], constants["axes"]], attributes={"axis": 0})
+    count = ir.node("ReduceProd", [sizes.outputs[0]], attributes={"keepdims": 0})
+    ids = ir.node("Range", [constants["zero"], count.outputs[0], constants["one"]])
+    grid = ir.node("Reshape", [ids.outputs[0], sizes.outputs[0]])
+    int64 = ir.DataType.INT64
+    typed(shape.outputs[0], int64, ir.Shape([len(ctx.shape(table))]))  # type: ignore[arg-type]
+    typed(sizes.outputs[0], int64, ir.Shape([2]))
+    typed(count.outputs[0], int64, ir.Shape([]))
+    typed(ids.outputs[0], int64, ir.Shape([_cache_rows(placement, batch)]))
+    positions = typed(grid.outputs[0], int64, ir.Shape([batch, rows]))
+    return [shape, sizes, count, ids, grid], positions
 
 
 def _position_offset(graph: ir.Graph | None) -> ir.Value:

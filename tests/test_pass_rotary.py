@@ -129,6 +129,28 @@ def test_llama_rotary_alone_is_split_into_heads_after(name: str, tmp_path: Path)
     assert Counter(n.op_type for n in graph.node)["Softmax"] == 2
 
 
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_position_ids_input_rotates_each_row(exporter: str, tmp_path: Path) -> None:
+    """LLaMA exported with position_ids [B, S] as an input (what generation feeds): every q and
+    k rotated by one RotaryEmbedding reading position ids b * S + s into the per-row caches,
+    and the rows agree with the original for positions that differ per row."""
+    name = f"arch/llama_positions_{exporter}"
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(ROTARY) == (4, 4)
+    graph = _graph(run.output)
+    rotaries = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotaries) == 4 and run.op_counts()["Neg"] == 0
+    assert len({n.input[1] for n in rotaries}) == 1  # one position grid, shared
+    batch, seq = 3, 5
+    feeds = random_feeds(fixture_path(name), seed=2, dims={"batch": batch, "sequence": seq})
+    feeds["attention_mask"] = np.ones((batch, seq), np.int64)
+    feeds["position_ids"] = _row_positions(batch, seq)
+    expected = run_model(fixture_path(name), feeds)
+    actual = run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_torchscript_split_point_is_the_folded_head_size(tmp_path: Path) -> None:
     """TorchScript slices q at Gather(Shape(q), 3) / 2, not a constant: only the folding of
     that static dimension lets the rotary be found; dynamo's slices are constants already."""
@@ -233,21 +255,40 @@ def _angles(
     ]
 
 
+def _negated_parts(first: str, second: str, negate: str) -> list[onnx.NodeProto]:
+    """Neg nodes for the rotated parts ``negate`` names ("first": -x2, x1 as rotate_half;
+    "second": x2, -x1, its negation as NanoChat writes it; "both"), writing <part>_n."""
+    names = {"first": [first], "second": [second], "both": [first, second]}[negate]
+    return [_n("Neg", [name], f"{name}_n") for name in names]
+
+
+def _part(name: str, negate: str, which: str) -> str:
+    return f"{name}_n" if negate in (which, "both") else name
+
+
 def _rotate(
-    x: str, *, split: str = "half", axis: str = "axis3", concat_axis: int = -1, swap: bool = False
+    x: str,
+    *,
+    split: str = "half",
+    axis: str = "axis3",
+    concat_axis: int = -1,
+    swap: bool = False,
+    negate: str = "first",
 ) -> list[onnx.NodeProto]:
     """x_out = x * cos + Concat(Neg(x[split:]), x[:split]) * sin, slicing along ``axis``;
-    ``swap`` writes every commutative operand the other way round."""
+    ``swap`` writes every commutative operand the other way round; ``negate`` says which part
+    of the Concat is negated."""
     products = [[x, "cos"], [f"{x}_rot", "sin"]]
     sums = [f"{x}_cos", f"{x}_sin"]
     if swap:
         products = [pair[::-1] for pair in products]
         sums = sums[::-1]
+    high, low = _part(f"{x}_hi", negate, "first"), _part(f"{x}_lo", negate, "second")
     return [
         _n("Slice", [x, "zero", split, axis], f"{x}_lo"),
         _n("Slice", [x, split, "max", axis], f"{x}_hi"),
-        _n("Neg", [f"{x}_hi"], f"{x}_neg"),
-        _n("Concat", [f"{x}_neg", f"{x}_lo"], f"{x}_rot", axis=concat_axis),
+        *_negated_parts(f"{x}_hi", f"{x}_lo", negate),
+        _n("Concat", [high, low], f"{x}_rot", axis=concat_axis),
         _n("Mul", products[0], f"{x}_cos"),
         _n("Mul", products[1], f"{x}_sin"),
         _n("Add", sums, f"{x}_out"),
@@ -534,10 +575,6 @@ MISSES = {
         {"scale": "per_element"},
         "cos / sin are not the same angles repeated in both halves (Concat(f, f))",
     ),
-    "per_batch_row_positions": (
-        {"positions": ["batch", "seq"]},
-        "cos / sin differ per batch row or head (position ids per row)",
-    ),
     "one_row_for_every_position": (
         {"positions": [1, 1]},
         "cos / sin do not have one row per query position",
@@ -564,6 +601,113 @@ def test_near_misses(miss: str, tmp_path: Path) -> None:
     ops = run.op_counts()
     assert (ops["RotaryEmbedding"], ops["Neg"]) == (0, 1)
     _compare(model, run, batch=3, seq=5)
+
+
+# Tables per batch row: position ids [B, S] (left padding, packed sequences) or multimodal
+# rotary give cos / sin [B, 1, S, H]. Flattened to [B*S, H/2], row b*S + s is batch row b's
+# position s: RotaryEmbedding reads it through position_ids [B, S].
+
+
+def _row_positions(batch: int, seq: int) -> np.ndarray:
+    """Positions that differ per batch row, also relative to each other (attention sees only
+    differences): row b is b, b + (b + 1), b + 2 (b + 1), ..."""
+    rows = np.arange(batch)[:, None]
+    return (rows + np.arange(seq)[None, :] * (rows + 1)).astype(np.int64)
+
+
+def _compare_rows(original: Path, run: Run, batch: int, seq: int, **dims: int) -> None:
+    """Outputs agree on onnxruntime with positions that differ per batch row."""
+    feeds = random_feeds(original, seed=1, dims={"batch": batch, "seq": seq, **dims})
+    feeds["pos"] = _row_positions(batch, seq)
+    expected, actual = run_model(original, feeds), run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("sizes", ["symbolic", "static"])
+def test_positions_per_batch_row(sizes: str, tmp_path: Path) -> None:
+    """pos [B, S]: the caches are the tables flattened to [B*S, H/2], and position_ids
+    b * S + s: a constant when B and S are static, else Range(0, B*S) shaped [B, S] from the
+    table's shape at run time."""
+    batch, seq = (3, 5) if sizes == "static" else ("batch", "seq")
+    model = _model(
+        tmp_path / f"{sizes}.onnx",
+        [*_split_heads("Q", "q", "q_target"), *_rotate("q")],
+        [value("Q", [batch, seq, HEADS * HEAD])],
+        [value("q_out", [batch, HEADS, seq, HEAD])],
+        positions=[batch, seq],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    ops = run.op_counts()
+    if sizes == "static":
+        ids = {i.name: numpy_helper.to_array(i) for i in graph.initializer}[node.input[1]]
+        np.testing.assert_array_equal(ids, np.arange(15).reshape(3, 5))
+        assert ops["Range"] == 0
+    else:
+        (grid,) = [n for n in graph.node if node.input[1] in n.output]
+        assert grid.op_type == "Reshape"
+        assert (ops["Shape"], ops["ReduceProd"], ops["Range"]) == (1, 1, 1)
+    assert (ops["RotaryEmbedding"], ops["Neg"]) == (1, 0)
+    _compare_rows(model, run, 3, 5)
+
+
+def test_interleaved_table_per_batch_row(tmp_path: Path) -> None:
+    """A RoFormer table [B, 1, S, H] per batch row: RotaryEmbedding(interleaved=1) on Q."""
+    tables = _roformer_tables()
+    model = _layout_model(
+        tmp_path / "rows.onnx", tables, _rotate_pairs("q"), table=["batch", 1, "seq", HEAD]
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (1, 0)
+    _compare(model, run, batch=3, seq=5)
+
+
+# Negated rotations: NanoChat's rotate_half is Concat(x2, -x1), the negation of LLaMA's
+# Concat(-x2, x1): a rotation by -angle, RotaryEmbedding with the sin cache negated.
+
+
+@pytest.mark.parametrize("rotation", ["halves", "pairs"])
+def test_negated_rotation_negates_the_sin_cache(rotation: str, tmp_path: Path) -> None:
+    if rotation == "halves":
+        model = _q_model(tmp_path / "halves.onnx", rotate={"negate": "second"})
+    else:
+        pairs = _rotate_pairs("q", negate="second")
+        model = _layout_model(tmp_path / "pairs.onnx", _roformer_tables(), pairs)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    (negate,) = [n for n in graph.node if n.op_type == "Neg"]
+    assert negate.output[0] == node.input[3]  # the sin cache, negated
+    _compare(model, run, batch=3, seq=5)
+
+
+@pytest.mark.parametrize("rotation", ["halves", "pairs"])
+def test_both_parts_negated_is_no_rotation(rotation: str, tmp_path: Path) -> None:
+    """Concat(-x2, -x1) is no rotation of x: not matched."""
+    if rotation == "halves":
+        model = _q_model(tmp_path / "halves.onnx", rotate={"negate": "both"})
+    else:
+        pairs = _rotate_pairs("q", negate="both")
+        model = _layout_model(tmp_path / "pairs.onnx", _roformer_tables(), pairs)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (0, 0)
+    assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (0, 2)
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_positions_of_another_batch_decline(tmp_path: Path) -> None:
+    """pos [P, S] with P not provably Q's batch (1 at run time would broadcast): declined."""
+    model = _q_model(tmp_path / "other_batch.onnx", positions=["pos_batch", "seq"])
+    run = optimize_checked(model, tmp_path)
+    reason = "cos / sin have a batch axis that is not provably the input's batch"
+    assert_declined(run, ROTARY, reason, "q_out")
+    assert run.op_counts()["RotaryEmbedding"] == 0
+    _compare(model, run, batch=3, seq=5, pos_batch=1)
 
 
 @pytest.mark.parametrize(
@@ -780,19 +924,20 @@ def _cohere_tables(heads_axis: str = "axis1") -> list[onnx.NodeProto]:
     ]
 
 
-def _rotate_pairs(x: str, *, target: str = "shape") -> list[onnx.NodeProto]:
+def _rotate_pairs(x: str, *, target: str = "shape", negate: str = "first") -> list[onnx.NodeProto]:
     """x_out = x * cos + rotate_every_two(x) * sin, the pairs Reshaped back to x's shape
-    (Shape(x), or [0, 0, 0, -1])."""
+    (Shape(x), or [0, 0, 0, -1]); ``negate`` says which part is negated (the odd one: "first")."""
     shape = [_n("Shape", [x], f"{x}_shape")] if target == "shape" else []
     merge = f"{x}_shape" if target == "shape" else "merge_pairs"
+    odd, even = _part(f"{x}_odd", negate, "first"), _part(f"{x}_even", negate, "second")
     return [
         *shape,
         _n("Slice", [x, "zero", "max", "axis_last", "two_step"], f"{x}_even"),
         _n("Slice", [x, "one", "max", "axis_last", "two_step"], f"{x}_odd"),
-        _n("Neg", [f"{x}_odd"], f"{x}_neg"),
-        _n("Unsqueeze", [f"{x}_neg", "axis_last"], f"{x}_neg_5"),
-        _n("Unsqueeze", [f"{x}_even", "axis_last"], f"{x}_even_5"),
-        _n("Concat", [f"{x}_neg_5", f"{x}_even_5"], f"{x}_pairs", axis=-1),
+        *_negated_parts(f"{x}_odd", f"{x}_even", negate),
+        _n("Unsqueeze", [odd, "axis_last"], f"{x}_odd_5"),
+        _n("Unsqueeze", [even, "axis_last"], f"{x}_even_5"),
+        _n("Concat", [f"{x}_odd_5", f"{x}_even_5"], f"{x}_pairs", axis=-1),
         _n("Reshape", [f"{x}_pairs", merge], f"{x}_rot"),
         _n("Mul", [x, "cos"], f"{x}_cos"),
         _n("Mul", [f"{x}_rot", "sin"], f"{x}_sin"),
@@ -945,12 +1090,7 @@ LAYOUT_MISSES: dict[str, tuple[Callable[[], list[onnx.NodeProto]], dict, str]] =
     "table_varies_along_heads": (
         _roformer_tables,
         {"table": [1, HEADS, "seq", HEAD]},
-        "cos / sin differ per batch row or head (position ids per row)",
-    ),
-    "table_per_batch_row": (
-        _roformer_tables,
-        {"table": ["batch", 1, "seq", HEAD]},
-        "cos / sin differ per batch row or head (position ids per row)",
+        "cos / sin differ per head",
     ),
     "one_row_for_every_position": (
         _roformer_tables,

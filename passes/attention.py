@@ -1734,6 +1734,24 @@ def _merged_cache_heads(
     return nodes
 
 
+def _merged_repeated_heads(
+    ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
+) -> list[ir.Node] | str:
+    """The key/value heads repeat_kv repeats that are no plain head split (transformed after
+    the split: Qwen3's, Gemma-3's per-head key norms), merged to the [B, L, KV*H] projection
+    GroupQueryAttention reads; the repeat goes with the match."""
+    nodes: list[ir.Node] = []
+    for operand in (match.key, match.value):
+        if operand.projection is not None or operand.kv is None or operand.cache is not None:
+            continue
+        found = _merged_heads(ctx, operand.kv[0], shared, transposed=True, graph=_graph(match))
+        if isinstance(found, str):
+            return found
+        (operand.projection, merged), operand.nodes = found, operand.kv[1]
+        nodes += merged
+    return nodes
+
+
 def _grouped_cache_plan(
     ctx: PassContext, match: _Attention, heads: int, head_size: int
 ) -> _Plan | str:
@@ -2079,6 +2097,8 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         key norm)."""
         if _grouped_cache(match):
             return _merged_cache_heads(ctx, match, shared)
+        if match.key.repeated and match.value.repeated:
+            return _merged_repeated_heads(ctx, match, shared)
         if not _shared_head(ctx, match):
             return []
         nodes: list[ir.Node] = []

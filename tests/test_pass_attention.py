@@ -677,6 +677,42 @@ def test_grouped_cache_of_transformed_heads_is_read_merged(tmp_path: Path) -> No
     ]
 
 
+def test_grouped_transformed_heads_are_read_merged(tmp_path: Path) -> None:
+    """Key heads transformed after the split and before repeat_kv (a per-head norm's weight),
+    no cache: GroupQueryAttention reads them merged back to [B, L, KV*H] and repeats them
+    itself; the value is its plain projection."""
+    model = _grouped(tmp_path / "gain.onnx", key_gain=True)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (1, 1)
+    assert run.counts(MHA) == (0, 0)
+    node = _group_query_attention(run, model, kv_heads=2)
+    assert list(node.input[::2][:3]) == ["Q", "V", ""]
+    producers = _producers(_graph(run.output))
+    merge = producers[node.input[1]]
+    swap = producers[merge.input[0]]
+    assert (merge.op_type, swap.op_type, producers[swap.input[0]].op_type) == (
+        "Reshape",
+        "Transpose",
+        "Mul",
+    )
+    assert _repeat_kv_expands(_graph(run.output)) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_per_head_key_norms_give_group_query_attention(
+    name: str, exporter: str, tmp_path: Path
+) -> None:
+    """Exports whose keys are normed per head after the split (Qwen3, Gemma-3; OLMo-2 and
+    EXAONE-4 in the matrix): GroupQueryAttention in both layers, no repeat_kv left."""
+    model = fixture_path(f"arch/{name}_{exporter}")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    ops = run.op_counts()
+    assert (ops["GroupQueryAttention"], ops["MultiHeadAttention"], ops["Softmax"]) == (2, 0, 0)
+    assert _repeat_kv_expands(_graph(run.output)) == []
+
+
 @pytest.mark.parametrize("scale", ["mul", "div"])
 def test_grouped_attention_becomes_group_query_attention(scale: str, tmp_path: Path) -> None:
     model = _grouped(tmp_path / f"{scale}.onnx", scale=scale)
@@ -727,6 +763,12 @@ GROUPED_MISSES = {
         {"kv": "input"},
         "the key/value projections' hidden size is unknown or differs",
         1,
+    ),
+    # the same with key heads transformed after the split: read merged, then declined
+    "transformed_heads_repeat_does_not_match": (
+        {"key_gain": True, "repeat": 4},
+        "the repeat_kv is not provably 2 copies of each of the 2 key/value heads",
+        2,
     ),
 }
 

@@ -546,17 +546,23 @@ class RotaryEmbeddingFusionPass(FusionPass):
         new_cache = key not in caches
         if new_cache:
             label = f"{ctx.spec.name}/{match.root.name or 'rotary'}"
-            rows_shape = (_cache_rows(placement, shape[0]), head_size // 2)
-            cos_nodes, cos_cache = cls._cache(ctx, match.cos, kind, rows_shape, f"{label}/cos")
-            sin_nodes, sin_cache = cls._cache(
-                ctx, match.sin, kind, rows_shape, f"{label}/sin", negated=match.flipped
-            )
-            new_nodes += cos_nodes + sin_nodes
-            if placement.per_batch:
-                id_nodes, positions = _batch_row_positions(ctx, match.cos, placement, label)
-                new_nodes += id_nodes
+            gathered = _gathered(ctx, match) if placement.per_batch else None
+            id_nodes: list[ir.Node] = []
+            if gathered is not None:  # cos_cached[position_ids]: its tables, the model's ids
+                cos_table, sin_table, positions = gathered
+                rows_shape = (ctx.shape(cos_table)[0], head_size // 2)  # type: ignore[index]
             else:
-                positions = _position_offset(match.root.graph)
+                cos_table, sin_table = match.cos, match.sin
+                rows_shape = (_cache_rows(placement, shape[0]), head_size // 2)
+                if placement.per_batch:
+                    id_nodes, positions = _batch_row_positions(ctx, match.cos, placement, label)
+                else:
+                    positions = _position_offset(match.root.graph)
+            cos_nodes, cos_cache = cls._cache(ctx, cos_table, kind, rows_shape, f"{label}/cos")
+            sin_nodes, sin_cache = cls._cache(
+                ctx, sin_table, kind, rows_shape, f"{label}/sin", negated=match.flipped
+            )
+            new_nodes += cos_nodes + sin_nodes + id_nodes
             caches[key] = (cos_cache, sin_cache, positions)
         cos_cache, sin_cache, positions = caches[key]
         source = split[0].inputs[0] if split is not None else match.x
@@ -616,6 +622,30 @@ class RotaryEmbeddingFusionPass(FusionPass):
 
 
 _OFFSET_NAME = "RotaryEmbeddingFusionPass/position_offset"
+
+
+def _gathered(ctx: PassContext, match: _Rotary) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(cos table, sin table, position ids) when cos / sin are rows of constant tables [P, R]
+    looked up by one int64 position_ids [B, S] (``cos_cached[position_ids]``, unsqueezed at
+    the heads axis): RotaryEmbedding reads the tables' first halves (or pairs) through those
+    very ids, which nothing needs to flatten or compute."""
+    found = []
+    for value in (match.cos, match.sin):
+        node = value.producer()
+        while node is not None and node.op_type == "Unsqueeze" and node.inputs[0] is not None:
+            node = node.inputs[0].producer()
+        if node is None or node.op_type != "Gather" or node.attributes.get_int("axis", 0) != 0:
+            return None
+        table, ids = node.inputs
+        array = constant_value(table)
+        ids_shape = ctx.shape(ids) if ids is not None else None
+        if array is None or array.ndim != 2 or ids_shape is None or len(ids_shape) != 2:
+            return None
+        found.append((table, ids))
+    (cos_table, ids), (sin_table, other) = found
+    if ids is not other or ctx.dtype(ids) != ir.DataType.INT64:
+        return None
+    return cos_table, sin_table, ids
 
 
 def _cache_rows(placement: _Rows, batch: int | ir.SymbolicDim) -> int | ir.SymbolicDim:

@@ -654,6 +654,51 @@ def test_positions_per_batch_row(sizes: str, tmp_path: Path) -> None:
     _compare_rows(model, run, 3, 5)
 
 
+@pytest.mark.parametrize("ids", ["int64", "int32"])
+def test_cached_tables_looked_up_by_position_ids(ids: str, tmp_path: Path) -> None:
+    """cos / sin = cos_cached[pos] (transformers 4's LLaMA, GPT-NeoX): constant tables [P, H]
+    looked up per batch row by int64 position ids. RotaryEmbedding reads the tables' first
+    halves through those ids, nothing flattened or computed; int32 ids (the kernel takes
+    int64) go the general way, the lookups flattened and read through b * S + s."""
+    positions = 16
+    angles = np.arange(positions)[:, None] / 10000 ** (np.arange(HALF) / HALF)
+    table = np.concatenate([angles, angles], -1)
+    nodes = [
+        *_split_heads("Q", "q", "q_target"),
+        *(_n("Gather", [f"{t}_cached", "pos"], f"{t}_rows", axis=0) for t in ("cos", "sin")),
+        *(_n("Unsqueeze", [f"{t}_rows", "axis1"], t) for t in ("cos", "sin")),
+        *_rotate("q"),
+    ]
+    id_type = TensorProto.INT64 if ids == "int64" else TensorProto.INT32
+    model = save_model(
+        tmp_path / f"cached_{ids}.onnx",
+        nodes,
+        [value("Q", ["batch", "seq", HEADS * HEAD]), value("pos", ["batch", "seq"], id_type)],
+        [value("q_out", ["batch", HEADS, "seq", HEAD])],
+        [
+            *_constants(nodes),
+            const("cos_cached", np.cos(table), np.float32),
+            const("sin_cached", np.sin(table), np.float32),
+        ],
+    )
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(ROTARY) == (1, 1)
+    graph = _graph(run.output)
+    (node,) = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    if ids == "int64":
+        assert node.input[1] == "pos"
+        np.testing.assert_allclose(initializers[node.input[2]], np.cos(angles), rtol=1e-6)
+        assert [n.op_type for n in graph.node] == ["RotaryEmbedding", "Reshape", "Transpose"]
+    else:
+        assert run.op_counts()["Range"] == 1
+    feeds = random_feeds(model, seed=1, dims={"batch": 3, "seq": 5})
+    feeds["pos"] = _row_positions(3, 5).astype(np.int64 if ids == "int64" else np.int32)
+    expected, actual = run_model(model, feeds), run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_interleaved_table_per_batch_row(tmp_path: Path) -> None:
     """A RoFormer table [B, 1, S, H] per batch row: RotaryEmbedding(interleaved=1) on Q."""
     tables = _roformer_tables()

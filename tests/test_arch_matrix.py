@@ -87,6 +87,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "lfm2_dynamo": ((1, 7, 7, 2, 2), (1, 7, None, 2, 2)),
     "lfm2_ts17": ((1, 7, 7, 2, 2), (1, 7, None, 2, 2)),
+    "llama_past_positions_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "llama_past_positions_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "llama_positions_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "llama_positions_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "mistral_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),

@@ -151,6 +151,30 @@ def test_position_ids_input_rotates_each_row(exporter: str, tmp_path: Path) -> N
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_decode_step_with_position_ids_and_cache(exporter: str, tmp_path: Path) -> None:
+    """LLaMA as Optimum-style pipelines export it: a KV cache and position_ids [B, S] inputs.
+    With a decode step fixed (batch 3, one new token, a past of 4), GroupQueryAttention takes
+    the cache and RotaryEmbedding reads the per-row tables; rows agree with the original for
+    positions that differ per row."""
+    name = f"arch/llama_past_positions_{exporter}"
+    batch, new, past = 3, 1, 4
+    caches = ";".join(f"past_{kind}_{i}:3,2,4,16" for i in (0, 1) for kind in ("key", "value"))
+    shapes = f"input_ids:3,1;attention_mask:3,5;position_ids:3,1;{caches}"
+    run = optimize_checked(fixture_path(name), tmp_path, "--input_shape", shapes, compare=False)
+    assert run.counts(ROTARY) == (4, 4)
+    ops = run.op_counts()
+    assert (ops["GroupQueryAttention"], ops["RotaryEmbedding"], ops["Neg"]) == (2, 4, 0)
+    dims = {"batch": batch, "sequence": new, "past_sequence": past, "total_sequence": past + new}
+    feeds = random_feeds(fixture_path(name), seed=2, dims=dims)
+    feeds["attention_mask"] = np.ones((batch, past + new), np.int64)
+    feeds["position_ids"] = past + _row_positions(batch, new)
+    expected = run_model(fixture_path(name), feeds)
+    actual = run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_torchscript_split_point_is_the_folded_head_size(tmp_path: Path) -> None:
     """TorchScript slices q at Gather(Shape(q), 3) / 2, not a constant: only the folding of
     that static dimension lets the rotary be found; dynamo's slices are constants already."""

@@ -1714,40 +1714,33 @@ def _decode_shaped(ctx: PassContext, match: _Attention) -> bool:
     return query is not None and (query[0] == 1 or query[1] == 1)
 
 
-def _merged_cache_heads(
+def _merged_grouped_heads(
     ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
 ) -> list[ir.Node] | str:
-    """The new heads of a grouped KV cache that are no plain head split, merged to the
-    [B, L, KV*H] projection GroupQueryAttention reads (where it will take the cache)."""
-    if not _decode_shaped(ctx, match):
+    """Grouped key/value heads that are no plain head split (transformed after the split:
+    Qwen3's, Gemma-3's per-head key norms), merged to the [B, L, KV*H] projection
+    GroupQueryAttention reads and repeats itself: the heads repeat_kv repeats, or with a KV
+    cache the new heads appended to it (where the op will take the cache)."""
+    cached = _grouped_cache(match)
+    if cached and not _decode_shaped(ctx, match):
         return []  # the plan says why
     nodes: list[ir.Node] = []
     for operand in (match.key, match.value):
         cache = operand.cache
-        if cache is None or cache.projection is not None:
+        if cached and cache is not None and cache.projection is None:
+            heads = cache.heads
+        elif not cached and operand.projection is None and cache is None and operand.kv:
+            heads = operand.kv[0]
+        else:
             continue
-        found = _merged_heads(ctx, cache.heads, shared, transposed=True, graph=_graph(match))
+        found = _merged_heads(ctx, heads, shared, transposed=True, graph=_graph(match))
         if isinstance(found, str):
             return found
-        cache.projection, merged = found
-        nodes += merged
-    return nodes
-
-
-def _merged_repeated_heads(
-    ctx: PassContext, match: _Attention, shared: dict[object, tuple[ir.Value, ...]]
-) -> list[ir.Node] | str:
-    """The key/value heads repeat_kv repeats that are no plain head split (transformed after
-    the split: Qwen3's, Gemma-3's per-head key norms), merged to the [B, L, KV*H] projection
-    GroupQueryAttention reads; the repeat goes with the match."""
-    nodes: list[ir.Node] = []
-    for operand in (match.key, match.value):
-        if operand.projection is not None or operand.kv is None or operand.cache is not None:
-            continue
-        found = _merged_heads(ctx, operand.kv[0], shared, transposed=True, graph=_graph(match))
-        if isinstance(found, str):
-            return found
-        (operand.projection, merged), operand.nodes = found, operand.kv[1]
+        projection, merged = found
+        if cache is not None:
+            cache.projection = projection
+        else:  # the repeat goes with the match
+            operand.projection, operand.nodes = projection, operand.kv[1]  # type: ignore[index]
         nodes += merged
     return nodes
 
@@ -2093,12 +2086,10 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         """One key/value head shared by every query head (multi-query attention) that is no
         plain head split (transformed after the split: rotary; sliced from a fused QKV
         projection: GPT-BigCode): read merged, [B, L, H]; its repeat goes with the match.
-        Likewise the new heads a KV cache appends that are no plain head split (a per-head
-        key norm)."""
-        if _grouped_cache(match):
-            return _merged_cache_heads(ctx, match, shared)
+        Likewise grouped heads that are no plain head split, cached or not (a per-head key
+        norm)."""
         if match.key.repeated and match.value.repeated:
-            return _merged_repeated_heads(ctx, match, shared)
+            return _merged_grouped_heads(ctx, match, shared)
         if not _shared_head(ctx, match):
             return []
         nodes: list[ir.Node] = []

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tests.conftest import Run, optimize, random_feeds, run_model
 from tests.pass_helpers import (
     assert_declined,
+    compare_on_feeds,
     const,
     fixture_path,
     optimize_checked,
@@ -145,10 +146,7 @@ def test_position_ids_input_rotates_each_row(exporter: str, tmp_path: Path) -> N
     feeds = random_feeds(fixture_path(name), seed=2, dims={"batch": batch, "sequence": seq})
     feeds["attention_mask"] = np.ones((batch, seq), np.int64)
     feeds["position_ids"] = _row_positions(batch, seq)
-    expected = run_model(fixture_path(name), feeds)
-    actual = run_model(run.output, feeds)
-    for want, got in zip(expected, actual, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    compare_on_feeds(fixture_path(name), run.output, feeds)
 
 
 @pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
@@ -169,10 +167,7 @@ def test_decode_step_with_position_ids_and_cache(exporter: str, tmp_path: Path) 
     feeds = random_feeds(fixture_path(name), seed=2, dims=dims)
     feeds["attention_mask"] = np.ones((batch, past + new), np.int64)
     feeds["position_ids"] = past + _row_positions(batch, new)
-    expected = run_model(fixture_path(name), feeds)
-    actual = run_model(run.output, feeds)
-    for want, got in zip(expected, actual, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    compare_on_feeds(fixture_path(name), run.output, feeds)
 
 
 def test_torchscript_split_point_is_the_folded_head_size(tmp_path: Path) -> None:
@@ -643,9 +638,7 @@ def _compare_rows(original: Path, run: Run, batch: int, seq: int, **dims: int) -
     """Outputs agree on onnxruntime with positions that differ per batch row."""
     feeds = random_feeds(original, seed=1, dims={"batch": batch, "seq": seq, **dims})
     feeds["pos"] = _row_positions(batch, seq)
-    expected, actual = run_model(original, feeds), run_model(run.output, feeds)
-    for want, got in zip(expected, actual, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    compare_on_feeds(original, run.output, feeds)
 
 
 @pytest.mark.parametrize("sizes", ["symbolic", "static"])
@@ -718,9 +711,7 @@ def test_cached_tables_looked_up_by_position_ids(ids: str, tmp_path: Path) -> No
         assert run.op_counts()["Range"] == 1
     feeds = random_feeds(model, seed=1, dims={"batch": 3, "seq": 5})
     feeds["pos"] = _row_positions(3, 5).astype(np.int64 if ids == "int64" else np.int32)
-    expected, actual = run_model(model, feeds), run_model(run.output, feeds)
-    for want, got in zip(expected, actual, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    compare_on_feeds(model, run.output, feeds)
 
 
 def test_interleaved_table_per_batch_row(tmp_path: Path) -> None:
@@ -739,13 +730,18 @@ def test_interleaved_table_per_batch_row(tmp_path: Path) -> None:
 # Concat(-x2, x1): a rotation by -angle, RotaryEmbedding with the sin cache negated.
 
 
+def _signed_model(tmp_path: Path, rotation: str, negate: str) -> Path:
+    """A rotate_half ("halves") or rotate_every_two ("pairs") of q, ``negate`` naming the part
+    of its Concat that is negated."""
+    if rotation == "halves":
+        return _q_model(tmp_path / "halves.onnx", rotate={"negate": negate})
+    pairs = _rotate_pairs("q", negate=negate)
+    return _layout_model(tmp_path / "pairs.onnx", _roformer_tables(), pairs)
+
+
 @pytest.mark.parametrize("rotation", ["halves", "pairs"])
 def test_negated_rotation_negates_the_sin_cache(rotation: str, tmp_path: Path) -> None:
-    if rotation == "halves":
-        model = _q_model(tmp_path / "halves.onnx", rotate={"negate": "second"})
-    else:
-        pairs = _rotate_pairs("q", negate="second")
-        model = _layout_model(tmp_path / "pairs.onnx", _roformer_tables(), pairs)
+    model = _signed_model(tmp_path, rotation, "second")
     run = optimize_checked(model, tmp_path)
     assert run.counts(ROTARY) == (1, 1)
     graph = _graph(run.output)
@@ -758,11 +754,7 @@ def test_negated_rotation_negates_the_sin_cache(rotation: str, tmp_path: Path) -
 @pytest.mark.parametrize("rotation", ["halves", "pairs"])
 def test_both_parts_negated_is_no_rotation(rotation: str, tmp_path: Path) -> None:
     """Concat(-x2, -x1) is no rotation of x: not matched."""
-    if rotation == "halves":
-        model = _q_model(tmp_path / "halves.onnx", rotate={"negate": "both"})
-    else:
-        pairs = _rotate_pairs("q", negate="both")
-        model = _layout_model(tmp_path / "pairs.onnx", _roformer_tables(), pairs)
+    model = _signed_model(tmp_path, rotation, "both")
     run = optimize_checked(model, tmp_path)
     assert run.counts(ROTARY) == (0, 0)
     assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (0, 2)

@@ -611,6 +611,11 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
+        if not folds and not _same_sizes(ctx, result, extra.outputs[0]):
+            return (
+                "the context [batch, heads, sequence, head size] is not provably kept by the"
+                " Reshape before its Transpose"
+            )
         nodes.append(extra)
         result = extra.outputs[0]
         if folds:  # the context unfolded from [B*N, S, H]

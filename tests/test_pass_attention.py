@@ -1253,3 +1253,38 @@ def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: P
         assert _producers(graph)[node.input[2]].op_type == "Reshape"
     dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
     compare_on_feeds(model, run.output, named_dim_feeds(model, dims))
+
+
+def _with_constant(name: str, node_name: str, value: int, tmp_path: Path) -> Path:
+    """The fixture with one Constant node's value replaced: a near miss in the exporter's own
+    graph."""
+    model = onnx.load(str(fixture_path(name)))
+    (node,) = [n for n in model.graph.node if n.name == node_name]
+    node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(value, dtype=np.int64)))
+    path = tmp_path / f"{Path(name).name}_changed.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+CONTEXT_RESHAPED = "the context [batch, heads, sequence, head size] is not provably kept by the Reshape before its Transpose"  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    ("name", "constant", "index", "pass_name"),
+    [
+        ("arch/modernbert_ts17", "/inner/layers.0/attn/Constant_29", 1, MHA),
+        ("arch/roberta_ts17", "/inner/encoder/layer.1/attention/self/Constant_14", 1, QKV),
+    ],
+)
+def test_context_reshaped_to_other_sizes_keeps_the_attention(
+    name: str, constant: str, index: int, pass_name: str, tmp_path: Path
+) -> None:
+    """TorchScript reshapes the context [B, N, S, H] before its Transpose to sizes it reads
+    from shapes at run time: a no-op while they are the context's own. Read from another
+    axis (the heads where the sequence was), the Reshape reorders the elements, and that
+    layer's attention stays written out."""
+    unchanged = optimize_checked(fixture_path(name), tmp_path)
+    assert unchanged.counts(pass_name) == (2, 2)
+    run = optimize_checked(_with_constant(name, constant, index, tmp_path), tmp_path)
+    assert run.counts(pass_name) == (2, 1)
+    assert reasons(run, pass_name) == {CONTEXT_RESHAPED: 1}

@@ -103,7 +103,20 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
 
 
 def _epsilon(site: Site, eps: ir.Value) -> float:
-    return float(site.require_constant(eps, "epsilon").reshape(-1)[0])
+    return _kernel_epsilon(float(site.require_constant(eps, "epsilon").reshape(-1)[0]))
+
+
+def _native_epsilon(norm: ir.Node) -> float:
+    """A LayerNormalization node's epsilon, as a fused kernel would take it."""
+    return _kernel_epsilon(norm.attributes.get_float("epsilon", 1e-5))
+
+
+def _kernel_epsilon(epsilon: float) -> float:
+    """onnxruntime's fused norm kernels refuse a negative epsilon when the session is created,
+    where the written-out norm computes with it (until a variance falls below it)."""
+    if not epsilon >= 0:
+        raise Decline(f"epsilon is {epsilon:g}: the fused kernels take only epsilon >= 0")
+    return epsilon
 
 
 def _param(
@@ -505,7 +518,7 @@ def _skip_native(
     site.require_constant(gamma, "gamma")
     if beta is not None:
         site.require_constant(beta, "beta")
-    epsilon = norm.attributes.get_float("epsilon", 1e-5)
+    epsilon = _native_epsilon(norm)
     return _skip(op, site, a, b, total, gamma, beta, epsilon, centred=True)
 
 
@@ -967,7 +980,7 @@ def _embed(op: Any, site: Site, **bindings: Any) -> Any:
         norm = site.node("LayerNormalization")
         if norm.attributes.get_int("axis", -1) not in (-1, 2):
             raise Decline("the layer norm is not over the last axis")
-        epsilon = norm.attributes.get_float("epsilon", 1e-5)
+        epsilon = _native_epsilon(norm)
     site.require_kernel("EmbedLayerNormalization", site.dtype(bindings["word"]), MS)
     ids32 = op.Cast(ids, to=ir.DataType.INT32)
     if _all_zeros(segment_ids):

@@ -529,6 +529,26 @@ def test_gemma3_per_head_norms_after_the_transpose(exporter: str, tmp_path: Path
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
+def test_negative_epsilon_keeps_the_norm_written_out(tmp_path: Path) -> None:
+    """onnxruntime's fused norms refuse a negative epsilon when the session is created, and
+    the written-out norm runs with one. Gemma-3's final norm with its epsilon negated stays
+    written out, with the reason, and the other twelve norms fuse as before."""
+    model = onnx.load(str(fixture_path("arch/gemma3_ts17")))
+    (node,) = [n for n in model.graph.node if n.name == "/inner/norm/Constant_1"]
+    assert onnx.numpy_helper.to_array(node.attribute[0].t) == np.float32(1e-6)
+    node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(-1e-6, np.float32)))
+    path = tmp_path / "gemma3_negative_epsilon.onnx"
+    onnx.save(model, str(path))
+    run = optimize_checked(path, tmp_path, compare=False)
+    reason = "epsilon is -1e-06: the fused kernels take only epsilon >= 0"
+    assert reasons(run, "AddRmsNormFusionPass") == {reason: 1}
+    assert reasons(run, DOUBLED) == {reason: 1}
+    assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 12
+    feeds = named_dim_feeds(path, ARCH_DIMS)
+    for want, got in zip(run_model(path, feeds), run_model(run.output, feeds), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_doubled_skip_norm_declines_an_unknown_last_axis(tmp_path: Path) -> None:
     model = _rms_model(
         tmp_path / "rms4d.onnx", inverse="Div", residual=False, shape=[2, 5, 3, "hidden"]

@@ -91,6 +91,25 @@ def test_mismatch_exits_1_with_the_worst_index(tmp_path: Path) -> None:
     assert verify_json(original, changed, "--atol", "0.6", expect=0)["passed"]
 
 
+def test_nan_agrees_only_where_both_sides_have_it(tmp_path: Path) -> None:
+    """A model whose output holds NaN (a mutated norm: the root of a negative mean) verifies
+    against a copy with NaN in the same places; NaN on one side only is a mismatch."""
+    (tmp_path / "both").mkdir()
+    (tmp_path / "one").mkdir()
+    original, same = _pair(tmp_path / "both", (0, 0), 0.0)
+    for path in (original, same):
+        model = onnx.load(path)
+        model.graph.initializer[0].CopyFrom(
+            numpy_helper.from_array(np.full((3, 4), np.nan, dtype=np.float32), "C")
+        )
+        onnx.save(model, path)
+    document = verify_json(original, same, expect=0)
+    assert document["passed"] and document["outputs"][0]["max_abs"] == 0
+    finite, one_nan = _pair(tmp_path / "one", (2, 3), np.nan)
+    check = verify_json(finite, one_nan, expect=1)["outputs"][0]
+    assert not check["passed"] and check["worst_index"] == [2, 3]
+
+
 def test_perturbed_weight_of_an_optimized_llama_fails(
     tmp_path: Path, optimized: dict[str, Path]
 ) -> None:

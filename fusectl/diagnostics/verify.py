@@ -232,7 +232,8 @@ def compare(
         rel = diff[nonzero] / np.abs(want[nonzero])
     check.max_abs = float(diff.max())
     check.max_rel = float(rel.max()) if rel.size else 0.0
-    check.passed = bool((diff <= allowance).all())
+    # NaN in the same place on both sides agrees; its allowance is NaN, which nothing is below.
+    check.passed = bool(((diff <= allowance) | (diff == 0)).all())
     if check.max_abs > 0:
         worst = np.unravel_index(int(np.argmax(ratio)), diff.shape)
         check.worst_index = tuple(int(i) for i in worst)

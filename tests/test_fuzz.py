@@ -1,23 +1,30 @@
-"""Bounded fuzzing: byte flips and protobuf field mutations of small models, fixed seeds.
+"""Bounded fuzzing: byte flips and protobuf field mutations of small models, and semantic
+mutations of transformer exports, fixed seeds.
 
 Whatever the bytes, `fusectl optimize` ends in exit 0 or 2, never 3 (an internal error); an
 input that passes onnx.checker (full check) gives an output that passes it too, and an input
-onnxruntime loads gives an output it loads.
+onnxruntime loads gives an output it loads. An export changed next to its fused layers gives
+an output that computes what the changed export computes.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
+from onnx import numpy_helper
 
+import fusectl
 from fusectl.cli import cli
 from tests.backend_models import DATA, checker_passes
+from tests.conftest import FIXTURES
 
 ROOT = Path(__file__).parents[1]
 SEEDS = {
@@ -128,3 +135,109 @@ def test_mutated_models_never_crash_or_break(seed_name: str, mutation: str, tmp_
             assert _runtime_loads(output), f"onnxruntime loads the input, not the output: {where}"
         output.unlink()
     assert sum(exit_codes.values()) == CASES_PER_SEED
+
+
+# Semantic mutations: what a graph computes is changed next to the fused layers (attention,
+# rotary, norms, GELU) while it stays loadable: the recognizers must decline the near miss or
+# fuse what the graph now computes.
+SEMANTIC_SEEDS = {
+    "llama_positions_ts17": FIXTURES / "arch" / "llama_positions_ts17.onnx",
+    "roberta_ts17": FIXTURES / "arch" / "roberta_ts17.onnx",
+    "gemma3_dynamo": FIXTURES / "arch" / "gemma3_dynamo.onnx",
+}
+SEMANTIC_CASES = 6
+_MUTABLE = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64}
+# Elementwise ops and what each may become: same arity, same types.
+_SWAPS = {
+    "Add": ["Sub", "Mul"],
+    "Sub": ["Add", "Div"],
+    "Mul": ["Add", "Div"],
+    "Div": ["Mul", "Sub"],
+    "Pow": ["Mul"],
+    "Sqrt": ["Reciprocal", "Abs"],
+    "Erf": ["Tanh", "Sigmoid"],
+    "Tanh": ["Erf", "Sigmoid"],
+    "Sigmoid": ["Tanh"],
+}
+
+
+def _small_constants(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    tensors = [*graph.initializer]
+    tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute]
+    return [t for t in tensors if 0 < math.prod(t.dims) <= 64 and t.data_type in _MUTABLE]
+
+
+def _mutate_semantics(model: onnx.ModelProto, rng: random.Random) -> bool:
+    """One change: a small constant scaled, negated or moved by one (epsilons, scales, GELU
+    coefficients, the axes a shape is read at), an elementwise op swapped for another, a
+    Sub / Div / Pow / Concat's operands exchanged, or an integer attribute moved by one or
+    two of its entries exchanged. False when the drawn change does not apply."""
+    graph = model.graph
+    node = rng.choice(graph.node)
+    choice = rng.randrange(4)
+    if choice == 0:
+        tensor = rng.choice(_small_constants(graph))
+        array = numpy_helper.to_array(tensor).copy()
+        flat = array.reshape(-1)
+        if array.dtype == np.float32:
+            flat *= np.float32(rng.choice([0.5, 2.0, -1.0, 1.01]))
+        else:
+            flat[rng.randrange(flat.size)] += rng.choice([-1, 1])
+        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
+        return True
+    if choice == 1 and node.op_type in _SWAPS:
+        node.op_type = rng.choice(_SWAPS[node.op_type])
+        return True
+    if choice == 2 and node.op_type in ("Sub", "Div", "Pow", "Concat") and len(node.input) >= 2:
+        node.input[0], node.input[1] = node.input[1], node.input[0]
+        return True
+    if choice == 3 and node.attribute:
+        attribute = rng.choice(node.attribute)
+        if attribute.type == onnx.AttributeProto.INT:
+            attribute.i += rng.choice([-1, 1])
+            return True
+        if attribute.type == onnx.AttributeProto.INTS and len(attribute.ints) >= 2:
+            entries = list(attribute.ints)
+            i, j = rng.sample(range(len(entries)), 2)
+            entries[i], entries[j] = entries[j], entries[i]
+            attribute.ints[:] = entries
+            return True
+    return False
+
+
+def _finite_outputs(path: Path, feeds: dict[str, np.ndarray]) -> bool:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return all(np.isfinite(output).all() for output in session.run(None, feeds))
+
+
+@pytest.mark.parametrize("seed_name", sorted(SEMANTIC_SEEDS))
+def test_semantic_mutations_are_declined_or_fused_as_they_compute(
+    seed_name: str, tmp_path: Path
+) -> None:
+    """Of each mutated export that onnxruntime runs, fusectl's output verifies against it."""
+    original = SEMANTIC_SEEDS[seed_name]
+    rng = random.Random(f"{seed_name}/semantics")
+    runner = CliRunner()
+    verified = 0
+    for case in range(SEMANTIC_CASES * 10):
+        if verified == SEMANTIC_CASES:
+            break
+        model = onnx.load(str(original))
+        if not _mutate_semantics(model, rng):
+            continue
+        path, output = tmp_path / f"{case}.onnx", tmp_path / f"{case}_out.onnx"
+        onnx.save(model, str(path))
+        try:
+            feeds = fusectl.verify(original, path).feeds
+        except fusectl.FusectlError:
+            continue  # the mutated export does not run: nothing to compare
+        if not _finite_outputs(path, feeds):
+            continue  # NaN or inf flows through it: no value to keep (fused kernels differ)
+        result = runner.invoke(cli, ["optimize", str(path), "-o", str(output)])
+        where = f"{seed_name} case {case}: {result.stderr}"
+        assert result.exit_code in (0, 2), where
+        if result.exit_code == 0:
+            check = fusectl.verify(path, output)
+            assert check.passed, f"{where} {[c for c in check.checks if not c.passed]}"
+            verified += 1
+    assert verified == SEMANTIC_CASES

@@ -1392,6 +1392,8 @@ class _AttentionFusion(FusionPass):
         shared: dict[object, tuple[ir.Value, ...]],
     ) -> str | None:
         assert match.query is not None
+        if match.scale == 0:  # onnxruntime's attention ops read a scale of 0 as unset
+            return "the scores are scaled by 0, which the fused ops read as 1/sqrt(head size)"
         query, replaced = ctx.shape(match.query), ctx.shape(match.output)
         if query is None or replaced is None:
             return "the query projection or the output has an unknown rank"

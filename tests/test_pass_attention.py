@@ -1288,3 +1288,22 @@ def test_context_reshaped_to_other_sizes_keeps_the_attention(
     run = optimize_checked(_with_constant(name, constant, index, tmp_path), tmp_path)
     assert run.counts(pass_name) == (2, 1)
     assert reasons(run, pass_name) == {CONTEXT_RESHAPED: 1}
+
+
+def test_scores_scaled_by_zero_keep_the_attention(tmp_path: Path) -> None:
+    """Gemma's dynamo export scales q and K^T by sqrt(scale) each. With K^T's factor 0 every
+    score is 0 (uniform probabilities), but onnxruntime's attention ops read a scale of 0 as
+    unset (1/sqrt(head size)): layer 1's attention stays written out, with the reason."""
+    model = onnx.load(str(fixture_path("arch/gemma_dynamo")))
+    (mul,) = [n for n in model.graph.node if n.name == "node_Mul_348"]
+    model.graph.initializer.append(const("zero_scale", np.array(0.0, np.float32)))
+    mul.input[1] = "zero_scale"
+    path = tmp_path / "gemma_zero_scale.onnx"
+    onnx.save(model, str(path))
+    run = optimize_checked(path, tmp_path)
+    reason = "the scores are scaled by 0, which the fused ops read as 1/sqrt(head size)"
+    assert run.counts(GQA) == (2, 1)
+    assert reasons(run, GQA) == {reason: 1}
+    assert reasons(run, MHA) == {reason: 1}
+    assert run.op_counts()["GroupQueryAttention"] == 1
+    assert run.op_counts()["Softmax"] == 1

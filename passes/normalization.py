@@ -290,8 +290,9 @@ def _fits(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
 def _worth_deriving(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
     """Whether a deeper proof could make the summands fit: 3-D and 2- or 3-D, hidden sizes
     not known to differ (a 2-D residual never fits, whatever its sizes)."""
-    hidden = {d for d in a[-1] + b[-1] if isinstance(d, int)}
-    return sorted((len(a), len(b))) in ([2, 3], [3, 3]) and len(hidden) <= 1
+    if sorted((len(a), len(b))) not in ([2, 3], [3, 3]):
+        return False
+    return len({d for d in a[-1] + b[-1] if isinstance(d, int)}) <= 1
 
 
 # Per axis, the sizes a deeper proof derives are added to those known; each kind of name

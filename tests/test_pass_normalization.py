@@ -549,6 +549,22 @@ def test_negative_epsilon_keeps_the_norm_written_out(tmp_path: Path) -> None:
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
+def test_residual_add_of_a_scalar_is_a_skip_norm_near_miss(tmp_path: Path) -> None:
+    """MPT's first residual Add with its attention output replaced by a scalar constant (a
+    rank-0 summand: no hidden axis to compare) is declined with its reason; it crashed the
+    shape proof before."""
+    model = onnx.load(str(fixture_path("arch/mpt_ts17")))
+    (add,) = [n for n in model.graph.node if n.name == "/inner/blocks.0/Add"]
+    model.graph.initializer.append(const("scalar", np.array(0.0, np.float32)))
+    add.input[0] = "scalar"
+    path = tmp_path / "mpt_scalar_residual.onnx"
+    onnx.save(model, str(path))
+    run = optimize_checked(path, tmp_path)
+    assert run.counts(SKIP) == (4, 3)
+    reason = "the residual Add's inputs are not two 3-D tensors of one shape"
+    assert reasons(run, SKIP) == {reason: 1}
+
+
 def test_doubled_skip_norm_declines_an_unknown_last_axis(tmp_path: Path) -> None:
     model = _rms_model(
         tmp_path / "rms4d.onnx", inverse="Div", residual=False, shape=[2, 5, 3, "hidden"]

@@ -628,8 +628,6 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     if final is None:
         if folds:
             return "the scores are unfolded from [batch*heads, ...] but the context is not"
-        if extra is not None and extra in nodes and ctx.shape(result) != ctx.shape(extra.inputs[0]):
-            return "the context [batch, heads, sequence, head size] is reshaped before it is read"
         # Read in another layout: the fused op's [B, S, N*H] output goes back to the heads,
         # through the reader's Transpose where there is one (the two perms composed).
         split_back = list(_HEADS)
@@ -1636,6 +1634,8 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             tensor = operand.tensor
             if tensor is None or not _is_heads(ctx, tensor, heads, size):
                 return "the key or value is not provably [batch, heads, length, head size]"
+        if axis_size(ctx, key.tensor, 3) != axis_size(ctx, value.tensor, 3):
+            return "the key and value heads differ in size: the op reads 4-D ones of one shape"
         appended = _appended_plan(ctx, match, heads, head_size)
         if appended is not None:
             return appended
@@ -1647,9 +1647,7 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         """The op reads key and value both 3-D or both 4-D: where one is a projection and the
         other only heads (split from a fused projection, LeViT), those heads are merged."""
         key, value = match.key, match.value
-        if key.repeated or value.repeated:
-            return []
-        if key.projection is None and value.projection is None:
+        if key.repeated or value.repeated or (key.projection is None and value.projection is None):
             return self._merge_unequal_heads(ctx, match, shared)
         if key.projection is not None and value.projection is not None:
             return []
@@ -1667,7 +1665,8 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
     ) -> list[ir.Node] | str:
         """The op reads 4-D key and value of one shape only: key and value heads whose head
         sizes are not provably equal (DeepSeek's multi-head latent attention: keys of the
-        rotary and plain parts joined, values smaller) are both merged to [B, L, N*H]."""
+        rotary and plain parts joined, values smaller; MiMo-V2's repeated key/value heads of
+        16 and 8) are both merged to [B, L, N*H], the repeat in them."""
         key, value = match.key, match.value
         if key.cache is not None or value.cache is not None:
             return []
@@ -1676,6 +1675,8 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
         key_size, value_size = axis_size(ctx, key.tensor, 3), axis_size(ctx, value.tensor, 3)
         if key_size is not None and key_size == value_size:
             return []
+        if (key.repeated or value.repeated) and None in (key_size, value_size):
+            return []  # repeated heads of unknown sizes: _plan says what is not provable
         nodes: list[ir.Node] = []
         for operand in (key, value):
             assert operand.tensor is not None
@@ -1683,6 +1684,7 @@ class MultiHeadAttentionFusionPass(_AttentionFusion):
             if isinstance(found, str):
                 return found
             operand.projection, built = found
+            operand.repeated = False
             nodes += built
         return nodes
 

@@ -1307,3 +1307,30 @@ def test_scores_scaled_by_zero_keep_the_attention(tmp_path: Path) -> None:
     assert reasons(run, MHA) == {reason: 1}
     assert run.op_counts()["GroupQueryAttention"] == 1
     assert run.op_counts()["Softmax"] == 1
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_repeated_heads_of_unequal_sizes_are_read_merged(exporter: str, tmp_path: Path) -> None:
+    """MiMo-V2-Flash repeats key heads of 16 and value heads of 8 for 4/2 grouped attention:
+    MultiHeadAttention reads 4-D key and value of one shape only, so both are merged to
+    [B, L, N*H] with the repeat in them. Its sliding layer (a sink per head) stays written
+    out: GroupQueryAttention, which has the sink, takes equal head sizes only."""
+    run = optimize_checked(fixture_path(f"arch/mimo_v2_flash_{exporter}"), tmp_path)
+    assert run.counts(MHA) == (2, 1)
+    graph = onnx.load(str(run.output)).graph
+    (fused,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    shapes = {v.name: v.type.tensor_type.shape for v in graph.value_info}
+    assert [len(shapes[name].dim) for name in fused.input[:3]] == [3, 3, 3]
+    assert [shapes[name].dim[2].dim_value for name in fused.input[1:3]] == [4 * 16, 4 * 8]
+    assert run.op_counts()["Softmax"] == 1
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_context_gated_per_head_is_read_split_back(exporter: str, tmp_path: Path) -> None:
+    """LFM3 gates the context per head in [B, S, N, H], after TorchScript's no-op Reshape and
+    the Transpose, before the merge: the fused op's output is split back into that layout for
+    the gate, in both the sliding and the full layer."""
+    run = optimize_checked(fixture_path(f"arch/lfm3_{exporter}"), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    assert reasons(run, GQA) == {}
+    assert run.op_counts()["Softmax"] == 0

@@ -207,8 +207,27 @@ def _key_source(
         shape = ctx.shape(value) if any_4d else None
         four = shape is not None and len(shape) == 4
         return _Heads(None, None, False, [], swapped=(value, [0, 1, 3, 2])) if four else None
+    if not _swapped_through_fold(ctx, flat, back):
+        return None
     nodes += [back, swap, flat]
     return _heads(ctx, flat.inputs[0])
+
+
+def _swapped_through_fold(ctx: PassContext, flat: ir.Node, back: ir.Node) -> bool:
+    """Whether K [B, N, L, H] folded to [B*N, L, H], swapped and unfolded is K^T [B, N, H, L]:
+    the fold keeps L and H, the unfold gives B and N back and keeps the swapped H and L."""
+    heads, swapped = flat.inputs[0], back.inputs[0]
+    assert heads is not None and swapped is not None
+    return (
+        _ranks(ctx, flat) == (4, 3)
+        and _ranks(ctx, back) == (3, 4)
+        and _proven(ctx, flat, 1, heads, 2)
+        and _proven(ctx, flat, 2, heads, 3)
+        and _proven(ctx, back, 0, heads, 0)
+        and _proven(ctx, back, 1, heads, 1)
+        and _proven(ctx, back, 2, swapped, 1)
+        and _proven(ctx, back, 3, swapped, 2)
+    )
 
 
 def _scalar(value: ir.Value | None) -> float | None:

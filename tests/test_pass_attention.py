@@ -1334,3 +1334,21 @@ def test_context_gated_per_head_is_read_split_back(exporter: str, tmp_path: Path
     assert run.counts(GQA) == (2, 2)
     assert reasons(run, GQA) == {}
     assert run.op_counts()["Softmax"] == 0
+
+
+def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
+    """Dynamo transposes K by folding [B, N, L, H] to [B*N, L, H], swapping the last two and
+    unfolding. With layer 0's fold target reordered ([L, B*N, H]: the same count, other
+    elements) that is no K^T, and that layer stays written out; layer 1 still fuses."""
+    model = onnx.load(str(fixture_path("arch/roberta_dynamo")))
+    (concat,) = [n for n in model.graph.node if n.name == "node_Concat_90"]
+    concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
+    path = tmp_path / "roberta_refolded.onnx"
+    onnx.save(model, str(path))
+    unchanged = optimize_checked(fixture_path("arch/roberta_dynamo"), tmp_path)
+    assert unchanged.counts(QKV) == (2, 2)
+    run = optimize_checked(path, tmp_path)
+    assert run.counts(QKV) == (2, 1)
+    reason = "the key is not transposed heads [batch, heads, head size, length] of a tensor"
+    assert reasons(run, QKV) == reasons(run, MHA) == {reason: 1}
+    assert run.op_counts()["Softmax"] == 1

@@ -620,6 +620,10 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     if values is None:
         return "the scores are unfolded from [batch*heads, ...] but the value is not"
     result = context.outputs[0]
+    if sink is None and not folds and not single_head:
+        scaled_by_sink = _lse_sink(ctx, softmax.inputs[0], result, nodes)
+        if scaled_by_sink is not None:
+            result, sink = scaled_by_sink
     if single_head:
         value3 = _Heads(None, values, False, [])
         return _Attention(
@@ -732,6 +736,51 @@ def _sunk(
         return None  # one logit per head (axis 1), the same for every batch row and query
     nodes += joined
     return scores, values.reshape(-1)
+
+
+def _lse_sink(
+    ctx: PassContext, scores: ir.Value, context: ir.Value, nodes: list[ir.Node]
+) -> tuple[ir.Value, np.ndarray] | None:
+    """(scaled context, sink values) where the context [B, N, S, H] is scaled by
+    sigmoid(logsumexp(scores) - sink), a constant logit per head (Granite-SWA): that is
+    e^s @ v / (sum(e^s) + e^sink), a sink joined to the scores and dropped after the
+    Softmax. Casts to the type they already have may sit on the way; the nodes go to
+    ``nodes``."""
+    found: list[ir.Node] = []
+
+    def through_casts(value: ir.Value | None) -> ir.Node | None:
+        node = value.producer() if value is not None else None
+        while node is not None and node.op_type == "Cast" and node.inputs[0] is not None:
+            if ctx.dtype(node.inputs[0]) != ctx.dtype(node.outputs[0]):
+                return None
+            found.append(node)
+            node = node.inputs[0].producer()
+        return node
+
+    users = [user for user, _ in context.uses() if user.op_type not in _SHAPE_READERS]
+    if len(users) != 1 or users[0].op_type != "Mul" or context.is_graph_output():
+        return None
+    mul = users[0]
+    other = mul.inputs[1] if mul.inputs[0] is context else mul.inputs[0]
+    unsqueeze = through_casts(other)
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or node_axes(unsqueeze) != [-1]:
+        return None
+    sigmoid = through_casts(unsqueeze.inputs[0])
+    sub = through_casts(sigmoid.inputs[0]) if sigmoid is not None else None
+    if sigmoid is None or sigmoid.op_type != "Sigmoid" or sub is None or sub.op_type != "Sub":
+        return None
+    lse = sub.inputs[0].producer() if sub.inputs[0] is not None else None
+    sink = constant_value(sub.inputs[1])
+    shape = ctx.shape(scores)
+    if lse is None or lse.op_type != "ReduceLogSumExp" or lse.inputs[0] is not scores:
+        return None
+    last = None if shape is None else [len(shape) - 1]
+    if lse.attributes.get_int("keepdims", 1) != 0 or node_axes(lse) not in ([-1], last):
+        return None
+    if sink is None or sink.ndim != 3 or any(sink.shape[axis] != 1 for axis in (0, 2)):
+        return None  # one logit per head, [1, N, 1] against the [B, N, S] log-sum-exp
+    nodes += [lse, sub, sigmoid, unsqueeze, *found, mul]
+    return mul.outputs[0], sink.reshape(-1)
 
 
 def _sink_dropped(ctx: PassContext, probabilities: ir.Value) -> ir.Node | None:

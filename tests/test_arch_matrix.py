@@ -83,6 +83,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gpt_oss_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "gptj_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
+    "granite_swa_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "granite_swa_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "levit_dynamo": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "lfm2_dynamo": ((1, 7, 7, 2, 2), (1, 7, None, 2, 2)),

@@ -1352,3 +1352,43 @@ def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
     reason = "the key is not transposed heads [batch, heads, head size, length] of a tensor"
     assert reasons(run, QKV) == reasons(run, MHA) == {reason: 1}
     assert run.op_counts()["Softmax"] == 1
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_sink_applied_after_the_attention_is_the_head_sink(exporter: str, tmp_path: Path) -> None:
+    """Granite-SWA scales the context by sigmoid(logsumexp(scores) - sink), a learned logit
+    per head: that is e^s @ v / (sum(e^s) + e^sink), GroupQueryAttention's head_sink. Both
+    layers fuse with the model's sinks; MultiHeadAttention, which has none, says so."""
+    model = fixture_path(f"arch/granite_swa_{exporter}")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    graph = onnx.load(str(run.output)).graph
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    sinks = {
+        t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer if "head_sink" in t.name
+    }
+    assert len(fused) == 2 and all(n.input[11] in sinks for n in fused)
+    source = onnx.load(str(model)).graph
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in source.initializer}
+    lse = {n.output[0] for n in source.node if n.op_type == "ReduceLogSumExp"}
+    subs = [n for n in source.node if n.op_type == "Sub" and n.input[0] in lse]
+    learned = [weights[n.input[1]].reshape(-1) for n in subs]  # [1, N, 1] per layer
+    assert len(learned) == 2
+    for node, expected in zip(fused, learned, strict=True):
+        np.testing.assert_array_equal(sinks[node.input[11]], expected)
+    counts = run.op_counts()
+    assert counts["ReduceLogSumExp"] == counts["Sigmoid"] == counts["Softmax"] == 0
+
+
+def test_sink_scale_of_other_scores_keeps_the_attention(tmp_path: Path) -> None:
+    """The log-sum-exp of scores other than those the Softmax reads (here the Add before the
+    mask) is no sink: Granite-SWA's layer 0 then stays written out."""
+    model = onnx.load(str(fixture_path("arch/granite_swa_dynamo")))
+    producers = {o: n for n in model.graph.node for o in n.output}
+    lse = next(n for n in model.graph.node if n.op_type == "ReduceLogSumExp")
+    lse.input[0] = producers[lse.input[0]].input[0]  # the scaled scores, before the mask
+    path = tmp_path / "granite_swa_other_scores.onnx"
+    onnx.save(model, str(path))
+    run = optimize_checked(path, tmp_path)
+    assert run.counts(GQA) == (2, 1)
+    assert run.op_counts()["Softmax"] == 1

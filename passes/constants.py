@@ -231,6 +231,8 @@ class ConstantFoldingPass(FusionPass):
                 continue
             if results is None:
                 continue
+            if any(result.dtype.kind in "OSU" for result in results):
+                continue  # strings: onnx-ir keeps them as StringTensor, not numpy's str arrays
             stats = ctx.pattern(node.op_type)
             size = sum(r.nbytes for r in results)
             if size > _GROWTH_LIMIT_BYTES and not _frees_inputs(node):

@@ -16,6 +16,7 @@ from tests.pass_helpers import (
     const,
     fixture_path,
     optimize_checked,
+    pattern_counts,
     reasons,
     save_model,
     value,
@@ -311,3 +312,25 @@ def test_gather_of_something_else_than_a_shape_stays(tmp_path: Path) -> None:
     assert run.counts(FOLD) == (1, 1)
     assert run.passed(FOLD)["patterns"] == {"Shape": {"matched": 1, "effected": 1}}
     assert run.op_counts() == Counter({"Gather": 1, "Cast": 1, "Div": 1})
+
+
+def test_constants_cast_to_strings_stay(tmp_path: Path) -> None:
+    """A constant cast to strings (DINOv2's position interpolation with a Cast's type
+    changed to STRING) is not folded into an initializer: onnx-ir keeps strings as its
+    StringTensor, which a folded numpy str array is not (the run ended in an internal
+    error). Cast back to float, the value folds, and the strings go with it."""
+    path = save_model(
+        tmp_path / "strings.onnx",
+        [
+            helper.make_node("Cast", ["c"], ["text"], to=TensorProto.STRING),
+            helper.make_node("Cast", ["text"], ["back"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["x", "back"], ["y"]),
+        ],
+        [value("x", [2])],
+        [value("y", [2])],
+        [const("c", np.array([1.5, -2.25], np.float32))],
+    )
+    run = optimize_checked(path, tmp_path)
+    assert run.counts(FOLD) == (1, 1)
+    assert pattern_counts(run, FOLD) == {"Cast": (1, 1)}
+    assert run.op_counts() == Counter({"Add": 1})

@@ -634,7 +634,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
-        if not folds and not _same_sizes(ctx, result, extra.outputs[0]):
+        kept = _same_sizes(ctx, result, extra.outputs[0]) or _keeps(ctx, extra, heads)
+        if not folds and not kept:
             return (
                 "the context [batch, heads, sequence, head size] is not provably kept by the"
                 " Reshape before its Transpose"
@@ -808,6 +809,27 @@ def _reshaped_back(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> i
             nodes += chain
             return current
     return value
+
+
+def _keeps(ctx: PassContext, reshape: ir.Node, query: ir.Value) -> bool:
+    """Whether a Reshape of the context [B, N, S, H] provably gives its shape back: same rank,
+    every target size provably the context's on that axis but one, which may be -1 (the count
+    then fixes it). The query heads' axis 2 is the context's: rows of the scores, of the
+    probabilities, of the context (TorchScript reads S there)."""
+    data = reshape.inputs[0]
+    ranks = _ranks(ctx, reshape)
+    if data is None or ranks is None or ranks[0] != ranks[1]:
+        return False
+    parts = target_parts(ctx, reshape.inputs[1])
+    if parts is None or len(parts) != ranks[0]:
+        return False
+    free = [axis for axis, part in enumerate(parts) if isinstance(part, int) and part == -1]
+    rows = (query, 2)
+    return len(free) <= 1 and all(
+        _proven(ctx, reshape, axis, data, axis) or (axis == 2 and parts[axis] == rows)
+        for axis in range(ranks[0])
+        if axis not in free
+    )
 
 
 def _same_sizes(ctx: PassContext, first: ir.Value, second: ir.Value) -> bool:

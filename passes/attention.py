@@ -634,8 +634,9 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
-        kept = _same_sizes(ctx, result, extra.outputs[0]) or _keeps(ctx, extra, heads)
-        if not folds and not kept:
+        if not folds and not (
+            _same_sizes(ctx, result, extra.outputs[0]) or _keeps(ctx, extra, heads)
+        ):
             return (
                 "the context [batch, heads, sequence, head size] is not provably kept by the"
                 " Reshape before its Transpose"
@@ -752,7 +753,8 @@ def _lse_sink(
     def through_casts(value: ir.Value | None) -> ir.Node | None:
         node = value.producer() if value is not None else None
         while node is not None and node.op_type == "Cast" and node.inputs[0] is not None:
-            if ctx.dtype(node.inputs[0]) != ctx.dtype(node.outputs[0]):
+            dtype = ctx.dtype(node.inputs[0])
+            if dtype is None or dtype != ctx.dtype(node.outputs[0]):
                 return None
             found.append(node)
             node = node.inputs[0].producer()

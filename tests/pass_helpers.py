@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,30 @@ def fixture_path(name: str) -> Path:
     path = FIXTURES / f"{name}.onnx"
     assert path.exists(), f"{path} is missing: run tests/fixtures/make_fixtures.py"
     return path
+
+
+def edited_fixture(
+    name: str, tmp_path: Path, edit: Callable[[onnx.ModelProto], None], stem: str
+) -> Path:
+    """A copy of a committed export with one edit, a near miss in the exporter's own graph,
+    saved as ``tmp_path/<stem>.onnx``."""
+    model = onnx.load(str(fixture_path(name)))
+    edit(model)
+    path = tmp_path / f"{stem}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def node_named(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    (node,) = [n for n in model.graph.node if n.name == name]
+    return node
+
+
+def feed_scalar(model: onnx.ModelProto, node_name: str, index: int, scalar: float) -> None:
+    """The named node's input ``index`` replaced by a new float32 scalar initializer."""
+    name = f"{node_name}/scalar"
+    model.graph.initializer.append(const(name, np.array(scalar, np.float32)))
+    node_named(model, node_name).input[index] = name
 
 
 def reasons(run: Run, name: str) -> dict[str, int]:

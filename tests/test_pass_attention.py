@@ -19,8 +19,11 @@ from tests.pass_helpers import (
     assert_declined,
     compare_on_feeds,
     const,
+    edited_fixture,
+    feed_scalar,
     fixture_path,
     lineage,
+    node_named,
     optimize_checked,
     reasons,
     save_model,
@@ -1255,17 +1258,6 @@ def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: P
     compare_on_feeds(model, run.output, named_dim_feeds(model, dims))
 
 
-def _with_constant(name: str, node_name: str, value: int, tmp_path: Path) -> Path:
-    """The fixture with one Constant node's value replaced: a near miss in the exporter's own
-    graph."""
-    model = onnx.load(str(fixture_path(name)))
-    (node,) = [n for n in model.graph.node if n.name == node_name]
-    node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(value, dtype=np.int64)))
-    path = tmp_path / f"{Path(name).name}_changed.onnx"
-    onnx.save(model, str(path))
-    return path
-
-
 CONTEXT_RESHAPED = "the context [batch, heads, sequence, head size] is not provably kept by the Reshape before its Transpose"  # noqa: E501
 
 
@@ -1285,7 +1277,13 @@ def test_context_reshaped_to_other_sizes_keeps_the_attention(
     layer's attention stays written out."""
     unchanged = optimize_checked(fixture_path(name), tmp_path)
     assert unchanged.counts(pass_name) == (2, 2)
-    run = optimize_checked(_with_constant(name, constant, index, tmp_path), tmp_path)
+
+    def read_another_axis(model: onnx.ModelProto) -> None:
+        array = np.array(index, np.int64)
+        node_named(model, constant).attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(array))
+
+    path = edited_fixture(name, tmp_path, read_another_axis, f"{Path(name).name}_changed")
+    run = optimize_checked(path, tmp_path)
     assert run.counts(pass_name) == (2, 1)
     assert reasons(run, pass_name) == {CONTEXT_RESHAPED: 1}
 
@@ -1294,12 +1292,12 @@ def test_scores_scaled_by_zero_keep_the_attention(tmp_path: Path) -> None:
     """Gemma's dynamo export scales q and K^T by sqrt(scale) each. With K^T's factor 0 every
     score is 0 (uniform probabilities), but onnxruntime's attention ops read a scale of 0 as
     unset (1/sqrt(head size)): layer 1's attention stays written out, with the reason."""
-    model = onnx.load(str(fixture_path("arch/gemma_dynamo")))
-    (mul,) = [n for n in model.graph.node if n.name == "node_Mul_348"]
-    model.graph.initializer.append(const("zero_scale", np.array(0.0, np.float32)))
-    mul.input[1] = "zero_scale"
-    path = tmp_path / "gemma_zero_scale.onnx"
-    onnx.save(model, str(path))
+    path = edited_fixture(
+        "arch/gemma_dynamo",
+        tmp_path,
+        lambda model: feed_scalar(model, "node_Mul_348", 1, 0.0),
+        "gemma_zero_scale",
+    )
     run = optimize_checked(path, tmp_path)
     reason = "the scores are scaled by 0, which the fused ops read as 1/sqrt(head size)"
     assert run.counts(GQA) == (2, 1)
@@ -1340,11 +1338,12 @@ def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
     """Dynamo transposes K by folding [B, N, L, H] to [B*N, L, H], swapping the last two and
     unfolding. With layer 0's fold target reordered ([L, B*N, H]: the same count, other
     elements) that is no K^T, and that layer stays written out; layer 1 still fuses."""
-    model = onnx.load(str(fixture_path("arch/roberta_dynamo")))
-    (concat,) = [n for n in model.graph.node if n.name == "node_Concat_90"]
-    concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
-    path = tmp_path / "roberta_refolded.onnx"
-    onnx.save(model, str(path))
+
+    def reorder_fold(model: onnx.ModelProto) -> None:
+        concat = node_named(model, "node_Concat_90")
+        concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
+
+    path = edited_fixture("arch/roberta_dynamo", tmp_path, reorder_fold, "roberta_refolded")
     unchanged = optimize_checked(fixture_path("arch/roberta_dynamo"), tmp_path)
     assert unchanged.counts(QKV) == (2, 2)
     run = optimize_checked(path, tmp_path)
@@ -1383,12 +1382,13 @@ def test_sink_applied_after_the_attention_is_the_head_sink(exporter: str, tmp_pa
 def test_sink_scale_of_other_scores_keeps_the_attention(tmp_path: Path) -> None:
     """The log-sum-exp of scores other than those the Softmax reads (here the Add before the
     mask) is no sink: Granite-SWA's layer 0 then stays written out."""
-    model = onnx.load(str(fixture_path("arch/granite_swa_dynamo")))
-    producers = {o: n for n in model.graph.node for o in n.output}
-    lse = next(n for n in model.graph.node if n.op_type == "ReduceLogSumExp")
-    lse.input[0] = producers[lse.input[0]].input[0]  # the scaled scores, before the mask
-    path = tmp_path / "granite_swa_other_scores.onnx"
-    onnx.save(model, str(path))
+
+    def unmasked_scores(model: onnx.ModelProto) -> None:
+        producers = {o: n for n in model.graph.node for o in n.output}
+        lse = next(n for n in model.graph.node if n.op_type == "ReduceLogSumExp")
+        lse.input[0] = producers[lse.input[0]].input[0]  # the scaled scores, before the mask
+
+    path = edited_fixture("arch/granite_swa_dynamo", tmp_path, unmasked_scores, "granite_other")
     run = optimize_checked(path, tmp_path)
     assert run.counts(GQA) == (2, 1)
     assert run.op_counts()["Softmax"] == 1

@@ -28,7 +28,10 @@ from tests.pass_helpers import (
     assert_declined,
     check_output,
     const,
+    edited_fixture,
+    feed_scalar,
     fixture_path,
+    node_named,
     optimize_checked,
     pattern_counts,
     reasons,
@@ -533,12 +536,13 @@ def test_negative_epsilon_keeps_the_norm_written_out(tmp_path: Path) -> None:
     """onnxruntime's fused norms refuse a negative epsilon when the session is created, and
     the written-out norm runs with one. Gemma-3's final norm with its epsilon negated stays
     written out, with the reason, and the other twelve norms fuse as before."""
-    model = onnx.load(str(fixture_path("arch/gemma3_ts17")))
-    (node,) = [n for n in model.graph.node if n.name == "/inner/norm/Constant_1"]
-    assert onnx.numpy_helper.to_array(node.attribute[0].t) == np.float32(1e-6)
-    node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array(-1e-6, np.float32)))
-    path = tmp_path / "gemma3_negative_epsilon.onnx"
-    onnx.save(model, str(path))
+
+    def negate_epsilon(model: onnx.ModelProto) -> None:
+        tensor = node_named(model, "/inner/norm/Constant_1").attribute[0].t
+        assert onnx.numpy_helper.to_array(tensor) == np.float32(1e-6)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(np.array(-1e-6, np.float32)))
+
+    path = edited_fixture("arch/gemma3_ts17", tmp_path, negate_epsilon, "gemma3_negative_eps")
     run = optimize_checked(path, tmp_path, compare=False)
     reason = "epsilon is -1e-06: the fused kernels take only epsilon >= 0"
     assert reasons(run, "AddRmsNormFusionPass") == {reason: 1}
@@ -553,12 +557,12 @@ def test_residual_add_of_a_scalar_is_a_skip_norm_near_miss(tmp_path: Path) -> No
     """MPT's first residual Add with its attention output replaced by a scalar constant (a
     rank-0 summand: no hidden axis to compare) is declined with its reason; it crashed the
     shape proof before."""
-    model = onnx.load(str(fixture_path("arch/mpt_ts17")))
-    (add,) = [n for n in model.graph.node if n.name == "/inner/blocks.0/Add"]
-    model.graph.initializer.append(const("scalar", np.array(0.0, np.float32)))
-    add.input[0] = "scalar"
-    path = tmp_path / "mpt_scalar_residual.onnx"
-    onnx.save(model, str(path))
+    path = edited_fixture(
+        "arch/mpt_ts17",
+        tmp_path,
+        lambda model: feed_scalar(model, "/inner/blocks.0/Add", 0, 0.0),
+        "mpt_scalar_residual",
+    )
     run = optimize_checked(path, tmp_path)
     assert run.counts(SKIP) == (4, 3)
     reason = "the residual Add's inputs are not two 3-D tensors of one shape"

@@ -1,13 +1,41 @@
-"""What the installed onnxruntime can run, read from its kernel registry once per process."""
+"""What the installed onnxruntime can run, read from its kernel registry once per process.
+
+onnxruntime lists its kernels by creating every execution provider it was built with. A provider
+that lives in a library of its own (onnxruntime-gpu's CUDA and TensorRT) whose library cannot
+load there, as TensorRT's cannot without NVIDIA's TensorRT installed, ends the whole process in a
+segmentation fault. Where such libraries exist the list is therefore read in a child process;
+if the child dies, the operator schemas of the same onnxruntime stand in for its kernels (an op
+and element type the build defines), with a warning.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 from onnxruntime.capi import _pybind_state
+
+logger = logging.getLogger("fusectl")
+
+# Prints the kernel registry as JSON rows: [domain, op, provider, first, last, [types]].
+_LIST_KERNELS = """
+import json
+from onnxruntime.capi import _pybind_state
+rows = []
+for kernel in _pybind_state.get_all_opkernel_def():
+    types = sorted({t for ts in kernel.type_constraints.values() for t in ts})
+    rows.append([kernel.domain, kernel.op_name, kernel.provider, *kernel.version_range, types])
+print(json.dumps(rows))
+"""
+# Opset ranges in the registry run to this when a kernel has no upper bound.
+_OPEN_END = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -18,14 +46,73 @@ class Kernel:
     types: frozenset[str]
 
 
+def provider_libraries() -> list[Path]:
+    """The libraries of the execution providers onnxruntime loads on demand (none in the
+    CPU-only package; CUDA and TensorRT in onnxruntime-gpu's)."""
+    folder = Path(_pybind_state.__file__).parent
+    return sorted(p for p in folder.glob("*onnxruntime_providers_*") if "_shared" not in p.name)
+
+
+def kernel_rows_in_child(program: str = _LIST_KERNELS) -> list[list] | None:
+    """The registry listed by a child Python; None if the child fails (a provider's library
+    that does not load takes the process with it)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
+        )
+        return json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def _kernel_rows() -> list[list]:
+    return [
+        [
+            k.domain,
+            k.op_name,
+            k.provider,
+            *k.version_range,
+            [t for ts in k.type_constraints.values() for t in ts],
+        ]
+        for k in _pybind_state.get_all_opkernel_def()
+    ]
+
+
+def schema_rows() -> list[list]:
+    """Stand-in rows from onnxruntime's operator schemas: each version of an op, with the
+    element types its schema allows, counts as a kernel of that op."""
+    versions: dict[tuple[str, str], list] = {}
+    for schema in _pybind_state.get_all_operator_schema():
+        types = [t for c in schema.type_constraints for t in c.allowed_type_strs]
+        versions.setdefault((schema.domain, schema.name), []).append((schema.since_version, types))
+    rows = []
+    for (domain, name), found in versions.items():
+        found.sort()
+        for index, (since, types) in enumerate(found):
+            last = found[index + 1][0] - 1 if index + 1 < len(found) else _OPEN_END
+            rows.append([domain, name, "schema", since, last, types])
+    return rows
+
+
 @functools.cache
 def _registry() -> dict[tuple[str, str], tuple[Kernel, ...]]:
+    if not provider_libraries():
+        rows = _kernel_rows()
+    else:
+        rows = kernel_rows_in_child()
+        if rows is None:
+            libraries = ", ".join(p.name for p in provider_libraries())
+            logger.warning(
+                "onnxruntime's kernel registry cannot be read here: listing it loads every "
+                "provider library (%s) and one of them does not load (onnxruntime-gpu without "
+                "TensorRT installed, say); fusions are checked against onnxruntime's operator "
+                "schemas instead",
+                libraries,
+            )
+            rows = schema_rows()
     found: dict[tuple[str, str], list[Kernel]] = {}
-    for kernel in _pybind_state.get_all_opkernel_def():
-        first, last = kernel.version_range
-        types = frozenset(t for ts in kernel.type_constraints.values() for t in ts)
-        key = (kernel.domain, kernel.op_name)
-        found.setdefault(key, []).append(Kernel(kernel.provider, first, last, types))
+    for domain, op, provider, first, last, types in rows:
+        found.setdefault((domain, op), []).append(Kernel(provider, first, last, frozenset(types)))
     return {key: tuple(kernels) for key, kernels in found.items()}
 
 

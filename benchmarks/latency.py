@@ -11,7 +11,7 @@ benchmarks/out/latency/models):
 
 Outputs per model (each tool once, in a fresh process, as transformers_peers.py runs them):
 
-    fusectl       fusectl optimize MODEL -o OUT   (default: the shipped CPU knowledge repository)
+    fusectl       fusectl optimize MODEL -o OUT   (default: the shipped knowledge repository)
     fusectl-none  fusectl optimize MODEL -o OUT --repository none
     fusectl-ext   fusectl optimize MODEL -o OUT --external_data  (only where the original keeps
                   its weights inline: ViT and the CNNs)
@@ -30,10 +30,18 @@ ORT_ENABLE_ALL.
     python benchmarks/latency.py                          # every model
     python benchmarks/latency.py --models bert,resnet50 --runs 50
     python benchmarks/latency.py --print-only             # the last results again
-    python benchmarks/latency.py --tune-repository fusectl/data/repository_cpu.json
+    python benchmarks/latency.py --tune-repository fusectl/data/repository.json
                                                           # re-measure the shipped repository
+    python benchmarks/latency.py --providers cuda --tools fusectl,fusectl-none,onnxscript,ORT
+                                                          # on a GPU (onnxruntime-gpu)
 
-Results: benchmarks/out/latency/results.json.
+With ``--providers cuda`` the fusectl outputs are made for CUDA (``--providers cuda``, the
+repository's CUDA section or ``--repository``) and bench keeps every input and output in GPU
+memory, so the times are the models' and not the host copies'. ``--reuse`` keeps tool outputs
+already in benchmarks/out/latency/<model>/ (made on another machine, say: the peers' outputs do
+not depend on the provider) and makes only the missing ones.
+
+Results: benchmarks/out/latency/results.json (results_cuda.json for CUDA, and so on).
 """
 
 from __future__ import annotations
@@ -86,14 +94,18 @@ def export(name: str, force: bool) -> Path:
     return path
 
 
-def tool_command(tool: str, name: str, model: Path, out: Path) -> list[str] | None:
+def tool_command(
+    tool: str, name: str, model: Path, out: Path, args: argparse.Namespace | None = None
+) -> list[str] | None:
     case = MODELS[name]
+    fusectl = [*h.fusectl_cmd(model, out), "--providers", args.providers if args else "cpu"]
     if tool == "fusectl":
-        return h.fusectl_cmd(model, out)
+        chosen = args.repository if args else None
+        return fusectl + (["--repository", str(chosen)] if chosen else [])
     if tool == "fusectl-none":
-        return [*h.fusectl_cmd(model, out), "--repository", "none"]
+        return [*fusectl, "--repository", "none"]
     if tool == "fusectl-ext":
-        return [*h.fusectl_cmd(model, out), "--external_data"]
+        return [*fusectl, "--external_data"]
     if tool == "onnxscript":
         return [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(model), str(out)]
     if case.get("ort") is None:
@@ -107,8 +119,9 @@ def tool_command(tool: str, name: str, model: Path, out: Path) -> list[str] | No
 def run_model(name: str, args: argparse.Namespace) -> dict:
     model = export(name, args.force_export)
     out_dir = LATENCY_DIR / name
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     # A byte copy of the original beside it (it reads the same external data) is benched as
     # one more model: its ratio is the run's noise floor, what a ratio of 1.01 can be read
     # against on a shared machine.
@@ -117,12 +130,16 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     outputs: list[tuple[str, Path]] = [("original", model), ("control", control)]
     result: dict = {"model": name, "tools": {}}
     inline = not model.with_name(model.name + ".data").exists()
-    for tool in TOOLS:
+    for tool in args.tools:
         out = out_dir / f"{tool}.onnx"
         if tool == "fusectl-ext" and not inline:
             result["tools"][tool] = {"error": "weights external already: as fusectl"}
             continue
-        cmd = tool_command(tool, name, model, out)
+        if args.reuse and out.exists():
+            result["tools"][tool] = {"reused": True}
+            outputs.append((tool, out))
+            continue
+        cmd = tool_command(tool, name, model, out, args)
         if cmd is None:
             result["tools"][tool] = {"error": "no model type for this architecture"}
             continue
@@ -136,7 +153,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         outputs.append((tool, out))
     bench = [sys.executable, "-m", "fusectl", "bench", *(str(p) for _, p in outputs)]
     bench += ["--runs", str(args.runs), "--warmup", str(args.warmup), "--threads", "1"]
-    bench += ["--session_runs", str(args.session_runs), "--json"]
+    bench += ["--session_runs", str(args.session_runs), "--json", "--providers", args.providers]
     bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
     for _, path in outputs:
         h.warm_page_cache(path)
@@ -153,10 +170,16 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
             row[level] = {
                 key: timing[key] for key in ("median_ms", "ratio", "session_s", "session_ratio")
             }
-    if not args.keep:
+    if not args.keep and not args.reuse:
         for _, path in outputs[2:]:
             remove_outputs(path)
     return result
+
+
+def results_file(providers: str) -> Path:
+    """results.json for the CPU provider (as before), results_<provider>.json for another."""
+    short = providers.split(",")[0].strip().lower().removesuffix("executionprovider")
+    return RESULTS if short == "cpu" else RESULTS.with_name(f"results_{short}.json")
 
 
 def print_results(results: list[dict]) -> None:
@@ -190,11 +213,12 @@ def print_results(results: list[dict]) -> None:
     print(h.machine_note())
 
 
-def tune_repository(names: list[str], repository: Path, force: bool) -> None:
+def tune_repository(names: list[str], repository: Path, force: bool, providers: str) -> None:
     """Re-measure the knowledge repository on every model's original (fusectl tune)."""
     for name in names:
         model = export(name, force)
         cmd = [sys.executable, "-m", "fusectl", "tune", str(model), "--repository", str(repository)]
+        cmd += ["--providers", providers]
         cmd += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
         run = h.measure(cmd)
         print(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.status())
@@ -215,23 +239,31 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the tools' output models")
     parser.add_argument("--print-only", action="store_true", help="print the saved results")
     parser.add_argument("--tune-repository", type=Path, help="fusectl tune every model into this")
+    parser.add_argument("--providers", default="cpu", help="execution provider [cpu], e.g. cuda")
+    parser.add_argument("--repository", type=Path, help="knowledge repository for fusectl's output")
+    parser.add_argument("--tools", default=",".join(TOOLS), help=f"[{','.join(TOOLS)}]")
+    parser.add_argument("--reuse", action="store_true", help="keep tool outputs already made")
     args = parser.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    if sorted(set(args.tools) - set(TOOLS)):
+        parser.error(f"unknown tool(s) in --tools (known: {', '.join(TOOLS)})")
+    results_path = results_file(args.providers)
     if args.print_only:
-        print_results(json.loads(RESULTS.read_text()))
+        print_results(json.loads(results_path.read_text()))
         return 0
     if args.tune_repository:
-        tune_repository(names, args.tune_repository, args.force_export)
+        tune_repository(names, args.tune_repository, args.force_export, args.providers)
         return 0
     results = []
     for name in names:
         print(f"{name} ...", flush=True)
         results.append(run_model(name, args))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=2))
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(results, indent=2))
     print_results(results)
     return 0
 

@@ -157,7 +157,7 @@ def cli() -> None:
     "--repository",
     default=None,
     help="Knowledge repository (from `fusectl tune`) deciding which fusions pay on the "
-    "provider; none: no repository [the CPU repository shipped with fusectl].",
+    "provider; none: no repository [the one shipped with fusectl: CPU and CUDA].",
 )
 @_option(
     "--external_data",
@@ -431,7 +431,7 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
 @_option(
     "--repository",
     default=None,
-    help="Knowledge repository, as optimize (for the first of --providers) [shipped CPU one].",
+    help="Knowledge repository, as optimize (for the first of --providers) [the shipped one].",
 )
 @_option(
     "--per_pass",
@@ -535,6 +535,7 @@ def _tune(*, model: Path, as_json: bool, **options: Any) -> None:
         f"tune: {len(result.classes)} site class(es) on {result.provider} in "
         f"{result.seconds:.1f} s: {verdicts.count('unfused')} slower fused (kept unfused), "
         f"{verdicts.count('fused')} faster fused, {verdicts.count('same')} no difference, "
+        f"{verdicts.count('unsupported')} not run by the provider fused, "
         f"{verdicts.count(None)} not measured; wrote {result.repository}",
         markup=False,
         soft_wrap=True,
@@ -547,7 +548,7 @@ def _tune(*, model: Path, as_json: bool, **options: Any) -> None:
 @_option(
     "--repository",
     default=None,
-    help="Show this knowledge repository's CPU verdicts [the one shipped with fusectl].",
+    help="Show this knowledge repository's verdicts [the one shipped with fusectl].",
 )
 @_plugin_option(_PLUGIN_HELP)
 def list_passes(

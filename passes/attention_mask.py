@@ -197,7 +197,7 @@ class KeyPaddingMaskFusionPass(FusionPass):
             cast.outputs[0].name = f"{recognized.mask.name}_int32"
             cast.outputs[0].dtype = ir.DataType.INT32
             cast.outputs[0].shape = ctx.shape(recognized.mask)
-            mask = masks[recognized.mask] = cast.outputs[0]
+            mask = cast.outputs[0]
             new_nodes.append(cast)
         inputs: list[ir.Value | None] = list(attention.inputs)
         inputs += [None] * (bias_index + 1 - len(inputs))
@@ -213,7 +213,7 @@ class KeyPaddingMaskFusionPass(FusionPass):
             domain=MS,
             num_outputs=len(attention.outputs),
         )
-        replace_subgraph(
+        declined = replace_subgraph(
             ctx,
             "KeyPaddingMask",
             attention,
@@ -222,3 +222,7 @@ class KeyPaddingMaskFusionPass(FusionPass):
             attention.outputs,
             fused.outputs,
         )
+        # Later layers share the copy only once it is in the graph: a site the repository or a
+        # bisection leaves out takes its Cast with it.
+        if declined is None:
+            masks[recognized.mask] = mask

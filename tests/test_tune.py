@@ -15,11 +15,14 @@ import pytest
 from onnx import TensorProto, helper
 
 import fusectl
+from fusectl import register_replacement
+from fusectl.core.plugins import load_builtin_passes
 from fusectl.core.repository import (
     DECISIONS,
     FORMAT,
     FUSED,
     UNFUSED,
+    UNSUPPORTED,
     device_identity,
     load_repository,
     shipped_path,
@@ -39,6 +42,7 @@ BERT = FIXTURES / "bert_tiny_ts17.onnx"
 # The tiny BERT has 32 positions: tune it at sequence 16 (the default 128 would not fit).
 SHAPES = "input_ids:1,16;attention_mask:1,16"
 SKIP_LN = "AddLayerNormFusionPass"
+MS = "com.microsoft"
 # Sites of tuned passes in the tiny BERT (`fusectl optimize` fuses each of them).
 TUNED_SITES = {
     "QkvAttentionFusionPass": 2,
@@ -183,6 +187,150 @@ def test_a_slower_decision_declines_with_the_measured_reason(
     assert "repository" not in fused.report
 
 
+def test_a_declined_mask_site_takes_its_shared_mask_copy_with_it(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    # On CUDA the first layer's site (the int32 Cast of the mask with its attention) measured
+    # slower and the next layer's (the attention alone, reading that Cast) did not: the second
+    # must not read a Cast that was never added (the output failed onnx.checker).
+    document = json.loads(tuned[0].read_text())
+    (section,) = document["sections"]
+    first_layer = 0
+    for key, site in section["sites"].items():
+        if key.startswith("KeyPaddingMaskFusionPass/"):
+            cast = key.split(": ", 1)[1].startswith("Cast + ")
+            first_layer += cast
+            site.update(decision=UNFUSED if cast else FUSED, fused_ms=0.07, unfused_ms=0.06)
+        else:
+            site["decision"] = FUSED
+    assert first_layer == 1
+    repository = tmp_path / "mask.json"
+    repository.write_text(json.dumps(document))
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    entry = run.passed("KeyPaddingMaskFusionPass")
+    reasons = {miss["reason"]: miss["count"] for miss in entry["near_misses"]}
+    # Each layer then needs its own copy, so each is the measured-slower class.
+    assert reasons == {"slower on CPUExecutionProvider: 0.07 vs 0.06 ms": 2}
+    attentions = [n for n in onnx.load(str(run.output)).graph.node if n.op_type == "Attention"]
+    assert len(attentions) == 2
+    assert all(len(n.input) > 5 and n.input[5] and not n.input[3] for n in attentions)
+    assert onnx.checker.check_model(onnx.load(str(run.output)), full_check=True) is None
+    assert_same_outputs(BERT, run.output)
+
+
+def test_a_fused_op_the_provider_cannot_run_is_declined_with_its_refusal(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    # What tune records when the provider refuses the fused op (CUDA's FusedConv takes no
+    # Clip): every site of the class stays unfused, the refusal is the reason.
+    refusal = 'unsupported conv activation mode "Clip"'
+    repository = with_decision(
+        tuned[0], tmp_path / "refused.json", SKIP_LN, decision=UNSUPPORTED, error=refusal
+    )
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    assert run.op_counts()["SkipLayerNormalization"] == 0
+    reasons = {miss["reason"]: miss["count"] for miss in run.passed(SKIP_LN)["near_misses"]}
+    assert reasons == {f"does not run on CPUExecutionProvider: {refusal}": 4}
+    report = run.report["repository"]
+    assert report["declined"] == 4
+    assert {d["error"] for d in report["decisions"] if d["pass"] == SKIP_LN} == {refusal}
+    assert "4 as fused ops it does not run" in run.stderr
+    ub = run.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
+    assert ub[SKIP_LN]["repository_hit_times"] == "4"
+    assert_same_outputs(BERT, run.output)
+    listing = run_cli("passes", "--repository", repository)
+    assert f"SkipLayerNormalization does not run: {refusal}" in listing.stdout
+
+
+def test_a_refusal_decides_the_same_fusion_at_other_sizes(
+    tuned: tuple[Path, Any], tmp_path: Path
+) -> None:
+    # A provider refuses a fused op for what it computes, not for its sizes: a refusal measured
+    # at hidden size 768 decides the tiny BERT's hidden-32 norms; one of another activation
+    # decides nothing (CUDA's FusedConv refuses Clip and runs Relu).
+    document = json.loads(tuned[0].read_text())
+    (section,) = document["sections"]
+    sites = {}
+    for key, site in section["sites"].items():
+        at_768 = [signature.replace("32", "768") for signature in site["inputs"]]
+        if site["pass"] == SKIP_LN:
+            site = dict(site, decision=UNSUPPORTED, error="no kernel", inputs=at_768)
+        elif site["pass"] == "GemmActivationFusionPass":
+            relu = dict(site["attributes"], activation="Relu")
+            site = dict(site, decision=UNSUPPORTED, error="no Relu", inputs=at_768, attributes=relu)
+        else:
+            site = dict(site, decision=FUSED)
+        sites[key.replace("32", "768").replace("Tanh", "Relu")] = site
+    section["sites"] = sites
+    repository = tmp_path / "refusals.json"
+    repository.write_text(json.dumps(document))
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    assert run.op_counts()["SkipLayerNormalization"] == 0
+    reasons = {miss["reason"]: miss["count"] for miss in run.passed(SKIP_LN)["near_misses"]}
+    assert reasons == {"does not run on CPUExecutionProvider: no kernel": 4}
+    assert run.op_counts()["FusedGemm"] == 1
+    gemm = run.passed("GemmActivationFusionPass").get("near_misses", [])
+    assert not [miss for miss in gemm if miss["reason"].startswith("does not run on")]
+    assert_same_outputs(BERT, run.output)
+
+
+def _conv_relu(path: Path, size: int) -> Path:
+    """x [1, 3, size, size] -> Conv (1x1, 4 channels) -> Relu."""
+    rng = np.random.default_rng(0)
+    weights = [
+        onnx.numpy_helper.from_array(rng.normal(size=(4, 3, 1, 1)).astype(np.float32), "w"),
+        onnx.numpy_helper.from_array(np.zeros(4, np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"),
+        helper.make_node("Relu", ["c"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, size, size])],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.usefixtures("restore_registry")
+def test_tune_records_a_fused_op_the_provider_refuses(tmp_path: Path) -> None:
+    # A custom pass emitting a FusedConv whose activation no CPU kernel knows: the unfused Conv
+    # and Relu load, the fused op does not. tune records the refusal; optimize then declines
+    # the site, and the refusal decides the same fusion at another input size.
+    load_builtin_passes()
+    register_replacement(
+        "UnknownActivationConvPass",
+        lambda op, x, w, b: op.Relu(op.Conv(x, w, b)),
+        lambda op, x, w, b: op.FusedConv(x, w, b, activation="Unknown", _domain=MS),
+        emits=("FusedConv",),
+        emits_domain=MS,
+        targets=("ort",),
+    )
+    model = _conv_relu(tmp_path / "conv_relu.onnx", 8)
+    repository = tmp_path / "repository.json"
+    switches = ("--disable_pass", "ConvActivationFusionPass")
+    tuned = run_cli("tune", model, "--repository", repository, "--budget", "0.2", *switches)
+    assert tuned.exit_code == 0, tuned.stderr
+    assert "the fused op does not run on CPUExecutionProvider: " in tuned.stderr
+    assert "1 not run by the provider fused" in tuned.stderr
+    (section,) = load_repository(repository).sections
+    (entry,) = section.sites.values()
+    assert entry["decision"] == UNSUPPORTED and "fused_ms" not in entry
+    # onnxruntime's status prefix is trimmed to its reason
+    assert "GetFusedActivationAttr" in entry["error"] and "[ONNXRuntimeError]" not in entry["error"]
+    for size in (8, 16):
+        source = _conv_relu(tmp_path / f"conv_relu_{size}.onnx", size)
+        run = optimize(source, subdir(tmp_path, str(size)), "--repository", repository, *switches)
+        assert run.op_counts()["FusedConv"] == 0 and run.op_counts()["Relu"] == 1
+        reasons = [m["reason"] for m in run.passed("UnknownActivationConvPass")["near_misses"]]
+        assert reasons == [f"does not run on CPUExecutionProvider: {entry['error']}"]
+        assert_same_outputs(source, run.output)
+
+
 def test_a_class_measured_with_symbolic_sizes_covers_fixed_ones(
     tuned: tuple[Path, Any], tmp_path: Path
 ) -> None:
@@ -264,6 +412,12 @@ def test_a_section_measured_elsewhere_applies_with_a_warning(
             '"CPUExecutionProvider", "onnxruntime": "1", "device": "d", "sites": {"k": '
             '{"decision": "unfused", "fused_ms": -1, "unfused_ms": 1}}}]}',
             "fused_ms is not a non-negative number",
+        ),
+        (
+            '{"format": "fusectl-repository", "version": 1, "sections": [{"provider": '
+            '"CPUExecutionProvider", "onnxruntime": "1", "device": "d", "sites": {"k": '
+            '{"decision": "unsupported"}}}]}',
+            "sections[0].sites['k'].error is not a string",
         ),
     ],
 )

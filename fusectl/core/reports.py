@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from fusectl.core.engine import GraphRun, PassRun, RunResult
-from fusectl.core.repository import UNFUSED, Repository, RepositoryGate, ms
+from fusectl.core.repository import (
+    KEPT_UNFUSED,
+    UNFUSED,
+    UNSUPPORTED,
+    Repository,
+    RepositoryGate,
+    ms,
+)
 from fusectl.core.switches import Plan, Source
 from fusectl.rewrite import coverage, runtime
 from fusectl.rewrite.context import MAIN_GRAPH, PassContext, layer_of
@@ -210,7 +217,9 @@ def catalogue_document(
                     {
                         "provenance": section.provenance,
                         "measured": len(mine),
-                        "unfused": sorted(k for k, v in mine.items() if v["decision"] == UNFUSED),
+                        "unfused": sorted(
+                            k for k, v in mine.items() if v["decision"] in KEPT_UNFUSED
+                        ),
                     }
                 )
         if repository is not None:
@@ -225,18 +234,23 @@ def repository_lines(repository: Repository) -> list[str]:
         return [f"Knowledge repository {repository.label}: empty"]
     lines = [f"Knowledge repository {repository.label}"]
     for section in repository.sections:
-        unfused = [v for v in section.sites.values() if v["decision"] == UNFUSED]
+        unfused = [v for v in section.sites.values() if v["decision"] in KEPT_UNFUSED]
         lines.append(
             f"  {section.provenance}: {len(section.sites)} site class(es) measured, "
-            f"{len(unfused)} kept unfused as slower"
+            f"{len(unfused)} kept unfused as slower (or not run there)"
         )
         if section.models:
             lines.append(f"  measured on: {', '.join(section.models)}")
         for entry in sorted(unfused, key=lambda v: (v.get("pass", ""), v.get("fused", []))):
             fused = " + ".join(entry.get("fused", [])) or "?"
+            verdict = (
+                f"does not run: {entry['error']}"
+                if entry["decision"] == UNSUPPORTED
+                else f"{ms(entry['fused_ms'])} ms vs {ms(entry['unfused_ms'])} ms unfused"
+            )
             lines.append(
-                f"    {entry.get('pass', '?')}: {fused} {ms(entry['fused_ms'])} ms vs "
-                f"{ms(entry['unfused_ms'])} ms unfused ({', '.join(entry.get('inputs', []))})"
+                f"    {entry.get('pass', '?')}: {fused} {verdict} "
+                f"({', '.join(entry.get('inputs', []))})"
             )
     return lines
 
@@ -404,7 +418,7 @@ def repository_document(gate: RepositoryGate) -> dict[str, Any]:
     """The knowledge repository's part in a run: where its measurements come from, and each
     site it decided (declined ones with the measured times)."""
     section = gate.section
-    declined = [d for d in gate.decisions if d["decision"] == UNFUSED]
+    declined = [d for d in gate.decisions if d["decision"] in KEPT_UNFUSED]
     return {
         "provider": section.provider,
         "provenance": section.provenance,
@@ -416,10 +430,12 @@ def repository_document(gate: RepositoryGate) -> dict[str, Any]:
 
 def repository_line(gate: RepositoryGate) -> str:
     """The summary's line on the repository (printed only when it decided something)."""
-    declined = sum(1 for d in gate.decisions if d["decision"] == UNFUSED)
+    slower = sum(1 for d in gate.decisions if d["decision"] == UNFUSED)
+    unrun = sum(1 for d in gate.decisions if d["decision"] == UNSUPPORTED)
     return (
         f"knowledge repository ({gate.section.provenance}): {len(gate.decisions)} site(s) "
-        f"decided, {declined} left unfused as slower on {gate.section.provider}"
+        f"decided, {slower} left unfused as slower on {gate.section.provider}"
+        + (f", {unrun} as fused ops it does not run" if unrun else "")
     )
 
 

@@ -14,7 +14,9 @@ The file is JSON::
                    "device": "<CPU model> (x86_64)", "threads": 1, "measured": "<UTC time>",
                    "fusectl": "<version>", "models": [...],
                    "sites": {"<site class key>": {"decision": "unfused", "fused_ms": 0.49,
-                                                  "unfused_ms": 0.065, "ratio": 7.5, ...}}}]}
+                                                  "unfused_ms": 0.065, "ratio": 7.5, ...},
+                             "<another key>": {"decision": "unsupported",
+                                               "error": "<why the provider refused it>"}}}]}
 
 A section is keyed by provider, onnxruntime version and device; a lookup takes the section
 that matches all three, else the provider's section measured with the same onnxruntime, else
@@ -48,10 +50,14 @@ if TYPE_CHECKING:
 FORMAT = "fusectl-repository"
 VERSION = 1
 # Verdicts: the fused kernel measured slower (the site stays unfused), faster, or no
-# difference beyond the noise (the pass default, fusing, stands).
-UNFUSED, FUSED, SAME = "unfused", "fused", "same"
-DECISIONS = (UNFUSED, FUSED, SAME)
-SHIPPED = "repository_cpu.json"
+# difference beyond the noise (the pass default, fusing, stands); or the provider cannot run the
+# fused op at all (no kernel for those types or attributes there: CUDA's FusedConv takes no Clip).
+UNFUSED, FUSED, SAME, UNSUPPORTED = "unfused", "fused", "same", "unsupported"
+DECISIONS = (UNFUSED, FUSED, SAME, UNSUPPORTED)
+KEPT_UNFUSED = (UNFUSED, UNSUPPORTED)
+SHIPPED = "repository.json"
+# The fields of a repository entry that name its site class, in _refusal's order.
+_CLASS_FIELDS = ("pass", "pattern", "fused", "attributes", "inputs")
 NONE = "none"
 
 
@@ -204,7 +210,8 @@ class Repository:
 
 
 def shipped_path() -> Path:
-    """The CPU repository that ships with fusectl (measured as its provenance says)."""
+    """The repository that ships with fusectl: a CPU and a CUDA section, each measured as its
+    provenance says."""
     return Path(str(resources.files("fusectl") / "data" / SHIPPED))
 
 
@@ -230,6 +237,9 @@ def _section(data: Any, path: Path, index: int) -> Section:
             path,
             f"{label}.decision is {entry.get('decision')!r}, not one of {', '.join(DECISIONS)}",
         )
+        if entry["decision"] == UNSUPPORTED:
+            _require(isinstance(entry.get("error"), str), path, f"{label}.error is not a string")
+            continue
         for name in ("fused_ms", "unfused_ms"):
             _require(
                 isinstance(entry.get(name), int | float) and entry[name] >= 0,
@@ -283,7 +293,7 @@ def load_repository(path: Path | str, *, missing_ok: bool = False) -> Repository
 
 def choose_repository(repository: str | os.PathLike[str] | None, provider: str) -> Repository:
     """The repository a run uses: ``none`` for none, a path, or by default the shipped one
-    (it holds CPU measurements; other providers find no section in it)."""
+    (CPU and CUDA measurements; other providers find no section in it)."""
     if repository is not None and str(repository).lower() == NONE:
         return Repository(None)
     if repository is None:
@@ -296,6 +306,30 @@ def _family(pass_name: Any, pattern: Any, fused: Any, attributes: Any) -> tuple 
     if not all(isinstance(v, str) for v in (pass_name, pattern)) or not isinstance(fused, list):
         return None
     return pass_name, pattern, tuple(fused), json.dumps(attributes, sort_keys=True)
+
+
+def _text_attributes(attributes: Any) -> tuple:
+    """The attributes a kernel picks its computation by (an activation's or a mode's name):
+    the text-valued ones, per fused op."""
+    if isinstance(attributes, list):
+        return tuple(_text_attributes(item) for item in attributes)
+    if isinstance(attributes, Mapping):
+        return tuple(sorted((k, v) for k, v in attributes.items() if isinstance(v, str)))
+    return ()
+
+
+def _refusal(
+    pass_name: Any, pattern: Any, fused: Any, attributes: Any, inputs: Any
+) -> tuple | None:
+    """What a provider's refusal of a fused op depends on: the fusion, its text attributes and
+    the element types of its inputs (not their sizes: kernels are refused at session creation
+    for what they compute)."""
+    if not all(isinstance(v, str) for v in (pass_name, pattern)):
+        return None
+    if not isinstance(fused, list) or not isinstance(inputs, list):
+        return None
+    types = tuple(str(signature).partition("[")[0] for signature in inputs)
+    return pass_name, pattern, tuple(fused), _text_attributes(attributes), types
 
 
 def _fits(measured: str, site: str) -> bool:
@@ -355,6 +389,7 @@ class RepositoryGate:
     _vetoed: dict[tuple[str, ir.Node], str] = field(default_factory=dict)
 
     _families: dict[tuple, list[tuple[list[str], str]]] = field(default_factory=dict)
+    _refusals: dict[tuple, str] = field(default_factory=dict)  # unsupported, by _refusal
     # lookup's answers: a model's sites fall in a handful of classes.
     _found: dict[SiteClass, tuple[str, dict[str, Any]] | None] = field(default_factory=dict)
 
@@ -366,12 +401,17 @@ class RepositoryGate:
             )
             if family is not None and isinstance(entry.get("inputs"), list):
                 self._families.setdefault(family, []).append((entry["inputs"], key))
+            if entry["decision"] == UNSUPPORTED:
+                refusal = _refusal(*(entry.get(k) for k in _CLASS_FIELDS))
+                if refusal is not None:
+                    self._refusals.setdefault(refusal, key)
 
     def lookup(self, found: SiteClass) -> tuple[str, dict[str, Any]] | None:
         """The measurement that decides a site of class ``found``: its own class, else the
         most specific measured class of the same fusion whose inputs cover the site's (a
         dimension measured symbolic, ``?``, covers any size: a class measured for every
-        batch size holds for batch 1)."""
+        batch size holds for batch 1), else a refusal of the same fused ops with the same text
+        attributes and element types at other sizes."""
         if found not in self._found:
             self._found[found] = self._measured(found)
         return self._found[found]
@@ -389,7 +429,16 @@ class RepositoryGate:
             if _covers(inputs, found.inputs)
         ]
         if not covering:
-            return None
+            refused = self._refusals.get(
+                _refusal(
+                    found.pass_name,
+                    found.pattern,
+                    list(found.fused),
+                    json.loads(found.attributes),
+                    list(found.inputs),
+                )
+            )
+            return (refused, self.section.sites[refused]) if refused is not None else None
         key = min(covering)[1]
         return key, self.section.sites[key]
 
@@ -418,20 +467,17 @@ class RepositoryGate:
         measured_key, entry = measured
         ctx.repository_hits += 1
         decision = entry["decision"]
-        fused, unfused = float(entry["fused_ms"]), float(entry["unfused_ms"])
-        self.decisions.append(
-            {
-                "pass": ctx.spec.name,
-                "site": site,
-                "class": measured_key,
-                "decision": decision,
-                "fused_ms": fused,
-                "unfused_ms": unfused,
-            }
-        )
-        if decision != UNFUSED:
+        record = {"pass": ctx.spec.name, "site": site, "class": measured_key, "decision": decision}
+        if decision == UNSUPPORTED:
+            record["error"] = entry["error"]
+            reason = f"does not run on {self.section.provider}: {entry['error']}"
+        else:
+            fused, unfused = float(entry["fused_ms"]), float(entry["unfused_ms"])
+            record.update(fused_ms=fused, unfused_ms=unfused)
+            reason = f"slower on {self.section.provider}: {ms(fused)} vs {ms(unfused)} ms"
+        self.decisions.append(record)
+        if decision not in KEPT_UNFUSED:
             return None
-        reason = f"slower on {self.section.provider}: {ms(fused)} vs {ms(unfused)} ms"
         for node in old_nodes:
             self._vetoed[ctx.spec.name, node] = reason
         if ctx.keep_unfused is not None and ctx.keep_unfused(old_nodes):

@@ -16,7 +16,7 @@ model; the ratio is its median over the first model's (ORIGINAL) at the same lev
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fusectl.core.model_io import load_model
+from fusectl.diagnostics.device import binds_on_device, runner
 from fusectl.diagnostics.inputs import FeedPlan, describe_feeds, model_feeds
 from fusectl.diagnostics.verify import parse_providers
 from fusectl.errors import FusectlError
@@ -95,6 +96,7 @@ class BenchResult:
     plans: dict[str, FeedPlan]
     session_runs: int = 1
     timings: dict[tuple[int, str], Timing] = field(default_factory=dict)  # (model index, level)
+    on_device: bool = False  # inputs and outputs bound in GPU memory (no copies timed)
 
     def ratio(self, index: int, level: str) -> float:
         """This model's median over the first model's at the same level."""
@@ -119,6 +121,7 @@ class BenchResult:
             "runs": self.runs,
             "warmup": self.warmup,
             "session_runs": self.session_runs,
+            "io_on_device": self.on_device,
             "inputs": {
                 name: {"dtype": str(array.dtype), "shape": list(array.shape)}
                 for name, array in self.feeds.items()
@@ -241,7 +244,7 @@ def bench_models(
             del created  # one session alive at a time: creations do not compete for memory
 
     for level in levels:
-        sessions: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]] = []
+        runs_of: list[Callable[[], None]] = []
         for path in paths:
             session = _session(path, level, chosen, threads)
             wanted = {value.name for value in session.get_inputs()}
@@ -251,24 +254,28 @@ def bench_models(
                     f"needs input(s) {', '.join(map(repr, missing))} that {paths[0]} lacks",
                     path=path,
                 )
-            sessions.append((session, {k: v for k, v in feeds.items() if k in wanted}))
-        for index, (session, feed) in enumerate(sessions):
+            result.on_device = binds_on_device(session)
+            try:
+                runs_of.append(runner(session, {k: v for k, v in feeds.items() if k in wanted}))
+            except Exception as error:  # onnxruntime's own types, copying feeds to the device
+                raise _failure(path, error) from None
+        for index, run in enumerate(runs_of):
             try:
                 for _ in range(warmup):
-                    session.run(None, feed)
+                    run()
             except Exception as error:  # onnxruntime raises its own types for run errors
                 raise _failure(paths[index], error) from None
         for order in rotations(len(paths), runs):
             for index in order:
-                session, feed = sessions[index]
+                run = runs_of[index]
                 try:
                     start = time.perf_counter()
-                    session.run(None, feed)
+                    run()
                     elapsed = time.perf_counter() - start
                 except Exception as error:
                     raise _failure(paths[index], error) from None
                 result.timings[index, level].times_ms.append(elapsed * 1e3)
-        del sessions  # free one level's sessions before building the next
+        del runs_of  # free one level's sessions before building the next
     return result
 
 
@@ -320,7 +327,8 @@ def print_result(console: Console, result: BenchResult) -> None:
     console.print(
         f"{result.runs} timed run(s) per model, interleaved, after {result.warmup} warm-up; "
         f"session time: median of {result.session_runs} creation(s); "
-        f"intra-op threads {threads}; providers {', '.join(result.providers)}",
+        f"intra-op threads {threads}; providers {', '.join(result.providers)}"
+        + ("; inputs and outputs bound in device memory" if result.on_device else ""),
         markup=False,
         soft_wrap=True,
     )

@@ -35,6 +35,7 @@ from fusectl.core.repository import (
     FUSED,
     SAME,
     UNFUSED,
+    UNSUPPORTED,
     Repository,
     Section,
     device_identity,
@@ -42,6 +43,7 @@ from fusectl.core.repository import (
     ms,
 )
 from fusectl.core.switches import Plan
+from fusectl.diagnostics.device import runner
 from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
 from fusectl.diagnostics.sitecheck import Uncut, cut_site
 from fusectl.errors import FusectlError
@@ -87,6 +89,7 @@ class ClassResult:
     runs_per_round: int = 0
     shapes: dict[str, list[int]] = field(default_factory=dict)
     note: str = ""
+    error: str = ""  # the provider's refusal of the fused op (verdict "unsupported")
 
     @property
     def ratio(self) -> float:
@@ -94,6 +97,14 @@ class ClassResult:
 
     def entry(self, model: str) -> dict[str, Any]:
         """The repository entry for this class."""
+        if self.verdict == UNSUPPORTED:
+            return {
+                **self.site_class.to_json(),
+                "decision": self.verdict,
+                "error": self.error,
+                "model": model,
+                "sites_in_model": len(self.sites),
+            }
         return {
             **self.site_class.to_json(),
             "decision": self.verdict,
@@ -116,6 +127,7 @@ class ClassResult:
             "unfused_ms": self.unfused_ms,
             "rounds": self.rounds,
             "note": self.note or None,
+            "error": self.error or None,
         }
 
 
@@ -290,13 +302,13 @@ def time_pair(
     budget_s: float = 3.0,
 ) -> Timing:
     """Time both sessions interleaved until they separate or the budget is spent."""
-    sessions = (fused, unfused)
-    for session in sessions:  # warm up: first runs allocate
+    runs = (runner(fused, feeds), runner(unfused, feeds))
+    for run in runs:  # warm up: first runs allocate
         for _ in range(3):
-            session.run(None, feeds)
+            run()
     began = time.perf_counter()
-    fused.run(None, feeds)
-    unfused.run(None, feeds)
+    for run in runs:
+        run()
     once = max((time.perf_counter() - began) / 2, 1e-6)
     batch = max(1, min(_MAX_BATCH, int(_BATCH_S / once)))
     per_run: tuple[list[float], list[float]] = ([], [])
@@ -306,10 +318,10 @@ def time_pair(
         rounds = len(per_run[0])
         order = (0, 1) if rounds % 2 == 0 else (1, 0)
         for index in order:
-            session = sessions[index]
+            run = runs[index]
             start = time.perf_counter()
             for _ in range(batch):
-                session.run(None, feeds)
+                run()
             per_run[index].append((time.perf_counter() - start) / batch)
         rounds += 1
         if rounds < MIN_ROUNDS:
@@ -387,12 +399,15 @@ def tune_model(
             record.note = f"cannot be cut out: {cut}"
         else:
             _measure(record, cut, provider, threads, budget_s, seed)
-        outcome = (
-            f"fused {ms(record.fused_ms)} ms, unfused {ms(record.unfused_ms)} ms -> "
-            f"{record.verdict}"
-            if record.verdict is not None
-            else f"not measured: {record.note}"
-        )
+        if record.verdict == UNSUPPORTED:
+            outcome = f"the fused op does not run on {provider}: {record.error}"
+        elif record.verdict is not None:
+            outcome = (
+                f"fused {ms(record.fused_ms)} ms, unfused {ms(record.unfused_ms)} ms -> "
+                f"{record.verdict}"
+            )
+        else:
+            outcome = f"not measured: {record.note}"
         say(f"tune: [{number}/{len(classes)}] {class_key}: {outcome}")
     return list(classes.values()), shapes
 
@@ -409,19 +424,42 @@ def _measure(
     try:
         feeds, _ = generate_feeds(ir.from_proto(original), seed=seed)
         unfused = _session(original, provider, threads)
-        fused = _session(replacement, provider, threads)
-        timing = time_pair(fused, unfused, feeds, budget_s=budget_s)
     except FusectlError as error:
         record.note = f"no inputs for the site: {error}"
         return
-    except Exception as error:  # onnxruntime's own error types, for load and run alike
-        text = str(error).strip()
-        record.note = f"does not run on its own: {text.splitlines()[0] if text else error!r}"
+    except Exception as error:  # onnxruntime's own error types
+        record.note = f"does not run on its own: {_first_line(error)}"
+        return
+    try:
+        fused = _session(replacement, provider, threads)
+    except Exception as error:
+        # The unfused ops load where the fused one does not: the provider has no kernel for it
+        # with these types or attributes (a fact of the provider, not of the generated inputs).
+        record.verdict, record.error = UNSUPPORTED, _first_line(error)
+        return
+    try:
+        timing = time_pair(fused, unfused, feeds, budget_s=budget_s)
+    except Exception as error:  # generated inputs a fused kernel checks more strictly
+        record.note = f"does not run on its own: {_first_line(error)}"
         return
     record.shapes = {name: list(array.shape) for name, array in feeds.items()}
     record.fused_ms, record.unfused_ms = timing.fused_ms, timing.unfused_ms
     record.rounds, record.runs_per_round = timing.rounds, timing.runs_per_round
     record.verdict = timing.verdict
+
+
+# onnxruntime's status prefix, repeated once per layer the error passed through.
+_ORT_STATUS = re.compile(r"\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ")
+
+
+def _first_line(error: Exception) -> str:
+    """The error's own words: its first line, from after onnxruntime's last status prefix
+    (the kernel's reason, not the source file and signature that wrap it)."""
+    text = str(error).strip()
+    if not text:
+        return repr(error)
+    line = text.splitlines()[0]
+    return _ORT_STATUS.split(line)[-1].strip()[:400] or line[:400]
 
 
 def tune_section(

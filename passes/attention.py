@@ -988,6 +988,18 @@ def _one_row(ctx: PassContext, bias: ir.Value) -> bool:
     return shape is not None and shape[2] == 1
 
 
+def _one_column(ctx: PassContext, match: _Attention, biases: list[ir.Value]) -> bool:
+    """Whether some bias broadcasts one column over keys the scores have more of (its last
+    axis 1, theirs not provably 1): the contrib ops refuse it when they run."""
+    softmax = next(node for node in match.nodes if node.op_type == "Softmax")
+    scores = ctx.shape(softmax.inputs[0])
+    if scores is not None and len(scores) > 0 and scores[-1] == 1:
+        return False
+    added = [*biases, *match.scaled, *(_bias_source(node) for node in match.derived)]
+    shapes = [ctx.shape(bias) for bias in added]
+    return any(shape is not None and (len(shape) == 0 or shape[-1] == 1) for shape in shapes)
+
+
 def _expanded_rows(
     ctx: PassContext,
     root: ir.Node,
@@ -1566,6 +1578,11 @@ class _AttentionFusion(FusionPass):
             return (
                 "a bias is added before the scale, its values unknown, so it may hold "
                 "-FLT_MAX, which the standard Attention kernel takes for -inf"
+            )
+        if domain == MS and _one_column(ctx, match, biases):
+            return (
+                "the additive mask has one column for every key ([.., 1]): onnxruntime's "
+                "attention ops take attention_bias with a column per key"
             )
         cached = set(shared)
         new_nodes: list[ir.Node] = list(merged)

@@ -1288,6 +1288,29 @@ def test_context_reshaped_to_other_sizes_keeps_the_attention(
     assert reasons(run, pass_name) == {CONTEXT_RESHAPED: 1}
 
 
+def test_a_mask_with_one_column_for_every_key_keeps_the_attention(tmp_path: Path) -> None:
+    """CLIP-text's dynamo export unsqueezes its padding mask to [B, 1, 1, L]. Unsqueezed to
+    [B, 1, L, 1] instead, one column broadcasts over every key: the written-out scores add it,
+    onnxruntime's attention ops refuse it when they run (attention_bias takes a column per
+    key). The attention stays written out, with the reason, and the output runs."""
+    unchanged = optimize_checked(fixture_path("arch/clip_text_dynamo"), tmp_path)
+    assert unchanged.counts(QKV) == (2, 2)
+
+    def unsqueeze_last(model: onnx.ModelProto) -> None:
+        (axes,) = [t for t in model.graph.initializer if t.name == "val_36"]
+        axes.CopyFrom(onnx.numpy_helper.from_array(np.array([3], np.int64), "val_36"))
+
+    path = edited_fixture("arch/clip_text_dynamo", tmp_path, unsqueeze_last, "clip_mask_column")
+    run = optimize_checked(path, tmp_path)
+    reason = (
+        "the additive mask has one column for every key ([.., 1]): onnxruntime's attention ops "
+        "take attention_bias with a column per key"
+    )
+    assert run.counts(QKV) == (2, 0)
+    assert reasons(run, QKV) == {reason: 2}
+    assert run.op_counts()["Softmax"] == 2
+
+
 def test_scores_scaled_by_zero_keep_the_attention(tmp_path: Path) -> None:
     """Gemma's dynamo export scales q and K^T by sqrt(scale) each. With K^T's factor 0 every
     score is 0 (uniform probabilities), but onnxruntime's attention ops read a scale of 0 as

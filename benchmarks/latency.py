@@ -95,13 +95,12 @@ def export(name: str, force: bool) -> Path:
 
 
 def tool_command(
-    tool: str, name: str, model: Path, out: Path, args: argparse.Namespace | None = None
+    tool: str, name: str, model: Path, out: Path, args: argparse.Namespace
 ) -> list[str] | None:
     case = MODELS[name]
-    fusectl = [*h.fusectl_cmd(model, out), "--providers", args.providers if args else "cpu"]
+    fusectl = [*h.fusectl_cmd(model, out), "--providers", args.providers]
     if tool == "fusectl":
-        chosen = args.repository if args else None
-        return fusectl + (["--repository", str(chosen)] if chosen else [])
+        return fusectl + (["--repository", str(args.repository)] if args.repository else [])
     if tool == "fusectl-none":
         return [*fusectl, "--repository", "none"]
     if tool == "fusectl-ext":

@@ -9,7 +9,10 @@ as two small models, the matched nodes and their replacement (the ``--check_cust
 run on the provider with onnxruntime's own graph optimizations off, interleaved: rounds of a
 batch of runs of each, in alternating order, until a sign test over the rounds separates them
 and the medians differ by more than the noise margin, or the round or time budget runs out
-(then they are the same). A class whose fused kernel is slower is recorded ``unfused``.
+(then they are the same). A class whose fused kernel is slower is recorded ``unfused``; one
+whose fused op the provider refuses to load while it runs the unfused nodes, ``unsupported``.
+On a GPU provider both models read their inputs from device memory and leave their outputs there
+(diagnostics.device), so the times are the kernels' and not the copies'.
 """
 
 from __future__ import annotations

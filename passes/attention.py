@@ -604,19 +604,25 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     # A Shape of the probabilities (TorchScript's run-time fold target) is shape arithmetic
     # that dies with the match (absorb_shape_arithmetic), or keeps the match from landing.
     uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
+    # Whether the probabilities meet the value folded [B*N, S, L]; scores folded only for
+    # their product and unfolded before the Softmax meet it as [B, N, L, H] heads (GPT-NeoX-
+    # Japanese's baddbmm).
+    refolded = False
     if prefold is not None:  # the fold before the Softmax is the one after it, moved up
         nodes.append(prefold)
         folds.append(prefold)
+        refolded = True
     elif folds and len(uses) == 1 and uses[0].op_type == "Reshape":  # folded again [B*N, S, L]
         nodes.append(uses[0])
         folds.append(uses[0])
         probabilities = uses[0].outputs[0]
         uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
+        refolded = True
     if len(uses) != 1 or uses[0].op_type != "MatMul" or uses[0].inputs[0] is not probabilities:
         return "the probabilities are not read by exactly one MatMul with the value"
     context = uses[0]
     nodes.append(context)
-    values = _folded(ctx, context.inputs[1], nodes, folds) if folds else context.inputs[1]
+    values = _folded(ctx, context.inputs[1], nodes, folds) if refolded else context.inputs[1]
     if values is None:
         return "the scores are unfolded from [batch*heads, ...] but the value is not"
     result = context.outputs[0]
@@ -634,7 +640,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
-        if not folds and not (
+        if not refolded and not (
             _same_sizes(ctx, result, extra.outputs[0]) or _keeps(ctx, extra, heads)
         ):
             return (
@@ -643,15 +649,15 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             )
         nodes.append(extra)
         result = extra.outputs[0]
-        if folds:  # the context unfolded from [B*N, S, H]
+        if refolded:  # the context unfolded from [B*N, S, H]
             folds.append(extra)
-    if folds and folds[-1] is not extra:
+    if refolded and folds[-1] is not extra:
         return "the scores are unfolded from [batch*heads, ...] but the context is not"
     merge = _producer_user(result, "Transpose")
     perm = _perm(merge) if merge is not None else None
     final = _producer_user(merge.outputs[0], "Reshape") if perm == _HEADS else None  # type: ignore[union-attr]
     if final is None:
-        if folds:
+        if refolded:
             return "the scores are unfolded from [batch*heads, ...] but the context is not"
         # Read in another layout: the fused op's [B, S, N*H] output goes back to the heads,
         # through the reader's Transpose where there is one (the two perms composed).

@@ -1311,6 +1311,19 @@ def test_a_mask_with_one_column_for_every_key_keeps_the_attention(tmp_path: Path
     assert run.op_counts()["Softmax"] == 2
 
 
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_scores_folded_only_for_their_product(exporter: str, tmp_path: Path) -> None:
+    """GPT-NeoX-Japanese computes the scores with baddbmm on heads folded to [B*N, S, H],
+    unfolds them to [B, N, S, L] before the mask and the Softmax, and multiplies the
+    probabilities with the value as 4-D heads: the fold proves itself on the query and key
+    side, and the value and context are the unfolded layout's. Both layers fuse."""
+    run = optimize_checked(fixture_path(f"arch/gpt_neox_japanese_{exporter}"), tmp_path)
+    assert run.counts(MHA) == (2, 2)
+    assert not run.passed(MHA).get("near_misses")
+    assert run.op_counts()["MultiHeadAttention"] == 2
+    assert run.op_counts()["Softmax"] == 0
+
+
 def test_scores_scaled_by_zero_keep_the_attention(tmp_path: Path) -> None:
     """Gemma's dynamo export scales q and K^T by sqrt(scale) each. With K^T's factor 0 every
     score is 0 (uniform probabilities), but onnxruntime's attention ops read a scale of 0 as

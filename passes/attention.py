@@ -657,7 +657,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     perm = _perm(merge) if merge is not None else None
     final = _producer_user(merge.outputs[0], "Reshape") if perm == _HEADS else None  # type: ignore[union-attr]
     if final is None:
-        if refolded:
+        if folds:  # the split-back reading below carries no folds to prove or biases to unfold
             return "the scores are unfolded from [batch*heads, ...] but the context is not"
         # Read in another layout: the fused op's [B, S, N*H] output goes back to the heads,
         # through the reader's Transpose where there is one (the two perms composed).

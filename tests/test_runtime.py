@@ -25,7 +25,7 @@ def test_a_child_process_lists_the_same_kernels() -> None:
 
 def test_a_child_that_dies_gives_no_rows() -> None:
     # What onnxruntime-gpu does without TensorRT's libraries: the listing ends the process.
-    assert runtime.kernel_rows_in_child("import os; os.abort()") is None
+    assert runtime.kernel_rows_in_child("import os\nos.abort()") is None
 
 
 def test_the_schema_stand_in_defines_every_fused_op_the_passes_emit() -> None:

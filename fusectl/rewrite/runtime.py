@@ -24,15 +24,15 @@ from onnxruntime.capi import _pybind_state
 
 logger = logging.getLogger("fusectl")
 
-# Prints the kernel registry as JSON rows: [domain, op, provider, first, last, [types]].
+# Lists the kernel registry as rows [domain, op, provider, first, last, [types]]: run here, or
+# in a child process that prints them as JSON (see _registry).
 _LIST_KERNELS = """
-import json
 from onnxruntime.capi import _pybind_state
-rows = []
-for kernel in _pybind_state.get_all_opkernel_def():
-    types = sorted({t for ts in kernel.type_constraints.values() for t in ts})
-    rows.append([kernel.domain, kernel.op_name, kernel.provider, *kernel.version_range, types])
-print(json.dumps(rows))
+rows = [
+    [k.domain, k.op_name, k.provider, *k.version_range,
+     sorted({t for ts in k.type_constraints.values() for t in ts})]
+    for k in _pybind_state.get_all_opkernel_def()
+]
 """
 # Opset ranges in the registry run to this when a kernel has no upper bound.
 _OPEN_END = 2**31 - 1
@@ -54,11 +54,14 @@ def provider_libraries() -> list[Path]:
 
 
 def kernel_rows_in_child(program: str = _LIST_KERNELS) -> list[list] | None:
-    """The registry listed by a child Python; None if the child fails (a provider's library
-    that does not load takes the process with it)."""
+    """The rows ``program`` lists, from a child Python; None if the child fails (a provider's
+    library that does not load takes the process with it)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", program + "\nimport json\nprint(json.dumps(rows))"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         return json.loads(done.stdout) if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError):
@@ -66,16 +69,10 @@ def kernel_rows_in_child(program: str = _LIST_KERNELS) -> list[list] | None:
 
 
 def _kernel_rows() -> list[list]:
-    return [
-        [
-            k.domain,
-            k.op_name,
-            k.provider,
-            *k.version_range,
-            [t for ts in k.type_constraints.values() for t in ts],
-        ]
-        for k in _pybind_state.get_all_opkernel_def()
-    ]
+    """The rows listed in this process (no provider library to load: the CPU package)."""
+    namespace: dict[str, list[list]] = {}
+    exec(_LIST_KERNELS, namespace)  # the child's listing, one text for both
+    return namespace["rows"]
 
 
 def schema_rows() -> list[list]:

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import os as _os
 
+from fusectl._imports import import_deferring as _import_deferring
+
+_import_deferring("onnx_ir", deferred="sympy")  # sympy: half of the start-up, seldom used
+
+# ruff: noqa: E402  (imports after onnx-ir's, and fusectl.api after the passes path)
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import (
@@ -61,7 +66,7 @@ if not _os.path.isdir(_os.path.join(_here, "passes")) and _os.path.isfile(
 ):
     __path__.append(_os.path.dirname(_here))  # type: ignore[name-defined]
 
-from fusectl.api import (  # noqa: E402  (after the passes path above)
+from fusectl.api import (  # after the passes path above
     FusectlError,
     FusectlPass,
     OptimizeResult,

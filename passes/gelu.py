@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
@@ -86,17 +87,20 @@ def _tanh_patterns() -> dict[str, Callable[..., Any]]:
     return patterns
 
 
-def _scalar(site: Site, value: ir.Value | None, what: str) -> float:
+def _scalar(site: Site, value: ir.Value | None, what: str) -> np.ndarray:
     array = site.require_constant(value, what)
     if array.size != 1:
         raise Decline(f"{what} is not a scalar")
-    return float(array.reshape(-1)[0])
+    return array.reshape(-1)[:1]
 
 
 def _expect(site: Site, value: ir.Value | None, want: float, what: str) -> None:
+    """The constant is the formula's value as its element type holds it: a float16 model
+    stores sqrt(2) as 1.41406 and 0.044715 as 0.0447083."""
     got = _scalar(site, value, what)
-    if not math.isclose(got, want, rel_tol=_TOLERANCE):
-        raise Decline(f"{what} is {got:g}, the GELU formula needs {want:g}")
+    held = float(np.asarray(want).astype(got.dtype)[()]) if got.dtype.kind == "f" else want
+    if not math.isclose(float(got[0]), held, rel_tol=_TOLERANCE):
+        raise Decline(f"{what} is {float(got[0]):g}, the GELU formula needs {want:g}")
 
 
 def check_erf_gelu(site: Site, **bindings: Any) -> str | None:
@@ -267,7 +271,7 @@ def _quick_gelu(op: Any, x: Any, alpha: Any) -> Any:
 
 
 def _to_quick_gelu(op: Any, site: Site, x: ir.Value, alpha: ir.Value | None = None) -> Any:
-    value = 1.0 if alpha is None else _scalar(site, alpha, "alpha")
+    value = 1.0 if alpha is None else float(_scalar(site, alpha, "alpha")[0])
     site.require_kernel("QuickGelu", site.dtype(x), MS)
     return op.QuickGelu(x, _domain=MS, alpha=value)
 

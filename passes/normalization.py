@@ -693,9 +693,6 @@ def _computed_from(value: ir.Value | None, source: ir.Value, depth: int = 8) -> 
 
 
 _RMS_FORMS = ("Reciprocal", "DivOne", "Div")
-# The Cast round trip is matched in the form TorchScript writes for an fp16/bf16 LLaMA
-# (torch.rsqrt as Div(1, Sqrt)) only: one more rule per pass, not one per form.
-_RMS_CAST_FORM = "DivOne"
 _FLOAT = ir.DataType.FLOAT
 
 
@@ -749,15 +746,21 @@ def _to_rms_normalization(op: Any, site: Site, x: ir.Value, **bindings: Any) -> 
 
 def _rms_rules(prefix: str, rewrite: Callable[..., Any], *, residual: bool) -> tuple[Rule, ...]:
     """The RMS-norm rule family one pass runs: every spelling of the reciprocal square root,
-    and the fp16 export's Cast round trip, then each spelling without a weight; with
-    ``residual``, behind a residual Add whose sum the fused op keeps available."""
+    each also in the fp16/bf16 export's Cast round trip (TorchScript writes torch.rsqrt as
+    Div(1, Sqrt), the dynamo exporter as Reciprocal(Sqrt)), then each spelling without a
+    weight; with ``residual``, behind a residual Add whose sum the fused op keeps available."""
     exposes = ("total",) if residual else ()
     spanning = _spanning_weight(rewrite)
     rules = [
-        Rule(f"{prefix}{form}", _rms_pattern(form, residual), spanning, exposes=exposes)
+        Rule(
+            f"{prefix}{'Cast' if cast else ''}{form}",
+            _rms_pattern(form, residual, cast),
+            spanning,
+            exposes=exposes,
+        )
+        for cast in (False, True)
         for form in _RMS_FORMS
     ]
-    cast = _rms_pattern(_RMS_CAST_FORM, residual, True)
     # After the weighted forms, which take a norm with its weight whole.
     unweighted = [
         Rule(
@@ -769,7 +772,7 @@ def _rms_rules(prefix: str, rewrite: Callable[..., Any], *, residual: bool) -> t
         )
         for form in _RMS_FORMS
     ]
-    return (*rules, Rule(f"{prefix}Cast", cast, spanning, exposes=exposes), *unweighted)
+    return (*rules, *unweighted)
 
 
 @register_pass

@@ -11,10 +11,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from onnx.reference import ReferenceEvaluator
 
 from tests.pass_helpers import (
     assert_declined,
     const,
+    fixture_path,
     optimize_checked,
     reasons,
     save_model,
@@ -76,16 +78,25 @@ CONSTANTS = {
 }
 
 
-def _model(path: Path, nodes: list, *, opset: int = 17, bias: bool = False, **overrides):
+def _model(
+    path: Path,
+    nodes: list,
+    *,
+    opset: int = 17,
+    bias: bool = False,
+    dtype: type = np.float32,
+    **overrides: float,
+) -> Path:
     constants = {**CONSTANTS, **overrides}
-    inits = [const(k, np.array(v, np.float32)) for k, v in constants.items()]
+    inits = [const(k, np.array(v), dtype) for k, v in constants.items()]
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     if bias:
         nodes = [_n("Add", ["a", "bias"], "x"), *nodes]
-        inits.append(const("bias", np.linspace(-1, 1, SHAPE[-1])))
-        inputs = [value("a", SHAPE)]
+        inits.append(const("bias", np.linspace(-1, 1, SHAPE[-1]), dtype))
+        inputs = [value("a", SHAPE, elem)]
     else:
-        inputs = [value("x", SHAPE)]
-    return save_model(path, nodes, inputs, [value("y", SHAPE)], inits, opset=opset)
+        inputs = [value("x", SHAPE, elem)]
+    return save_model(path, nodes, inputs, [value("y", SHAPE, elem)], inits, opset=opset)
 
 
 ERF_CASES = [
@@ -149,6 +160,68 @@ def test_wrong_constant_is_declined(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert_declined(run, BIAS_GELU, "the halving constant is 0.6, the GELU formula needs 0.5", "y")
     assert run.op_counts()["Erf"] == 1
+
+
+def test_float16_constants_are_the_formula_rounded_to_float16(tmp_path: Path) -> None:
+    """A float16 model stores sqrt(2) as 1.41406 and 0.044715 as 0.0447083: each constant is
+    compared with the formula's value in its own type. onnxruntime has no float16 kernel of
+    any GELU op on the CPU, so for --target onnx (opset 20) the standard Gelu is what fuses,
+    checked against the ONNX reference implementation."""
+    nodes = [*_erf("x", order="MulMul", scale="div", out="y0")]
+    nodes += [
+        _n(
+            n.op_type,
+            [i if i in ("x", *CONSTANTS) else f"t_{i}" for i in n.input],
+            "t" if n.output[0] == "y" else f"t_{n.output[0]}",
+        )
+        for n in _tanh("x", cube="pow")
+    ]
+    nodes.append(_n("Add", ["y0", "t"], "y"))
+    model = _model(tmp_path / "fp16.onnx", nodes, opset=20, dtype=np.float16)
+    run = optimize_checked(model, tmp_path, "--target", "onnx", compare=False)
+    assert run.counts(GELU) == (2, 2)
+    assert run.op_counts() == Counter({"Gelu": 2, "Add": 1})
+    x = np.random.default_rng(0).normal(0, 2, SHAPE).astype(np.float16)
+    (want,) = ReferenceEvaluator(str(model)).run(None, {"x": x})
+    (got,) = ReferenceEvaluator(str(run.output)).run(None, {"x": x})
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=1e-2)
+    # On onnxruntime's CPU the contrib ops are declined for the kernel, not for the constants.
+    run = optimize_checked(
+        _model(
+            tmp_path / "biased.onnx",
+            _erf("x", order="MulMul", scale="div"),
+            bias=True,
+            dtype=np.float16,
+        ),
+        tmp_path,
+    )
+    assert_declined(
+        run, BIAS_GELU, "onnxruntime has no com.microsoft.BiasGelu kernel for FLOAT16", "y"
+    )
+
+
+def test_float16_export_gelu_declined_for_the_kernel_only(tmp_path: Path) -> None:
+    """BERT exported in half precision (dynamo): its erf divisor is float16's sqrt(2)."""
+    run = optimize_checked(fixture_path("fp16_bert_tiny_dynamo"), tmp_path, atol=1e-2)
+    reason = "onnxruntime has no com.microsoft.BiasGelu kernel for FLOAT16"
+    assert_declined(run, BIAS_GELU, reason, "node_gelu", count=2)
+    assert run.op_counts()["SkipLayerNormalization"] == 5
+
+
+@pytest.mark.parametrize(
+    ("dtype", "root2", "shown"),
+    [
+        (np.float16, 1.5, "1.5"),  # float16, but not sqrt(2) in float16
+        (np.float32, float(np.float16(math.sqrt(2))), "1.41406"),  # float16's sqrt(2) in float32
+    ],
+)
+def test_constant_not_the_formula_in_its_own_type_is_declined(
+    dtype: type, root2: float, shown: str, tmp_path: Path
+) -> None:
+    nodes = _erf("x", order="MulMul", scale="div")
+    model = _model(tmp_path / "off.onnx", nodes, opset=20, dtype=dtype, root2=root2)
+    run = optimize_checked(model, tmp_path, "--target", "onnx", compare=False)
+    assert_declined(run, GELU, f"the erf divisor is {shown}, the GELU formula needs 1.41421", "y")
 
 
 def test_shared_intermediate_is_declined(tmp_path: Path) -> None:

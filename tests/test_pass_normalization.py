@@ -753,6 +753,19 @@ def test_simplified_layer_norm_on_request(name: str, tmp_path: Path) -> None:
 FP16 = "fp16_llama_tiny_ts17"
 
 
+def _assert_float32_skip_norms(run: Run, pattern: str, *, doubled: int) -> None:
+    """All five norms fused as SkipSimplifiedLayerNormalization with float32 weights,
+    ``doubled`` of them (x, x) by DoubledRmsNormFusionPass's ``pattern``."""
+    assert run.counts(DOUBLED) == (doubled, doubled)
+    assert run.passed(DOUBLED)["patterns"][pattern] == {"matched": doubled, "effected": doubled}
+    counts = run.op_counts()
+    assert (counts["SkipSimplifiedLayerNormalization"], counts["ReduceMean"]) == (5, 0)
+    graph = onnx.load(str(run.output)).graph
+    floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    skips = [n for n in graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert all(node.input[2] in floats for node in skips)  # gamma converted to float32
+
+
 def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
     (tmp_path / "default").mkdir()
     (tmp_path / "on").mkdir()
@@ -760,7 +773,7 @@ def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
     check_output(run)
     assert_same_outputs(fixture_path(FP16), run.output, atol=1e-2, rtol=1e-2)
     assert run.counts(SKIP_RMS) == (4, 4)
-    assert run.passed(SKIP_RMS)["patterns"]["AddRmsNormCast"] == {"matched": 4, "effected": 4}
+    assert run.passed(SKIP_RMS)["patterns"]["AddRmsNormCastDivOne"] == {"matched": 4, "effected": 4}
     assert_declined(
         run,
         RMS,
@@ -769,15 +782,7 @@ def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
         count=5,
     )
     # the first layer's input norm, no residual Add in front: x + x, float32 + Cast
-    assert run.counts(DOUBLED) == (1, 1)
-    assert run.passed(DOUBLED)["patterns"]["DoubledRmsNormCast"] == {"matched": 1, "effected": 1}
-    counts = run.op_counts()
-    assert (counts["SkipSimplifiedLayerNormalization"], counts["ReduceMean"]) == (5, 0)
-    graph = onnx.load(str(run.output)).graph
-    floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
-    for node in graph.node:
-        if node.op_type == "SkipSimplifiedLayerNormalization":
-            assert node.input[2] in floats  # gamma converted to float32
+    _assert_float32_skip_norms(run, "DoubledRmsNormCastDivOne", doubled=1)
     # The first layer's input norm, on request (SimplifiedLayerNormalization, float32 + Cast).
     run = optimize(fixture_path(FP16), tmp_path / "on", "--enable_pass", SIMPLIFIED)
     assert run.counts(SIMPLIFIED) == (1, 1)
@@ -785,17 +790,30 @@ def test_fp16_llama_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
     assert_same_outputs(fixture_path(FP16), run.output, atol=1e-2, rtol=1e-2)
 
 
-def _rms_cast_model(path: Path, *, cast_to: int, weight_input: bool = False) -> Path:
+# sqrt(mean(total^2) + eps) of total = a + b, then the reciprocal square root as each
+# exporter spells it, and total scaled by it.
+_SUMMED_RMS = [
+    _n("Add", ["a", "b"], "total"),
+    _n("Pow", ["total", "two"], "sq"),
+    _n("ReduceMean", ["sq", "axes"], "ms"),
+    _n("Add", ["ms", "eps"], "mse"),
+    _n("Sqrt", ["mse"], "rms"),
+]
+_INVERSES = {
+    "Reciprocal": [_n("Reciprocal", ["rms"], "inv"), _n("Mul", ["total", "inv"], "scaled")],
+    "DivOne": [_n("Div", ["one", "rms"], "inv"), _n("Mul", ["total", "inv"], "scaled")],
+    "Div": [_n("Div", ["total", "rms"], "scaled")],
+}
+
+
+def _rms_cast_model(
+    path: Path, *, cast_to: int, weight_input: bool = False, inverse: str = "DivOne"
+) -> Path:
     """Add(a, b) (float32) -> RMS norm -> Cast(to=cast_to) -> Mul(fp16 weight)."""
     fp16 = onnx.TensorProto.FLOAT16
     nodes = [
-        _n("Add", ["a", "b"], "total"),
-        _n("Pow", ["total", "two"], "sq"),
-        _n("ReduceMean", ["sq", "axes"], "ms"),
-        _n("Add", ["ms", "eps"], "mse"),
-        _n("Sqrt", ["mse"], "rms"),
-        _n("Div", ["one", "rms"], "inv"),
-        _n("Mul", ["total", "inv"], "scaled"),
+        *_SUMMED_RMS,
+        *_INVERSES[inverse],
         _n("Cast", ["scaled"], "rounded", to=cast_to),
         _n("Cast", ["weight"], "weight_as", to=cast_to) if cast_to != fp16 else None,
         _n("Mul", ["weight" if cast_to == fp16 else "weight_as", "rounded"], "y"),
@@ -816,21 +834,72 @@ def _rms_cast_model(path: Path, *, cast_to: int, weight_input: bool = False) -> 
     return save_model(path, [n for n in nodes if n is not None], inputs, outputs, inits, opset=18)
 
 
-def test_rms_norm_cast_round_trip_synthetic(tmp_path: Path) -> None:
-    model = _rms_cast_model(tmp_path / "fp16.onnx", cast_to=onnx.TensorProto.FLOAT16)
+@pytest.mark.parametrize("inverse", list(_INVERSES))
+def test_rms_norm_cast_round_trip_synthetic(inverse: str, tmp_path: Path) -> None:
+    model = _rms_cast_model(
+        tmp_path / "fp16.onnx", cast_to=onnx.TensorProto.FLOAT16, inverse=inverse
+    )
     run = optimize(model, tmp_path)
     check_output(run)
     assert_same_outputs(model, run.output, atol=1e-2, rtol=1e-2)  # fp16 tolerance, see above
     assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.passed(SKIP_RMS)["patterns"][f"AddRmsNormCast{inverse}"] == {
+        "matched": 1,
+        "effected": 1,
+    }
     assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1, "Cast": 1})
 
 
-def test_rms_norm_cast_round_trip_gamma_fed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inverse", list(_INVERSES))
+def test_rms_norm_cast_round_trip_gamma_fed(inverse: str, tmp_path: Path) -> None:
     model = _rms_cast_model(
-        tmp_path / "fed.onnx", cast_to=onnx.TensorProto.FLOAT16, weight_input=True
+        tmp_path / "fed.onnx", cast_to=onnx.TensorProto.FLOAT16, weight_input=True, inverse=inverse
     )
     run = optimize(model, tmp_path)
     assert_declined(run, SKIP_RMS, "gamma is a graph input (fed), not a constant", "y")
+
+
+def test_rms_norm_cast_round_trip_needs_a_float32_norm(tmp_path: Path) -> None:
+    """A norm computed in float16 and widened before a float32 weight is not the export's
+    round trip: the fused op would compute it in float32, more precisely than the model."""
+    fp16 = onnx.TensorProto.FLOAT16
+    nodes = [
+        *_SUMMED_RMS,
+        *_INVERSES["Reciprocal"],
+        _n("Cast", ["scaled"], "rounded", to=onnx.TensorProto.FLOAT),
+        _n("Mul", ["weight", "rounded"], "y"),
+    ]
+    inits = [
+        const("two", np.array(2.0), np.float16),
+        const("eps", np.array(1e-6), np.float16),
+        const("axes", np.array([-1]), np.int64),
+        const("weight", np.random.default_rng(1).uniform(0.5, 1.5, SHAPE[-1])),
+    ]
+    model = save_model(
+        tmp_path / "widened.onnx",
+        nodes,
+        [value("a", SHAPE, fp16), value("b", SHAPE, fp16)],
+        [value("y", SHAPE)],
+        inits,
+        opset=18,
+    )
+    run = optimize(model, tmp_path)
+    reason = "the Cast form's normalised input is not float32"
+    assert_declined(run, SKIP_RMS, reason, "y")
+
+
+# The same LLaMA exported by the dynamo exporter: its residual sum is float16 and cast to
+# float32 in front of each norm, so no norm has a residual Add right before it; each becomes
+# SkipSimplifiedLayerNormalization(x, x) (x the float32 sum, 4x epsilon), torch.rsqrt written
+# Reciprocal(Sqrt).
+FP16_DYNAMO = "fp16_llama_tiny_dynamo"
+
+
+def test_fp16_llama_dynamo_rms_norms_with_cast_round_trip(tmp_path: Path) -> None:
+    run = optimize(fixture_path(FP16_DYNAMO), tmp_path)
+    check_output(run)
+    assert_same_outputs(fixture_path(FP16_DYNAMO), run.output, atol=1e-2, rtol=1e-2)
+    _assert_float32_skip_norms(run, "DoubledRmsNormCastReciprocal", doubled=5)
 
 
 def test_simplified_layer_norm_not_for_other_targets(tmp_path: Path) -> None:

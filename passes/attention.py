@@ -292,6 +292,9 @@ class _Attention:
     # op gets bias_scale * b, bias_scale the scale of the product alone.
     scaled: list[ir.Value] = field(default_factory=list)
     bias_scale: float = 1.0
+    # The scores' product and the value promoted from float16 / bfloat16 to this type before
+    # the Softmax and the context: the fused op computes in it from promoted operands.
+    promoted: ir.DataType | None = None
 
 
 def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
@@ -389,6 +392,7 @@ class _Walk:
     scaled: list[ir.Value] = field(default_factory=list)  # added before the scale
     floored: bool = False
     head_scale: ir.Value | None = None  # a constant [N, 1, 1] or [1, N, 1, 1]
+    promoted: ir.DataType | None = None  # the product cast to this wider float type
 
 
 def _scores(
@@ -435,6 +439,7 @@ def _scores(
     capped = _softcapped(value, nodes)
     if capped is not None:
         value, softcap = capped
+    value = _unpromoted(ctx, value, nodes, walk)
     scale = 1.0
     divide = producer_of(value, "Div")
     if divide is not None and _scalar(divide.inputs[1]):
@@ -450,7 +455,53 @@ def _scores(
             walk.head_scale, value = per_head[1], per_head[0].inputs[0]  # type: ignore[assignment]
     if scale != 1.0 and not folds and not softcap:
         value = _scaled_biases(value, nodes, walk.scaled)
+    value = _unpromoted(ctx, value, nodes, walk)
     return producer_of(value, "MatMul"), scale, value, softcap
+
+
+# Float types an exporter promotes to float32 for the Softmax (TorchScript's sdpa in half
+# precision: a float32 mask added to the float16 product makes the whole attention float32).
+_PROMOTED = {ir.DataType.FLOAT16: ir.DataType.FLOAT, ir.DataType.BFLOAT16: ir.DataType.FLOAT}
+
+
+def _promotion(ctx: PassContext, value: ir.Value | None) -> ir.Node | None:
+    """The Cast making ``value`` from a float16 / bfloat16 tensor, if it promotes to float32."""
+    cast = producer_of(value, "Cast") if value is not None else None
+    if cast is None or cast.inputs[0] is None:
+        return None
+    to = ir.DataType(cast.attributes.get_int("to", 0))
+    return cast if _PROMOTED.get(ctx.dtype(cast.inputs[0])) == to else None  # type: ignore[arg-type]
+
+
+def _promoted(
+    ctx: PassContext,
+    value: ir.Value,
+    to: ir.DataType,
+    shared: dict[object, tuple[ir.Value, ...]],
+    new_nodes: list[ir.Node],
+) -> ir.Value:
+    """``value`` cast to ``to`` where it is of a type promoted to it (not the sequence
+    lengths GroupQueryAttention takes), once for the sites sharing it."""
+    if _PROMOTED.get(ctx.dtype(value)) != to:  # type: ignore[arg-type]
+        return value
+    key = ("promoted", value, to)
+    if key not in shared:
+        cast = ir.node("Cast", [value], attributes={"to": to})
+        typed(cast.outputs[0], to, ctx.shape(value))
+        new_nodes.append(cast)
+        shared[key] = (cast.outputs[0],)
+    return shared[key][0]
+
+
+def _unpromoted(ctx: PassContext, value: ir.Value, nodes: list[ir.Node], walk: _Walk) -> ir.Value:
+    """The product behind a Cast promoting it to float32 (once per walk), recorded in ``walk``:
+    the fused op then computes in float32 from promoted query, key and value."""
+    cast = _promotion(ctx, value) if walk.promoted is None else None
+    if cast is None:
+        return value
+    nodes.append(cast)
+    walk.promoted = ir.DataType(cast.attributes.get_int("to", 0))
+    return cast.inputs[0]  # type: ignore[return-value]
 
 
 def _scaled_biases(value: ir.Value, nodes: list[ir.Node], scaled: list[ir.Value]) -> ir.Value:
@@ -493,7 +544,7 @@ def _leads_to_matmul(value: ir.Value | None, depth: int = 6) -> bool:
         return False
     if node.op_type == "MatMul":
         return True
-    if node.op_type == "Reshape":  # scores unfolded from [B*N, S, L]
+    if node.op_type in ("Reshape", "Cast"):  # scores unfolded from [B*N, S, L]; promoted
         return _leads_to_matmul(node.inputs[0], depth - 1)
     if node.op_type not in ("Add", "Div", "Mul", "Tanh", "Where", "Max"):
         return False
@@ -622,7 +673,15 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return "the probabilities are not read by exactly one MatMul with the value"
     context = uses[0]
     nodes.append(context)
-    values = _folded(ctx, context.inputs[1], nodes, folds) if refolded else context.inputs[1]
+    values = context.inputs[1]
+    if walk.promoted is not None:
+        cast = _promotion(ctx, values)
+        narrow = None if cast is None else ctx.dtype(cast.inputs[0])  # type: ignore[arg-type]
+        if narrow is None or narrow != ctx.dtype(matmul.outputs[0]):
+            return "the scores are promoted to float32, the value not from their type"
+        nodes.append(cast)
+        values = cast.inputs[0]
+    values = _folded(ctx, values, nodes, folds) if refolded else values
     if values is None:
         return "the scores are unfolded from [batch*heads, ...] but the value is not"
     result = context.outputs[0]
@@ -636,6 +695,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             heads, guard is not None, query, key, value3, scale, biases, result, context,
             nodes, softcap, single_head=True, derived=walk.derived, floored=walk.floored,
             head_scale=walk.head_scale, sink=sink, scaled=walk.scaled, bias_scale=product_scale,
+            promoted=walk.promoted,
         )  # fmt: skip
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
@@ -673,7 +733,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
             softcap, split_back=(split_back, value_size), derived=walk.derived,
             floored=walk.floored, head_scale=walk.head_scale, sink=sink, scaled=walk.scaled,
-            bias_scale=product_scale,
+            bias_scale=product_scale, promoted=walk.promoted,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -696,6 +756,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         sink=sink,
         scaled=walk.scaled,
         bias_scale=product_scale,
+        promoted=walk.promoted,
     )
 
 
@@ -1557,7 +1618,12 @@ class _AttentionFusion(FusionPass):
         staying = _still_read(ctx, [*nodes, *reads], [*replaced_outputs, *read_outputs])
         if staying is None:
             return uses_outside(nodes, replaced_outputs)
-        dtype = ctx.dtype(match.query)
+        dtype = match.promoted or ctx.dtype(match.query)
+        if match.promoted is not None and plan.pasts:
+            return (
+                f"the attention computes in {match.promoted} from promoted operands, but the "
+                "cache it appends to keeps their type"
+            )
         domain = self.spec.emits_domain
         opset = ctx.opset if domain == "" else 1
         if ctx.target == "ort" and not runtime.has_kernel(self.op_type, domain, opset, dtype):
@@ -1610,6 +1676,11 @@ class _AttentionFusion(FusionPass):
         computed, prelude = self._prelude(ctx, match, shared)
         new_nodes += prelude
         inputs = inputs + computed
+        if match.promoted is not None:  # the operands as the original computes with them
+            inputs = [
+                None if value is None else _promoted(ctx, value, match.promoted, shared, new_nodes)
+                for value in inputs
+            ]
         while len(biases) > 1:  # mask + position bias: summed once for the layers sharing both
             key = ("bias sum", *biases[:2])
             if key not in shared:
@@ -1810,8 +1881,8 @@ def _appended_plan(ctx: PassContext, match: _Attention, heads: int, head_size: i
     present_value replace the Concats (the graph's presents), so neither the head splits nor
     the Concats stay. None where the cache is not that, as the 4-D key and value are read."""
     key, value = match.key, match.value
-    if key.cache is None or value.cache is None:
-        return None
+    if key.cache is None or value.cache is None or match.promoted is not None:
+        return None  # promoted: the op would append in float32 to the presents' narrower type
     for cache, size in ((key.cache, head_size), (value.cache, None)):
         if cache.projection is None:
             return None

@@ -14,9 +14,18 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import FIXTURES, Run, named_dim_feeds, random_feeds, run_model
+from tests.conftest import (
+    FIXTURES,
+    Run,
+    assert_same_outputs,
+    named_dim_feeds,
+    optimize,
+    random_feeds,
+    run_model,
+)
 from tests.pass_helpers import (
     assert_declined,
+    check_output,
     compare_on_feeds,
     const,
     edited_fixture,
@@ -1428,3 +1437,46 @@ def test_sink_scale_of_other_scores_keeps_the_attention(tmp_path: Path) -> None:
     run = optimize_checked(path, tmp_path)
     assert run.counts(GQA) == (2, 1)
     assert run.op_counts()["Softmax"] == 1
+
+
+def test_attention_promoted_to_float32_from_half_precision(tmp_path: Path) -> None:
+    """The fp16 LLaMA exported by TorchScript: its sdpa adds the float32 mask to the float16
+    product, so the exporter casts the product and the value to float32 and the Softmax and
+    context run in float32. GroupQueryAttention computes the same in float32 from the rotated
+    query and key and the value's projection, each cast to float32 (compared at float16
+    tolerance: the original rounds q @ k^T to float16 before the cast)."""
+    run = optimize(fixture_path("fp16_llama_tiny_ts17"), tmp_path)
+    check_output(run)
+    assert_same_outputs(fixture_path("fp16_llama_tiny_ts17"), run.output, atol=1e-2, rtol=1e-2)
+    assert run.counts(GQA) == (2, 2)
+    assert reasons(run, GQA) == {}
+    graph = _graph(run.output)
+    producers = _producers(graph)
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 2 and run.op_counts()["Softmax"] == 0
+    for node in fused:
+        casts = [producers[v] for v in node.input[:3]]
+        assert [c.op_type for c in casts] == ["Cast"] * 3
+        assert all(_attributes(c) == {"to": TensorProto.FLOAT} for c in casts)
+        sources = [producers[c.input[0]].op_type for c in casts]
+        assert sources == ["RotaryEmbedding", "RotaryEmbedding", "MatMul"]
+
+
+def test_attention_promoted_but_its_value_not_is_declined(tmp_path: Path) -> None:
+    """The same export with layer 0's value cast to float32 and then multiplied by 1: the
+    context's value is no longer the promoted value heads, so that layer stays written out."""
+
+    def unpromote_value(model: onnx.ModelProto) -> None:
+        context = node_named(model, "/inner/layers.0/self_attn/MatMul_1")
+        model.graph.initializer.append(const("one_f32", np.array(1.0, np.float32)))
+        times_one = helper.make_node("Mul", [context.input[1], "one_f32"], ["value_times_one"])
+        model.graph.node.insert(list(model.graph.node).index(context), times_one)
+        context.input[1] = "value_times_one"
+
+    path = edited_fixture("fp16_llama_tiny_ts17", tmp_path, unpromote_value, "fp16_value_mul")
+    run = optimize(path, tmp_path)
+    check_output(run)
+    assert_same_outputs(path, run.output, atol=1e-2, rtol=1e-2)
+    reason = "the scores are promoted to float32, the value not from their type"
+    assert run.counts(GQA) == (2, 1)
+    assert reasons(run, GQA) == {reason: 1}

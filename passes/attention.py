@@ -1619,7 +1619,7 @@ class _AttentionFusion(FusionPass):
         if staying is None:
             return uses_outside(nodes, replaced_outputs)
         dtype = match.promoted or ctx.dtype(match.query)
-        if match.promoted is not None and plan.pasts:
+        if match.promoted is not None and plan.presents:
             return (
                 f"the attention computes in {match.promoted} from promoted operands, but the "
                 "cache it appends to keeps their type"

@@ -620,13 +620,18 @@ def test_a_type_conflict_is_optimized_with_a_warning(tmp_path: Path) -> None:
     assert [n.op_type for n in onnx.load(str(output)).graph.node] == ["Add"]
 
 
-BREAKING_PLUGIN = """
+# A plugin defining one pass, whose class follows.
+_PLUGIN = """
 import onnx_ir as ir
 from fusectl import Category, FusionPass, PassSpec, register_pass
 
 
 @register_pass
-class RenameToNothingPass(FusionPass):
+"""
+
+BREAKING_PLUGIN = (
+    _PLUGIN
+    + """class RenameToNothingPass(FusionPass):
     spec = PassSpec(name="RenameToNothingPass", category=Category.GRAPH,
                     description="a broken pass: renames every Relu to an op that does not exist")
 
@@ -635,21 +640,59 @@ class RenameToNothingPass(FusionPass):
             if node.op_type == "Relu":
                 node.op_type = "NoSuchOperator"
 """
+)
+
+
+MISTYPING_PLUGIN = (
+    _PLUGIN
+    + """class MistypedBiasGeluPass(FusionPass):
+    spec = PassSpec(name="MistypedBiasGeluPass", category=Category.GRAPH,
+                    description="a broken pass: BiasGelu on x and x cast to float16")
+
+    def run(self, model: ir.Model, ctx) -> None:
+        for node in list(model.graph):
+            if node.op_type == "Relu":
+                x = node.inputs[0]
+                half = ir.node("Cast", [x], attributes={"to": ir.DataType.FLOAT16})
+                half.outputs[0].dtype = ir.DataType.FLOAT16
+                gelu = ir.node("BiasGelu", [x, half.outputs[0]], domain="com.microsoft")
+                ir.convenience.replace_nodes_and_values(
+                    model.graph, node, [node], [half, gelu], node.outputs, gelu.outputs
+                )
+"""
+)
+
+
+def _refused_by_a_broken_pass(tmp_path: Path, plugin_text: str) -> str:
+    """Optimize a Relu model with a plugin pass that breaks it: exit 3 (a bug), nothing
+    written; the one line of stderr."""
+    plugin = tmp_path / "broken.py"
+    plugin.write_text(plugin_text)
+    model = _saved(tmp_path, _relu())
+    before = _snapshot(tmp_path)
+    result = run_cli(
+        "optimize", model, "-o", tmp_path / "out.onnx", "--plugin", plugin,
+        "--export_compile_stat", "0",
+    )  # fmt: skip
+    assert result.exit_code == 3, result.stderr
+    assert _snapshot(tmp_path) == before
+    return result.stderr
+
+
+@pytest.mark.usefixtures("restore_registry")
+def test_a_contrib_op_mistyped_by_a_pass_is_caught(tmp_path: Path) -> None:
+    """onnx.checker does not know onnxruntime's contrib ops: their types are checked against
+    onnxruntime's schemas, and onnxruntime itself decides where they break them: exit 3, one
+    line naming the node and the constraint, nothing written."""
+    stderr = _refused_by_a_broken_pass(tmp_path, MISTYPING_PLUGIN)
+    assert "does not load in onnxruntime though the input does" in stderr
+    assert "T is tensor(float) for A and tensor(float16) for B" in stderr
 
 
 @pytest.mark.usefixtures("restore_registry")
 def test_a_valid_input_never_yields_an_invalid_output(tmp_path: Path) -> None:
     """A pass that breaks a valid model is caught before the output lands: exit 3 (a bug),
     one line, nothing written."""
-    plugin = tmp_path / "breaking.py"
-    plugin.write_text(BREAKING_PLUGIN)
-    model = _saved(tmp_path, _relu())
-    output = tmp_path / "out.onnx"
-    before = _snapshot(tmp_path)
-    result = run_cli(
-        "optimize", model, "-o", output, "--plugin", plugin, "--export_compile_stat", "0"
-    )
-    assert result.exit_code == 3, result.stderr
-    assert "fails onnx.checker though the input passes" in result.stderr
-    assert "NoSuchOperator" in result.stderr
-    assert _snapshot(tmp_path) == before
+    stderr = _refused_by_a_broken_pass(tmp_path, BREAKING_PLUGIN)
+    assert "fails onnx.checker though the input passes" in stderr
+    assert "NoSuchOperator" in stderr

@@ -4,8 +4,13 @@ operator-schema stand-in when the child dies."""
 
 from __future__ import annotations
 
+import onnx_ir as ir
+import pytest
+
+import fusectl
 from fusectl.core.plugins import load_builtin_passes
 from fusectl.rewrite import runtime
+from tests.pass_helpers import fixture_path
 
 
 def _normalized(rows: list[list]) -> list[tuple]:
@@ -42,3 +47,27 @@ def test_the_schema_stand_in_defines_every_fused_op_the_passes_emit() -> None:
     }
     assert ("com.microsoft", "SkipLayerNormalization") in float_ops
     assert ("com.microsoft", "NoSuchFusedOp") not in defined
+
+
+@pytest.mark.parametrize(
+    "name", ["bert_tiny_ts17", "gpt2_tiny_past_dynamo", "llama_tiny_dynamo", "fp16_llama_tiny_ts17"]
+)
+def test_fused_contrib_ops_keep_their_schemas_type_constraints(name: str) -> None:
+    """What the passes emit (Attention, SkipLayerNormalization, GroupQueryAttention in float32
+    on promoted float16 operands, ...) binds each type parameter once, to a type it allows."""
+    result = fusectl.optimize(fixture_path(name))
+    assert any(node.domain == "com.microsoft" for node in result.model.graph)
+    assert runtime.type_conflict(result.model) is None
+
+
+def test_a_type_parameter_bound_twice_is_a_conflict() -> None:
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([2, 4]))
+    half = ir.val("half", ir.DataType.FLOAT16, ir.Shape([2, 4]))
+    gelu = ir.node("BiasGelu", [x, half], domain="com.microsoft", name="gelu")
+    gelu.outputs[0].dtype = ir.DataType.FLOAT
+    graph = ir.Graph([x, half], gelu.outputs, nodes=[gelu], opset_imports={"": 17})
+    found = runtime.type_conflict(ir.Model(graph, ir_version=8))
+    assert found == "BiasGelu node 'gelu': T is tensor(float) for A and tensor(float16) for B"
+    half.dtype = ir.DataType.INT64
+    found = runtime.type_conflict(ir.Model(graph, ir_version=8))
+    assert found == "BiasGelu node 'gelu': B is tensor(int64), which T does not allow"

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from fusectl.core.paths import StagedOutputs
 from fusectl.core.validate import check_input, check_output, check_text, validate_model
 from fusectl.errors import FusectlError
+from fusectl.rewrite import runtime
 
 # Protobuf cannot serialise a message of 2 GiB or more; leave room for the graph itself.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -570,7 +571,8 @@ def stage_model(
             if add_sparse_initializers(saved, sparse):
                 onnx.save(saved, str(staged_model))
         if source is not None:
-            check_output(staged_model, source, external=data_path is not None)
+            conflict = runtime.type_conflict(model)
+            check_output(staged_model, source, external=data_path is not None, conflict=conflict)
     except OSError as error:
         raise FusectlError(f"cannot write output: {error.strerror or error}", path=output) from None
     return data_path

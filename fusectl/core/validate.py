@@ -558,15 +558,30 @@ def check_text(model: ir.Model, path: Path) -> None:
             raise FusectlError(f"text {text!r} in the model is not valid UTF-8", path=path)
 
 
-def check_output(staged: Path, source: Path, *, external: bool) -> None:
+def check_output(
+    staged: Path, source: Path, *, external: bool, conflict: str | None = None
+) -> None:
     """The staged output, before it is renamed into place: it must pass onnx.checker (full
     check) whenever the input does, and load in onnxruntime whenever the input does.
+
+    ``conflict``: a contrib op's types breaking its onnxruntime schema (runtime.type_conflict),
+    which onnx.checker cannot see; onnxruntime then decides, on the output and on the input.
 
     - input passes, output fails: a fusectl bug (exit 3), unless onnxruntime loads the output,
       which is what an onnxruntime-only op in the ONNX domain does (SimplifiedLayerNormalization,
       from a pass that is off by default and says so): a warning;
     - both fail, onnxruntime loads the input but not the output: the input's declarations are
       inconsistent in a way the passes trusted; refused (exit 2)."""
+    if conflict is not None and _runtime_problem(staged) is not None:
+        if _runtime_problem(source) is None:
+            raise OutputInvariantError(
+                f"the optimized model does not load in onnxruntime though the input does "
+                f"({conflict}); nothing written, please report this",
+                path=source,
+            )
+        logger.warning(
+            "%s: onnxruntime refuses the input; so does the output (%s)", source, conflict
+        )
     problem = _checker_problem(staged, full_check=not external)
     if problem is None:
         return

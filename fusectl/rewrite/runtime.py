@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,3 +163,58 @@ def _function_body(op_type: str, domain: str, opset: int | None) -> tuple[tuple[
         for node in schema.function_body.node
         if node.op_type != "Constant"
     )
+
+
+# onnxruntime's contrib ops, which onnx.checker knows nothing of: their type constraints are
+# checked against onnxruntime's own schemas (type_conflict).
+_CONTRIB = "com.microsoft"
+
+
+@functools.cache
+def _contrib_schemas() -> dict[str, list]:
+    found: dict[str, list] = {}
+    for schema in _pybind_state.get_all_operator_schema():
+        if schema.domain == _CONTRIB:
+            found.setdefault(schema.name, []).append(schema)
+    return found
+
+
+def _formals(formals: list, values: Sequence[ir.Value | None]) -> Iterator[tuple[object, ir.Value]]:
+    """Each present value with its formal parameter (a variadic last one takes the rest)."""
+    for index, value in enumerate(values):
+        formal = formals[min(index, len(formals) - 1)] if formals else None
+        if formal is None or (index >= len(formals) and formal.option.name != "Variadic"):
+            return
+        if value is not None and value.dtype is not None:
+            yield formal, value
+
+
+def type_conflict(model: ir.Model) -> str | None:
+    """The first contrib-op node (any graph) whose element types break its onnxruntime schema's
+    type constraints, as onnxruntime reports when it loads the model; None if none does."""
+    version = model.opset_imports.get(_CONTRIB, 1)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        schemas = _contrib_schemas().get(node.op_type) if node.domain == _CONTRIB else None
+        if not schemas:
+            continue
+        fitting = [s for s in schemas if s.since_version <= version] or schemas
+        schema = max(fitting, key=lambda s: s.since_version)
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        bound: dict[str, tuple[str, str]] = {}
+        pairs = [*_formals(schema.inputs, node.inputs), *_formals(schema.outputs, node.outputs)]
+        for formal, value in pairs:
+            assert value.dtype is not None
+            actual = f"tensor({value.dtype.name.lower()})"
+            param = formal.typeStr  # type: ignore[attr-defined]
+            where = f"{node.op_type} node '{node.name}'"
+            if actual not in allowed.get(param, {param}):
+                return f"{where}: {formal.name} is {actual}, which {param} does not allow"  # type: ignore[attr-defined]
+            if formal.option.name == "Variadic" and not formal.isHomogeneous:  # type: ignore[attr-defined]
+                continue
+            first = bound.setdefault(param, (actual, formal.name))  # type: ignore[attr-defined]
+            if first[0] != actual:
+                return (
+                    f"{where}: {param} is {first[0]} for {first[1]} and {actual} for "
+                    f"{formal.name}"  # type: ignore[attr-defined]
+                )
+    return None

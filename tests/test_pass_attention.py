@@ -1480,3 +1480,30 @@ def test_attention_promoted_but_its_value_not_is_declined(tmp_path: Path) -> Non
     reason = "the scores are promoted to float32, the value not from their type"
     assert run.counts(GQA) == (2, 1)
     assert reasons(run, GQA) == {reason: 1}
+
+
+def test_promoted_attention_does_not_append_to_a_narrower_cache(tmp_path: Path) -> None:
+    """The fp16 LLaMA with a KV cache (TorchScript), one sequence at a time: GroupQueryAttention
+    could take the cache as its past, but it would append float32 heads to the float16 presents
+    the graph returns. It declines with the reason, and MultiHeadAttention reads the joined key
+    and value, each cast to float32 as the original computes with them."""
+    name, past, sequence = "fp16_llama_tiny_past_ts17", 4, 3
+    shapes = _decode_shapes(1, sequence, past)
+    run = optimize(fixture_path(name), tmp_path, "--input_shape", shapes)
+    check_output(run)
+    reason = (
+        "the attention computes in FLOAT from promoted operands, but the cache it appends to "
+        "keeps their type"
+    )
+    assert run.counts(GQA) == (2, 0)
+    assert reasons(run, GQA) == {reason: 2}
+    assert run.counts(MHA) == (2, 2)
+    graph = _graph(run.output)
+    producers = _producers(graph)
+    for node in (n for n in graph.node if n.op_type == "MultiHeadAttention"):
+        assert [producers[v].op_type for v in node.input[:3]] == ["Cast"] * 3
+    dims = {"batch": 1, "sequence": sequence, "past_sequence": past}
+    feeds = named_dim_feeds(fixture_path(name), dims | {"total_sequence": past + sequence})
+    expected, actual = run_model(fixture_path(name), feeds), run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=1e-2)

@@ -30,31 +30,20 @@ def _reduce_mean(op: Any, x: Any) -> Any:
     return op.ReduceMean(x, _allow_other_inputs=True, _allow_other_attributes=True)
 
 
-def _decomposed(square: str) -> Callable[..., Any]:
-    """The written-out layer norm over the pattern variable ``x``, squaring one way."""
-
-    def normalise(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any = None) -> Any:
-        centred = op.Sub(x, _reduce_mean(op, x))
-        squared = op.Pow(centred, two) if square == "Pow" else op.Mul(centred, centred)
-        std = op.Sqrt(op.Add(_reduce_mean(op, squared), eps))
-        return op.Add(op.Mul(op.Div(centred, std), gamma), beta)
-
-    return normalise
+def _decomposed(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any) -> Any:
+    """The written-out layer norm over the pattern variable ``x`` (a square written x * x is
+    Pow(x, 2) by now: PowerCanonicalizationPass)."""
+    centred = op.Sub(x, _reduce_mean(op, x))
+    std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(centred, two)), eps))
+    return op.Add(op.Mul(op.Div(centred, std), gamma), beta)
 
 
-def _pattern(square: str, residual: bool) -> Callable[..., Any]:
-    norm = _decomposed(square)
+def _pattern(residual: bool) -> Callable[..., Any]:
     if residual:
-        if square == "Pow":
-            return lambda op, a, b, eps, gamma, beta, two: norm(
-                op, op.Add(a, b, _outputs=["total"]), eps, gamma, beta, two
-            )
-        return lambda op, a, b, eps, gamma, beta: norm(
-            op, op.Add(a, b, _outputs=["total"]), eps, gamma, beta
+        return lambda op, a, b, eps, gamma, beta, two: _decomposed(
+            op, op.Add(a, b, _outputs=["total"]), eps, gamma, beta, two
         )
-    if square == "Pow":
-        return lambda op, x, eps, gamma, beta, two: norm(op, x, eps, gamma, beta, two)
-    return lambda op, x, eps, gamma, beta: norm(op, x, eps, gamma, beta)
+    return _decomposed
 
 
 def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
@@ -154,10 +143,7 @@ class LayerNormFusionPass(PatternPass):
         min_opset=17,
         emits=("LayerNormalization",),
     )
-    rules = (
-        Rule("LayerNormPow", _pattern("Pow", False), _to_layer_norm),
-        Rule("LayerNormMul", _pattern("Mul", False), _to_layer_norm),
-    )
+    rules = (Rule("LayerNormPow", _pattern(False), _to_layer_norm),)
 
 
 _Dim = int | ir.SymbolicDim | None  # None: unknown
@@ -538,8 +524,7 @@ class AddLayerNormFusionPass(PatternPass):
         emits_domain=MS,
     )
     rules = (
-        Rule("AddLayerNormPow", _pattern("Pow", True), _skip_written_out, exposes=("total",)),
-        Rule("AddLayerNormMul", _pattern("Mul", True), _skip_written_out, exposes=("total",)),
+        Rule("AddLayerNormPow", _pattern(True), _skip_written_out, exposes=("total",)),
         Rule("AddLayerNormalization", _add_layer_normalization, _skip_native, exposes=("total",)),
         Rule(
             "AddLayerNormalizationNoBeta",
@@ -903,7 +888,7 @@ def _embed_written(
     op, ids, word, segment, segment_ids, position, position_ids, eps, gamma, beta, two
 ):
     total = _embedding_sum(op, ids, word, segment, segment_ids, position, position_ids)
-    return _decomposed("Pow")(op, total, eps, gamma, beta, two)
+    return _decomposed(op, total, eps, gamma, beta, two)
 
 
 _DATA_MOVEMENT = frozenset(

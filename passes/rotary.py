@@ -20,7 +20,15 @@ GPT-J, RoFormer and Cohere rotate every two elements instead (``interleaved``):
 
 with each angle twice in a row in cos / sin (repeat_interleave, or torch.stack([t, t], -1)
 flattened), so every second element, flattened, is the cache, and RotaryEmbedding(interleaved=1)
-computes it.
+computes it. The same rotation written pair by pair, as code that rotates complex numbers spells
+it in real arithmetic (the OpenAI privacy filter; LLaMA-4's and DeepSeek-V2's torch.polar
+rotation rewritten for export):
+
+    first, second = x[..., 0::2], x[..., 1::2]
+    out = Reshape(Concat(Unsqueeze(first * cos - second * sin, -1),
+                         Unsqueeze(second * cos + first * sin, -1), -1), x)
+
+reads each angle once in cos / sin, whose last axis is the cache as it is.
 
 What is checked is what cos / sin hold, whatever spells it: each angle twice along the last axis
 (its two halves equal, or pairs), proven by propagation from a Concat(f, f), a merge of equal
@@ -88,6 +96,8 @@ class _Rotary:
     # The rotated part negated (NanoChat's Concat(x2, -x1)): a rotation by -angle, which is
     # RotaryEmbedding with the sin cache negated.
     flipped: bool = False
+    # Rotated pair by pair (_pair_rotation): cos / sin hold each angle once, not twice.
+    once: bool = False
 
 
 def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
@@ -131,24 +141,31 @@ def _rotate_every_two_of(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, l
     if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
         return None
     x = even.inputs[0]
-    shape, pairs, rotated = ctx.shape(x), ctx.shape(concat.outputs[0]), ctx.shape(value)
-    if shape is None or len(shape) != 4 or not isinstance(shape[3], int) or shape[3] % 2:
-        return None
-    # The Reshape merges the pairs back: it keeps the leading axes, so (the element count
-    # being kept) the last one is R whatever its inferred size.
-    if pairs is None or rotated is None or len(pairs) != 5 or len(rotated) != 4:
-        return None
-    if list(pairs[3:]) != [shape[3] // 2, 2]:
-        return None
-    if not _keeps_leading(ctx, reshape, pairs, rotated, 3):
+    size = _stacked_back(ctx, x, concat, reshape)
+    if size is None:
         return None
     odd_range, even_range = last_axis_slice(odd, 4, 2), last_axis_slice(even, 4, 2)
     if odd_range is None or even_range is None:
         return None
-    if odd_range[0] != 1 or even_range[0] != 0 or min(odd_range[1], even_range[1]) < shape[3]:
+    if odd_range[0] != 1 or even_range[0] != 0 or min(odd_range[1], even_range[1]) < size:
         return None
     nodes = [reshape, concat, negate, odd, even]
     return x, nodes + [v.producer() for v in concat.inputs], flipped
+
+
+def _stacked_back(ctx: PassContext, x: ir.Value, concat: ir.Node, reshape: ir.Node) -> int | None:
+    """x's last axis size R (static, even) where the Concat stacks [..., R/2, 2] pairs of x
+    and the Reshape merges them back to x's shape; else None. The Reshape keeps the leading
+    axes, so (the element count being kept) the last one is R whatever its inferred size."""
+    shape, pairs = ctx.shape(x), ctx.shape(concat.outputs[0])
+    rotated = ctx.shape(reshape.outputs[0])
+    if shape is None or len(shape) != 4 or not isinstance(shape[3], int) or shape[3] % 2:
+        return None
+    if pairs is None or rotated is None or len(pairs) != 5 or len(rotated) != 4:
+        return None
+    if list(pairs[3:]) != [shape[3] // 2, 2]:
+        return None
+    return shape[3] if _keeps_leading(ctx, reshape, pairs, rotated, 3) else None
 
 
 def _keeps_leading(
@@ -208,6 +225,55 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
                     if found is not None and found[0] is x:
                         nodes = [add, direct, rotated, *found[1]]
                         return _Rotary(x, cos, sin, nodes, add, interleaved, found[2])
+    return None
+
+
+def _pair_rotation(ctx: PassContext, reshape: ir.Node) -> _Rotary | None:
+    """The pair-by-pair rotation ending at this Reshape (see the module docstring), if it is
+    one: its first and second parts the even and odd elements of one 4-D x, rotated by the
+    same cos and sin (the products in either order)."""
+    concat = producer_of(reshape.inputs[0], "Concat")
+    if concat is None or len(concat.inputs) != 2:
+        return None
+    if concat.attributes.get_int("axis") not in (-1, 4):
+        return None
+    parts = [_last_axis_unsqueeze(v, 5) for v in concat.inputs]  # type: ignore[arg-type]
+    sub, add = producer_of(parts[0], "Sub"), producer_of(parts[1], "Add")
+    if sub is None or add is None:
+        return None
+    terms = [_sliced_term(v) for v in (*sub.inputs, *add.inputs)]
+    if any(term is None for term in terms):
+        return None
+    (even, cos, *_), (odd, sin, *_) = terms[:2]  # type: ignore[misc]
+    if {(t[0], t[1]) for t in terms[2:]} != {(odd, cos), (even, sin)}:  # type: ignore[index]
+        return None
+    x = even[0]
+    if even[1] != 0 or odd[1] != 1 or odd[0] is not x:
+        return None
+    size = _stacked_back(ctx, x, concat, reshape)
+    if size is None or any(term[4] < size for term in terms):  # type: ignore[index]
+        return None
+    nodes = [reshape, concat, *(v.producer() for v in concat.inputs), sub, add]
+    for term in terms:  # the products, then the Slices (one each, or shared)
+        nodes += [n for n in term[2:4] if n not in nodes]  # type: ignore[index]
+    return _Rotary(x, cos, sin, nodes, reshape, interleaved=True, once=True)
+
+
+def _sliced_term(
+    value: ir.Value,
+) -> tuple[tuple[ir.Value, int], ir.Value, ir.Node, ir.Node, int] | None:
+    """(x and the start of its every-second-element Slice, the other factor, the Mul, the
+    Slice, the Slice's end) for Mul(x[..., start::2], factor) in either order."""
+    product = producer_of(value, "Mul")
+    if product is None:
+        return None
+    for part, factor in (product.inputs, product.inputs[::-1]):
+        node = producer_of(part, "Slice")
+        if node is None or node.inputs[0] is None or factor is None:
+            continue
+        bounds = last_axis_slice(node, 4, 2)
+        if bounds is not None:
+            return (node.inputs[0], bounds[0]), factor, product, node, bounds[1]
     return None
 
 
@@ -436,7 +502,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
         category=Category.UB,
         description="rotate_half rotary position embedding (LLaMA-style q/k) -> com.microsoft "
         "RotaryEmbedding on the projection, before the head split; rotate_every_two (GPT-J, "
-        "RoFormer, Cohere) -> RotaryEmbedding(interleaved=1)",
+        "RoFormer, Cohere) and the pair-by-pair rotation (OpenAI privacy filter) -> "
+        "RotaryEmbedding(interleaved=1)",
         aliases=("rotary_embedding_fusion", "RotaryEmbeddingFusion"),
         numerics=Numerics.REASSOCIATING,
         priority=4400,
@@ -449,14 +516,21 @@ class RotaryEmbeddingFusionPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("RotaryEmbedding")
         caches: dict[tuple[ir.Value, ir.Value, bool], tuple[ir.Value, ir.Value, ir.Value]] = {}
-        for add in ctx.op_index.of_type(model.graph, "Add"):
-            if add.graph is not model.graph:
+        anchors = [
+            *((add, _match) for add in ctx.op_index.of_type(model.graph, "Add")),
+            *(
+                (reshape, _pair_rotation)
+                for reshape in ctx.op_index.of_type(model.graph, "Reshape")
+            ),
+        ]
+        for root, matcher in anchors:
+            if root.graph is not model.graph:
                 continue
-            found = _match(add, ctx)
+            found = matcher(ctx, root) if matcher is _pair_rotation else matcher(root, ctx)
             if found is not None:
                 reason = self._fuse(ctx, found, caches)
                 if reason is not None:
-                    stats.decline(reason, add.name or add.op_type)
+                    stats.decline(reason, root.name or root.op_type)
 
     @staticmethod
     def _cache(
@@ -478,22 +552,31 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if table is not None:  # a constant table: its cache is a constant too
             copy = np.ascontiguousarray(table[..., 0:ends:step].reshape(-1, half))
             return [], new_constant(graph, f"{label}/cache", -copy if negated else copy)
+        table_shape, dtype = ctx.shape(angles), ctx.dtype(angles)
+        # Each angle once already (a pair-by-pair rotation's table): nothing to slice.
+        whole = step == 1 and table_shape is not None and table_shape[-1] == half
         bounds = {"starts": [0], "ends": [ends], "axes": [-1], "steps": [step], "rows": [-1, half]}
+        if whole:
+            bounds = {"rows": bounds["rows"]}
         constants = {
             suffix: new_constant(graph, f"{label}/{suffix}", np.array(numbers, np.int64))
             for suffix, numbers in bounds.items()
         }
-        names = ("starts", "ends", "axes", "steps")
-        first = ir.node("Slice", [angles, *(constants[name] for name in names)])
-        flat = ir.node("Reshape", [first.outputs[0], constants["rows"]])
-        table_shape, dtype = ctx.shape(angles), ctx.dtype(angles)
-        if table_shape is not None:
-            typed(first.outputs[0], dtype, ir.Shape([*table_shape[:-1], half]))
+        nodes = []
+        if not whole:
+            names = ("starts", "ends", "axes", "steps")
+            first = ir.node("Slice", [angles, *(constants[name] for name in names)])
+            if table_shape is not None:
+                typed(first.outputs[0], dtype, ir.Shape([*table_shape[:-1], half]))
+            nodes.append(first)
+        flat = ir.node("Reshape", [nodes[0].outputs[0] if nodes else angles, constants["rows"]])
+        nodes.append(flat)
         typed(flat.outputs[0], dtype, ir.Shape(list(shape)))
         if not negated:
-            return [first, flat], flat.outputs[0]
+            return nodes, flat.outputs[0]
         negate = ir.node("Neg", [flat.outputs[0]])
-        return [first, flat, negate], typed(negate.outputs[0], dtype, ir.Shape(list(shape)))
+        nodes.append(negate)
+        return nodes, typed(negate.outputs[0], dtype, ir.Shape(list(shape)))
 
     @classmethod
     def _fuse(
@@ -506,15 +589,19 @@ class RotaryEmbeddingFusionPass(FusionPass):
         assert shape is not None
         head_size = int(shape[3])
         kind = PAIRS if match.interleaved else HALVES
+        width = head_size
+        if match.once:  # each angle once: the whole last axis is the cache, as a first half is
+            kind, width = HALVES, head_size // 2
         # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
         split = _head_split(ctx, match.x)
         placements = set()
         for angles in (match.cos, match.sin):
-            if not _repeats(ctx, angles, kind):
+            if not match.once and not _repeats(ctx, angles, kind):
                 return _NOT_REPEATED[kind]
             dims = _dims(ctx, angles)
-            if dims is None or not 2 <= len(dims) <= 4 or dims[-1] != head_size:
-                return "cos / sin do not have the head size as their last axis"
+            if dims is None or not 2 <= len(dims) <= 4 or dims[-1] != width:
+                half = "half " if match.once else ""
+                return f"cos / sin do not have {half}the head size as their last axis"
             found = _position_axis(dims, shape, (2,) if split is not None else (2, 1))
             if isinstance(found, str):
                 return found

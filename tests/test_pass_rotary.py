@@ -1176,3 +1176,77 @@ def test_interleaved_near_misses(miss: str, tmp_path: Path) -> None:
     assert_declined(run, ROTARY, reason, f"{x}_out")
     assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (0, 1)
     _compare(model, run, batch=3, seq=5, heads=HEADS)
+
+
+# Rotated pair by pair (_pair_rotation), as code rotating complex numbers writes it in real
+# arithmetic (transformers' OpenAI privacy filter): first, second = x[..., 0::2], x[..., 1::2];
+# Reshape(Concat(Unsqueeze(first*cos - second*sin), Unsqueeze(second*cos + first*sin)), x),
+# cos / sin [1, 1, S, H/2] each angle once.
+
+
+def _pair_model(path: Path, *, frequencies: int = HALF, swap: bool = False) -> Path:
+    """q = the head split of Q [B, S, N*H], rotated pair by pair by the angles of
+    ``frequencies`` frequencies (H/2: one per pair); ``swap``: each product and the sum the
+    other way round."""
+    products = {
+        "ec": ["q_even", "cos"], "os": ["q_odd", "sin"],
+        "oc": ["q_odd", "cos"], "es": ["q_even", "sin"],
+    }  # fmt: skip
+    if swap:
+        products = {name: operands[::-1] for name, operands in products.items()}
+    nodes = [
+        _n("Cast", ["pos"], "pos_f", to=TensorProto.FLOAT),
+        _n("Unsqueeze", ["pos_f", "axis2"], "pos_3"),
+        _n("Mul", ["pos_3", "freqs"], "f"),
+        _n("Cos", ["f"], "cos_3"),
+        _n("Sin", ["f"], "sin_3"),
+        _n("Unsqueeze", ["cos_3", "axis1"], "cos"),
+        _n("Unsqueeze", ["sin_3", "axis1"], "sin"),
+        *_split_heads("Q", "q", "q_target"),
+        _n("Slice", ["q", "zero", "max", "axis_last", "two_step"], "q_even"),
+        _n("Slice", ["q", "one", "max", "axis_last", "two_step"], "q_odd"),
+        *(_n("Mul", operands, f"q_{name}") for name, operands in products.items()),
+        _n("Sub", ["q_ec", "q_os"], "q_first"),
+        _n("Add", ["q_es", "q_oc"] if swap else ["q_oc", "q_es"], "q_second"),
+        _n("Unsqueeze", ["q_first", "axis_last"], "q_first_1"),
+        _n("Unsqueeze", ["q_second", "axis_last"], "q_second_1"),
+        _n("Concat", ["q_first_1", "q_second_1"], "q_pairs", axis=-1),
+        _n("Shape", ["q"], "q_shape"),
+        _n("Reshape", ["q_pairs", "q_shape"], "q_out"),
+    ]
+    constants = [
+        *_constants(nodes),
+        const("one", [1], np.int64),
+        const("two_step", [2], np.int64),
+        const("freqs", 1.0 / 10000 ** (np.arange(frequencies) / max(frequencies, 1))),
+    ]
+    inputs = [
+        value("Q", ["batch", "seq", HEADS * HEAD]),
+        value("pos", [1, "seq"], TensorProto.INT64),
+    ]
+    outputs = [value("q_out", ["batch", HEADS, "seq", HEAD])]
+    return save_model(path, nodes, inputs, outputs, constants)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_rotation_pair_by_pair_is_interleaved(swap: bool, tmp_path: Path) -> None:
+    """RotaryEmbedding(interleaved=1) on the projection, cos / sin's rows its caches as they
+    are; no Slice, Concat or Reshape of the rotation left."""
+    model = _pair_model(tmp_path / "pairs.onnx", swap=swap)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    (rotary,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    assert {a.name: helper.get_attribute_value(a) for a in rotary.attribute} == {"interleaved": 1}
+    ops = run.op_counts()
+    assert (ops["Slice"], ops["Concat"], ops["Sub"]) == (0, 0, 0)
+    _compare(model, run, batch=3, seq=5)
+
+
+def test_rotation_pair_by_pair_by_one_angle_is_declined(tmp_path: Path) -> None:
+    """One angle for every pair (cos / sin [1, 1, S, 1], broadcast): a rotation, but not one
+    whose cache RotaryEmbedding reads."""
+    model = _pair_model(tmp_path / "one.onnx", frequencies=1)
+    run = optimize_checked(model, tmp_path)
+    reason = "cos / sin do not have half the head size as their last axis"
+    assert_declined(run, ROTARY, reason, "q_out")
+    _compare(model, run, batch=3, seq=5)

@@ -2051,9 +2051,13 @@ class QkvAttentionFusionPass(_AttentionFusion):
         shared: dict[object, tuple[ir.Value, ...]],
     ) -> _Plan | str | None:
         """None (MultiHeadAttention's) unless all three are plain projections of one input,
-        read by nothing else, with weights of one shape."""
+        read by nothing else, with weights of one shape; and for an attention promoted to
+        float32 (its packed weights would be cast at every run: MultiHeadAttention casts the
+        projections, as the original casts the heads)."""
         key, value = match.key, match.value
         if not (_plain(key) and _plain(value)) or match.softcap or match.query is None:
+            return None
+        if match.promoted is not None:
             return None
         # OPT, BART, Whisper scale the query projection before the split: into the op's scale.
         scaled: list[ir.Node] = []

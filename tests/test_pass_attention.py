@@ -1507,3 +1507,63 @@ def test_promoted_attention_does_not_append_to_a_narrower_cache(tmp_path: Path) 
     expected, actual = run_model(fixture_path(name), feeds), run_model(run.output, feeds)
     for want, got in zip(expected, actual, strict=True):
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=1e-2)
+
+
+def _promoted_self_attention(path: Path) -> Path:
+    """BERT-style self-attention in float16 (q, k, v projections of one input by constant
+    weights, 2 heads of 4) whose product and value are cast to float32 before a float32 mask
+    and the Softmax, as TorchScript's sdpa writes it in half precision."""
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+
+    def heads(name: str, perm: list[int]) -> list[onnx.NodeProto]:
+        return [
+            helper.make_node("MatMul", ["x", f"w_{name}"], [f"{name}_proj"]),
+            helper.make_node("Reshape", [f"{name}_proj", "split"], [f"{name}_split"]),
+            helper.make_node("Transpose", [f"{name}_split"], [name], perm=perm),
+        ]
+
+    nodes = [
+        *heads("q", [0, 2, 1, 3]),
+        *heads("k", [0, 2, 3, 1]),
+        *heads("v", [0, 2, 1, 3]),
+        helper.make_node("MatMul", ["q", "k"], ["qk"]),
+        helper.make_node("Mul", ["qk", "scale"], ["scaled"]),
+        helper.make_node("Cast", ["scaled"], ["scores"], to=f32),
+        helper.make_node("Add", ["scores", "mask"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        helper.make_node("Cast", ["v"], ["v32"], to=f32),
+        helper.make_node("MatMul", ["probs", "v32"], ["context"]),
+        helper.make_node("Transpose", ["context"], ["merged"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["merged", "merge"], ["y"]),
+    ]
+    inits = [
+        *(const(f"w_{n}", rng.normal(0, 0.3, (8, 8)), np.float16) for n in "qkv"),
+        const("split", [0, 0, 2, 4], np.int64),
+        const("merge", [0, 0, 8], np.int64),
+        const("scale", np.array(0.5), np.float16),
+    ]
+    inputs = [value("x", ["batch", "seq", 8], f16), value("mask", ["batch", 1, 1, "seq"], f32)]
+    return save_model(path, nodes, inputs, [value("y", ["batch", "seq", 8], f32)], inits)
+
+
+def test_promoted_self_attention_is_not_packed(tmp_path: Path) -> None:
+    """Packed into Attention, the float16 weights would be cast to float32 at every run: the
+    promoted self-attention goes to MultiHeadAttention on the projections, each cast."""
+    model = _promoted_self_attention(tmp_path / "promoted.onnx")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(QKV) == (0, 0)
+    assert run.counts(MHA) == (1, 1)
+    graph = _graph(run.output)
+    producers = _producers(graph)
+    (node,) = [n for n in graph.node if n.op_type == "MultiHeadAttention"]
+    casts = [producers[v] for v in node.input[:3]]
+    assert [c.op_type for c in casts] == ["Cast"] * 3
+    assert [producers[c.input[0]].op_type for c in casts] == ["MatMul"] * 3
+    feeds = {
+        "x": np.random.default_rng(1).normal(size=(2, 3, 8)).astype(np.float16),
+        "mask": np.zeros((2, 1, 1, 3), np.float32),
+    }
+    expected, actual = run_model(model, feeds), run_model(run.output, feeds)
+    for want, got in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-2)

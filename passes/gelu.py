@@ -96,9 +96,11 @@ def _scalar(site: Site, value: ir.Value | None, what: str) -> np.ndarray:
 
 def _expect(site: Site, value: ir.Value | None, want: float, what: str) -> None:
     """The constant is the formula's value as its element type holds it: a float16 model
-    stores sqrt(2) as 1.41406 and 0.044715 as 0.0447083."""
+    stores sqrt(2) as 1.41406 and 0.044715 as 0.0447083 (bfloat16, ml_dtypes' numpy type,
+    1.41406 too)."""
     got = _scalar(site, value, what)
-    held = float(np.asarray(want).astype(got.dtype)[()]) if got.dtype.kind == "f" else want
+    floating = got.dtype.kind == "f" or got.dtype.name == "bfloat16"
+    held = float(np.asarray(want).astype(got.dtype)[()]) if floating else want
     if not math.isclose(float(got[0]), held, rel_tol=_TOLERANCE):
         raise Decline(f"{what} is {float(got[0]):g}, the GELU formula needs {want:g}")
 

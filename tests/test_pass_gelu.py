@@ -7,14 +7,17 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from tests.conftest import optimize
 from tests.pass_helpers import (
     assert_declined,
+    check_output,
     const,
     fixture_path,
     optimize_checked,
@@ -198,6 +201,17 @@ def test_float16_constants_are_the_formula_rounded_to_float16(tmp_path: Path) ->
     assert_declined(
         run, BIAS_GELU, "onnxruntime has no com.microsoft.BiasGelu kernel for FLOAT16", "y"
     )
+
+
+def test_bfloat16_constants_are_the_formula_rounded_to_bfloat16(tmp_path: Path) -> None:
+    """bfloat16 (ml_dtypes' numpy type) holds sqrt(2) as 1.41406 too; the standard Gelu fuses
+    (neither onnxruntime nor the reference implementation runs a bfloat16 Gelu here)."""
+    nodes = _erf("x", order="MulMul", scale="div")
+    model = _model(tmp_path / "bf16.onnx", nodes, opset=20, dtype=ml_dtypes.bfloat16)
+    run = optimize(model, tmp_path, "--target", "onnx")
+    check_output(run)
+    assert run.counts(GELU) == (1, 1)
+    assert run.op_counts() == Counter({"Gelu": 1})
 
 
 def test_float16_export_gelu_declined_for_the_kernel_only(tmp_path: Path) -> None:

@@ -76,9 +76,10 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
         exponent = site.require_constant(bindings["two"], "the exponent")
         if exponent.size != 1 or float(exponent.reshape(-1)[0]) != 2.0:
             raise Decline("the square is not Pow(d, 2)")
-    eps = site.require_constant(bindings["eps"], "epsilon")
-    if eps.size != 1:
-        raise Decline("epsilon is not a scalar")
+    if "eps" in bindings:  # an RMS norm may have none (_rms)
+        eps = site.require_constant(bindings["eps"], "epsilon")
+        if eps.size != 1:
+            raise Decline("epsilon is not a scalar")
     normalised = None if shape is None else list(shape)[len(shape) + axes[0] :]
     for name in ("gamma", "beta"):
         if name not in bindings:
@@ -91,7 +92,10 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
     return axes[0]
 
 
-def _epsilon(site: Site, eps: ir.Value) -> float:
+def _epsilon(site: Site, eps: ir.Value | None) -> float:
+    """The norm's epsilon as the fused kernels take it; 0 for an RMS norm without one."""
+    if eps is None:
+        return 0.0
     return _kernel_epsilon(float(site.require_constant(eps, "epsilon").reshape(-1)[0]))
 
 
@@ -127,7 +131,11 @@ def _param(
 def _to_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
     axis = normalised_axis(site, x, **bindings)
     return op.LayerNormalization(
-        x, bindings["gamma"], bindings["beta"], axis=axis, epsilon=_epsilon(site, bindings["eps"])
+        x,
+        bindings["gamma"],
+        bindings["beta"],
+        axis=axis,
+        epsilon=_epsilon(site, bindings.get("eps")),
     )
 
 
@@ -470,7 +478,7 @@ def _skip_written_out(
         raise Decline("the fused kernel normalises the last axis only")
     _check_one(site, bindings)
     rounded_to = _rounded_to(site, total, bindings)
-    epsilon = _epsilon(site, bindings["eps"])
+    epsilon = _epsilon(site, bindings.get("eps"))
     return _skip(
         op, site, a, b, total, bindings["gamma"], bindings.get("beta"), epsilon, rounded_to
     )
@@ -561,9 +569,12 @@ class AddLayerNormFusionPass(PatternPass):
         return changed
 
 
-def _rms(inverse: str, cast: bool = False, weighted: bool = True) -> Callable[..., Any]:
+def _rms(
+    inverse: str, cast: bool = False, weighted: bool = True, epsilon: bool = True
+) -> Callable[..., Any]:
     """x * rsqrt(mean(x^2) + eps) * gamma, the reciprocal square root spelled three ways;
-    without the weight unless ``weighted``.
+    without the weight unless ``weighted``; without eps unless ``epsilon`` (an eps too small
+    to keep, 1e-8: Moshi's dynamo export has none).
 
     ``cast``: the fp16/bf16 export's form, computed in float32 and rounded to gamma's type
     before the weight: Mul(gamma, Cast(x * rsqrt(...))) (the rounded value bound as
@@ -571,7 +582,8 @@ def _rms(inverse: str, cast: bool = False, weighted: bool = True) -> Callable[..
     """
 
     def normalise(op: Any, x: Any, two: Any, eps: Any, gamma: Any, one: Any = None) -> Any:
-        std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(x, two)), eps))
+        mean = _reduce_mean(op, op.Pow(x, two))
+        std = op.Sqrt(op.Add(mean, eps) if epsilon else mean)
         if inverse == "Reciprocal":
             scaled = op.Mul(x, op.Reciprocal(std))
         elif inverse == "DivOne":
@@ -586,15 +598,15 @@ def _rms(inverse: str, cast: bool = False, weighted: bool = True) -> Callable[..
 
 
 def _rms_pattern(
-    inverse: str, residual: bool, cast: bool = False, weighted: bool = True
+    inverse: str, residual: bool, cast: bool = False, weighted: bool = True, epsilon: bool = True
 ) -> Callable[..., Any]:
     """The RMS norm over x, or over a residual sum ``total`` = Add(a, b). The pattern's
     variables are its parameters' names, so the function declares exactly those it binds."""
-    norm = _rms(inverse, cast, weighted)
+    norm = _rms(inverse, cast, weighted, epsilon)
     names = [
         *(("a", "b") if residual else ("x",)),
         "two",
-        "eps",
+        *(("eps",) if epsilon else ()),
         *(("gamma",) if weighted else ()),
         *(("one",) if inverse == "DivOne" else ()),
     ]
@@ -602,7 +614,7 @@ def _rms_pattern(
     def pattern(op: Any, *args: Any, **kwargs: Any) -> Any:
         bound = dict(zip(names, args, strict=False)) | kwargs
         x = op.Add(bound["a"], bound["b"], _outputs=["total"]) if residual else bound["x"]
-        return norm(op, x, bound["two"], bound["eps"], bound.get("gamma"), bound.get("one"))
+        return norm(op, x, bound["two"], bound.get("eps"), bound.get("gamma"), bound.get("one"))
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     parameters = [inspect.Parameter(name, kind) for name in ("op", *names)]
@@ -706,7 +718,7 @@ def _rounded_norm(
     gamma, then cast to gamma's type."""
     _check_one(site, bindings)
     rounded_to = _rounded_to(site, x, bindings)
-    epsilon = _epsilon(site, bindings["eps"])
+    epsilon = _epsilon(site, bindings.get("eps"))
     if rounded_to is None:
         if op_type == "SimplifiedLayerNormalization":
             site.require_kernel(op_type, site.dtype(x))
@@ -738,23 +750,25 @@ def _rms_rules(prefix: str, rewrite: Callable[..., Any], *, residual: bool) -> t
     spanning = _spanning_weight(rewrite)
     rules = [
         Rule(
-            f"{prefix}{'Cast' if cast else ''}{form}",
-            _rms_pattern(form, residual, cast),
+            f"{prefix}{'Cast' if cast else ''}{form}{'' if epsilon else 'NoEpsilon'}",
+            _rms_pattern(form, residual, cast, epsilon=epsilon),
             spanning,
             exposes=exposes,
         )
+        for epsilon in (True, False)
         for cast in (False, True)
         for form in _RMS_FORMS
     ]
     # After the weighted forms, which take a norm with its weight whole.
     unweighted = [
         Rule(
-            f"{prefix}{form}Unweighted",
-            _rms_pattern(form, residual, weighted=False),
+            f"{prefix}{form}Unweighted{'' if epsilon else 'NoEpsilon'}",
+            _rms_pattern(form, residual, weighted=False, epsilon=epsilon),
             spanning,
             exposes=exposes,
             candidate=_scaled_next,
         )
+        for epsilon in (True, False)
         for form in _RMS_FORMS
     ]
     return (*rules, *unweighted)
@@ -823,7 +837,7 @@ def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Va
     site.require_kernel("SkipSimplifiedLayerNormalization", _FLOAT if widen else site.dtype(x), MS)
     hidden = shape[-1] if isinstance(shape[-1], int) else None
     gamma = _param(site, op, bindings["gamma"], "gamma", hidden, widen)
-    epsilon = 4 * _epsilon(site, bindings["eps"])
+    epsilon = 4 * _epsilon(site, bindings.get("eps"))
     source = x
     if len(shape) > 3:
         source = op.Reshape(x, site.initializer(op, np.array([0, -1, hidden]), "as_3d"))
@@ -964,7 +978,7 @@ def _embed(op: Any, site: Site, **bindings: Any) -> Any:
     if "eps" in bindings:
         if normalised_axis(site, site.root.inputs[0], **bindings) != -1:
             raise Decline("the layer norm is not over the last axis")
-        epsilon = _epsilon(site, bindings["eps"])
+        epsilon = _epsilon(site, bindings.get("eps"))
     else:
         norm = site.node("LayerNormalization")
         if norm.attributes.get_int("axis", -1) not in (-1, 2):

@@ -83,6 +83,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gpt_neox_japanese_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "imagegpt_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "imagegpt_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "moshi_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "moshi_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "openai_privacy_filter_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "openai_privacy_filter_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gpt_oss_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),

@@ -429,9 +429,11 @@ def _rms_model(
     one: float = 1.0,
     shape: list[int | str] = SHAPE,
     weight: np.ndarray | None = _RANDOM_WEIGHT,
+    epsilon: bool = True,
+    exponent: float = 2.0,
 ) -> Path:
     """The RMS norm of ``a`` (after ``a + b`` with ``residual``), times ``weight`` unless it
-    is None."""
+    is None; without its eps Add unless ``epsilon``; the square Pow(x, ``exponent``)."""
     inputs = [value("a", shape)]
     nodes: list[onnx.NodeProto] = []
     x = "a"
@@ -442,7 +444,7 @@ def _rms_model(
     nodes += [
         _n("Pow", [x, "two"], "sq"),
         _n("ReduceMean", ["sq", "axes"], "ms"),
-        _n("Add", ["ms", "eps"], "mse"),
+        _n("Add", ["ms", "eps"], "mse") if epsilon else _n("Identity", ["ms"], "mse"),
         _n("Sqrt", ["mse"], "rms"),
     ]
     if inverse == "Reciprocal":
@@ -452,11 +454,13 @@ def _rms_model(
     else:
         nodes += [_n("Div", [x, "rms"], "scaled")]
     inits = [
-        const("two", np.array(2.0, np.float32)),
+        const("two", np.array(exponent, np.float32)),
         const("eps", np.array(1e-6, np.float32)),
         const("one", np.array(one, np.float32)),
         const("axes", np.array([-1], np.int64), np.int64),
     ]
+    if not epsilon:
+        inits = [init for init in inits if init.name != "eps"]
     if weight is None:
         nodes.append(_n("Identity", ["scaled"], "y"))
     else:
@@ -476,6 +480,44 @@ def test_rms_norm_forms(inverse: str, tmp_path: Path) -> None:
     assert_declined(run, RMS, "RMSNormalization needs opset >= 23, model has 18", "y")
     assert run.counts(SKIP_RMS) == (1, 1)
     assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+
+
+@pytest.mark.parametrize("inverse", ["Reciprocal", "DivOne", "Div"])
+def test_rms_norm_without_epsilon(inverse: str, tmp_path: Path) -> None:
+    """x * rsqrt(mean(x^2)) * w with no eps Add (Moshi's dynamo export: its eps of 1e-8 is
+    gone) is the RMS norm with epsilon 0 (the Identity in front of the Sqrt goes first)."""
+    model = _rms_model(tmp_path / "rms.onnx", inverse=inverse, residual=True, epsilon=False)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.passed(SKIP_RMS)["patterns"][f"AddRmsNorm{inverse}NoEpsilon"] == {
+        "matched": 1,
+        "effected": 1,
+    }
+    (node,) = onnx.load(str(run.output)).graph.node
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["epsilon"] == 0.0
+    cubed = _rms_model(
+        tmp_path / "cubed.onnx", inverse=inverse, residual=True, epsilon=False, exponent=3.0
+    )
+    run = optimize_checked(cubed, tmp_path)
+    assert_declined(run, SKIP_RMS, "the square is not Pow(d, 2)", "y")
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_moshi_rms_norms_with_and_without_epsilon(exporter: str, tmp_path: Path) -> None:
+    """Moshi's eps (1e-8) is an Add in the TorchScript export and absent from the dynamo
+    export: every norm fuses in both, with that epsilon or 0."""
+    run = optimize_checked(fixture_path(f"arch/moshi_{exporter}"), tmp_path)
+    assert run.op_counts()["SkipSimplifiedLayerNormalization"] == 5
+    assert run.op_counts()["ReduceMean"] == 0
+    graph = onnx.load(str(run.output)).graph
+    epsilons = {
+        round(helper.get_attribute_value(a), 12)
+        for n in graph.node
+        if n.op_type == "SkipSimplifiedLayerNormalization"
+        for a in n.attribute
+        if a.name == "epsilon"
+    }
+    assert epsilons == ({0.0} if exporter == "dynamo" else {4e-8, 1e-8})
 
 
 DOUBLED = "DoubledRmsNormFusionPass"
@@ -654,9 +696,9 @@ def test_coverage_names_a_switched_off_pass_that_could_take_the_norm(tmp_path: P
     assert site["reason"] == f"{RMS} is off (CLI)"
 
 
-def test_coverage_of_a_layer_norm_without_epsilon(tmp_path: Path) -> None:
-    """I-BERT's float layer norm has no epsilon: no norm pass recognizes it, and its coverage
-    entry says so rather than naming a switched-off pass that would not take it either."""
+def test_layer_norm_without_epsilon_fuses_its_core(tmp_path: Path) -> None:
+    """I-BERT's float layer norm has no epsilon (and no gamma or beta): its centred core
+    d / sqrt(mean(d^2)) is the RMS norm of d with epsilon 0, the doubled skip norm."""
     nodes = [
         _n("ReduceMean", ["a", "axes"], "mean"),
         _n("Sub", ["a", "mean"], "centred"),
@@ -673,6 +715,33 @@ def test_coverage_of_a_layer_norm_without_epsilon(tmp_path: Path) -> None:
         tmp_path / "ln.onnx", nodes, [value("a", SHAPE)], [value("y", SHAPE)], inits, opset=18
     )
     run = optimize_checked(model, tmp_path)
+    assert run.counts(DOUBLED) == (1, 1)
+    assert run.op_counts() == Counter(
+        {"ReduceMean": 1, "Sub": 1, "SkipSimplifiedLayerNormalization": 1}
+    )
+    assert run.report["coverage"]["norms"]["unfused"] == []
+
+
+def test_coverage_of_a_norm_no_pass_reads(tmp_path: Path) -> None:
+    """A norm whose epsilon is added after the square root, x / (sqrt(mean(x^2)) + eps), is
+    another function than the fused ops compute: no norm pass recognizes it, and its coverage
+    entry says so rather than naming a switched-off pass that would not take it either."""
+    nodes = [
+        _n("Pow", ["a", "two"], "sq"),
+        _n("ReduceMean", ["sq", "axes"], "ms"),
+        _n("Sqrt", ["ms"], "rms"),
+        _n("Add", ["rms", "eps"], "rms_eps"),
+        _n("Div", ["a", "rms_eps"], "y"),
+    ]
+    inits = [
+        const("two", np.array(2.0, np.float32)),
+        const("eps", np.array(1e-6, np.float32)),
+        const("axes", np.array([-1], np.int64), np.int64),
+    ]
+    model = save_model(
+        tmp_path / "outside.onnx", nodes, [value("a", SHAPE)], [value("y", SHAPE)], inits, opset=18
+    )
+    run = optimize_checked(model, tmp_path, "--disable_pass", DOUBLED)
     (site,) = run.report["coverage"]["norms"]["unfused"]
     assert site["reason"] == "no pass recognized this spelling"
 

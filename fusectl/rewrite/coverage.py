@@ -121,8 +121,8 @@ def _site_nodes(anchor: ir.Node, depth: int = 6) -> list[ir.Node]:
 
 def _switched_off(kind: str, site: Sequence[ir.Node], runs: Sequence[PassRun]) -> str | None:
     """The first pass, switched off, that emits this class's fused ops and could take the site:
-    a pattern pass whose rules' op skeletons fit none of its nodes would not (I-BERT's layer
-    norm without an epsilon is no RMS norm, whichever norm pass is off)."""
+    a pattern pass whose rules' op skeletons fit none of its nodes would not (a norm whose
+    epsilon is added after the square root is no RMS norm, whichever norm pass is off)."""
     for run in runs:
         fusion_pass = run.decision.fusion_pass
         if run.decision.enabled or not set(fusion_pass.spec.emits) & FUSED_OPS[kind]:

@@ -21,8 +21,7 @@ GPT-J, RoFormer and Cohere rotate every two elements instead (``interleaved``):
 with each angle twice in a row in cos / sin (repeat_interleave, or torch.stack([t, t], -1)
 flattened), so every second element, flattened, is the cache, and RotaryEmbedding(interleaved=1)
 computes it. The same rotation written pair by pair, as code that rotates complex numbers spells
-it in real arithmetic (the OpenAI privacy filter; LLaMA-4's and DeepSeek-V2's torch.polar
-rotation rewritten for export):
+it in real arithmetic (the OpenAI privacy filter):
 
     first, second = x[..., 0::2], x[..., 1::2]
     out = Reshape(Concat(Unsqueeze(first * cos - second * sin, -1),
@@ -228,7 +227,7 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
     return None
 
 
-def _pair_rotation(ctx: PassContext, reshape: ir.Node) -> _Rotary | None:
+def _pair_rotation(reshape: ir.Node, ctx: PassContext) -> _Rotary | None:
     """The pair-by-pair rotation ending at this Reshape (see the module docstring), if it is
     one: its first and second parts the even and odd elements of one 4-D x, rotated by the
     same cos and sin (the products in either order)."""
@@ -526,7 +525,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         for root, matcher in anchors:
             if root.graph is not model.graph:
                 continue
-            found = matcher(ctx, root) if matcher is _pair_rotation else matcher(root, ctx)
+            found = matcher(root, ctx)
             if found is not None:
                 reason = self._fuse(ctx, found, caches)
                 if reason is not None:

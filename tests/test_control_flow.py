@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from fusectl import optimize as optimize_api
 from fusectl.core.graphs import graph_scopes
 from fusectl.core.repository import UNFUSED
-from tests.conftest import Run, optimize, run_cli, run_model
+from tests.conftest import Run, named_dim_feeds, optimize, run_cli, run_model
 from tests.pass_helpers import (
     IR_VERSION,
     check_output,
@@ -809,3 +809,87 @@ def test_library_result_has_the_graphs(tmp_path: Path) -> None:
     assert [graph.scope.graph_id for graph in graphs] == ["0_0", "0_1", "0_2", "0_3"]
     assert set(result.fusion_result) == {"session_and_graph_id_0_1", "session_and_graph_id_0_3"}
     assert (result.run.nodes_before, result.run.nodes_after) == (7, 5)
+
+
+# A merged decoder as optimum writes it for generation: If(use_cache_branch) choosing between
+# two copies of the decoder, its weights in the outer graph. Here both branches are the tiny
+# LLaMA with a KV cache (each value renamed per branch, its declared shapes kept), reading the
+# outer inputs.
+
+
+def _merged_decoder(path: Path, name: str) -> Path:
+    model = onnx.load(str(fixture_path(name)))
+    outer = {v.name for v in model.graph.input} | {t.name for t in model.graph.initializer}
+
+    def branch(prefix: str) -> onnx.GraphProto:
+        def renamed(names: Sequence[str]) -> list[str]:
+            return [n if n in outer or not n else prefix + n for n in names]
+
+        nodes = []
+        for node in model.graph.node:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name = prefix + node.name
+            del copy.input[:], copy.output[:]
+            copy.input.extend(renamed(node.input))
+            copy.output.extend(renamed(node.output))
+            nodes.append(copy)
+        declared: list[list[onnx.ValueInfoProto]] = [[], []]
+        for infos, found in zip(
+            declared, (model.graph.output, model.graph.value_info), strict=True
+        ):
+            for info in found:
+                copy = onnx.ValueInfoProto()
+                copy.CopyFrom(info)
+                (copy.name,) = renamed([info.name])
+                infos.append(copy)
+        outputs, value_info = declared
+        return helper.make_graph(nodes, prefix + "decoder", [], outputs, value_info=value_info)
+
+    choose = helper.make_node(
+        "If",
+        ["use_cache_branch"],
+        [o.name for o in model.graph.output],
+        then_branch=branch("with_past_"),
+        else_branch=branch("without_past_"),
+    )
+    graph = helper.make_graph(
+        [choose],
+        "merged",
+        [*model.graph.input, value("use_cache_branch", [1], TensorProto.BOOL)],
+        list(model.graph.output),
+        list(model.graph.initializer),
+    )
+    merged = helper.make_model(graph, opset_imports=model.opset_import, ir_version=IR_VERSION)
+    onnx.save(merged, str(path))
+    return path
+
+
+@pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
+def test_merged_decoder_fuses_in_both_branches(exporter: str, tmp_path: Path) -> None:
+    """Each branch gets what the decoder alone gets: both layers' attention, rotary on q and k,
+    the five norms; the weights stay in the outer graph, read by both."""
+    model = _merged_decoder(tmp_path / "merged.onnx", f"llama_tiny_past_{exporter}")
+    run = optimize(model, tmp_path)
+    check_output(run)
+    attention = ("MultiHeadAttentionFusionPass", "GroupQueryAttentionFusionPass")
+    per_branch = [_per_graph(run, name) for name in attention]
+    fused = {
+        graph: sum(found.get(graph, (0, 0))[1] for found in per_branch) for graph in ("0_1", "0_2")
+    }
+    assert fused == {"0_1": 2, "0_2": 2}  # the two branches; the main graph has no attention
+    assert _per_graph(run, "RotaryEmbeddingFusionPass") == {"0_1": (4, 4), "0_2": (4, 4)}
+    (choose,) = onnx.load(str(run.output)).graph.node
+    for branch in choose.attribute:
+        ops = [node.op_type for node in branch.g.node]
+        assert (ops.count("RotaryEmbedding"), ops.count("Softmax"), ops.count("ReduceMean")) == (
+            4,
+            0,
+            0,
+        )
+        assert ops.count("SkipSimplifiedLayerNormalization") == 5
+    dims = {"batch": 2, "sequence": 3, "past_sequence": 4, "total_sequence": 7}
+    for use_cache in (True, False):
+        feeds = named_dim_feeds(model, {k: v for k, v in dims.items() if k != "use_cache"})
+        feeds["use_cache_branch"] = np.array([use_cache])
+        _same_outputs(model, run.output, feeds)

@@ -65,7 +65,9 @@ def test_a_type_parameter_bound_twice_is_a_conflict() -> None:
     half = ir.val("half", ir.DataType.FLOAT16, ir.Shape([2, 4]))
     gelu = ir.node("BiasGelu", [x, half], domain="com.microsoft", name="gelu")
     gelu.outputs[0].dtype = ir.DataType.FLOAT
-    graph = ir.Graph([x, half], gelu.outputs, nodes=[gelu], opset_imports={"": 17})
+    graph = ir.Graph(
+        [x, half], gelu.outputs, nodes=[gelu], opset_imports={"": 17, "com.microsoft": 1}
+    )
     found = runtime.type_conflict(ir.Model(graph, ir_version=8))
     assert found == "BiasGelu node 'gelu': T is tensor(float) for A and tensor(float16) for B"
     half.dtype = ir.DataType.INT64

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -136,7 +137,7 @@ def providers(op_type: str, domain: str = "") -> tuple[str, ...]:
 def has_kernel(op_type: str, domain: str, opset: int, dtype: ir.DataType | None) -> bool:
     """Whether some provider runs ``op_type`` at this opset for this element type: with a
     kernel, or by expanding the op's ONNX function body into ops it has kernels for."""
-    wanted = None if dtype is None else f"tensor({dtype.name.lower()})"
+    wanted = None if dtype is None else type_string(dtype)
     domain = _domain(domain)
     for kernel in kernels(op_type, domain):
         in_range = kernel.first <= opset <= kernel.last if domain == "" else True
@@ -179,20 +180,28 @@ def _contrib_schemas() -> dict[str, list]:
     return found
 
 
-def _formals(formals: list, values: Sequence[ir.Value | None]) -> Iterator[tuple[object, ir.Value]]:
-    """Each present value with its formal parameter (a variadic last one takes the rest)."""
+def type_string(dtype: ir.DataType) -> str:
+    """The element type as onnxruntime's kernel registry and schemas write it."""
+    return f"tensor({dtype.name.lower()})"
+
+
+def _formals(formals: list[Any], values: Sequence[ir.Value | None]) -> Iterator[tuple[Any, str]]:
+    """Each present value's formal parameter and element type (a variadic last one takes
+    the rest)."""
     for index, value in enumerate(values):
         formal = formals[min(index, len(formals) - 1)] if formals else None
         if formal is None or (index >= len(formals) and formal.option.name != "Variadic"):
             return
         if value is not None and value.dtype is not None:
-            yield formal, value
+            yield formal, type_string(value.dtype)
 
 
 def type_conflict(model: ir.Model) -> str | None:
     """The first contrib-op node (any graph) whose element types break its onnxruntime schema's
     type constraints, as onnxruntime reports when it loads the model; None if none does."""
-    version = model.opset_imports.get(_CONTRIB, 1)
+    if _CONTRIB not in model.opset_imports:  # no contrib op to check: no walk
+        return None
+    version = model.opset_imports[_CONTRIB]
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         schemas = _contrib_schemas().get(node.op_type) if node.domain == _CONTRIB else None
         if not schemas:
@@ -201,20 +210,19 @@ def type_conflict(model: ir.Model) -> str | None:
         schema = max(fitting, key=lambda s: s.since_version)
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         bound: dict[str, tuple[str, str]] = {}
-        pairs = [*_formals(schema.inputs, node.inputs), *_formals(schema.outputs, node.outputs)]
-        for formal, value in pairs:
-            assert value.dtype is not None
-            actual = f"tensor({value.dtype.name.lower()})"
-            param = formal.typeStr  # type: ignore[attr-defined]
-            where = f"{node.op_type} node '{node.name}'"
+        where = f"{node.op_type} node '{node.name}'"
+        for formal, actual in [
+            *_formals(schema.inputs, node.inputs),
+            *_formals(schema.outputs, node.outputs),
+        ]:
+            param = formal.typeStr
             if actual not in allowed.get(param, {param}):
-                return f"{where}: {formal.name} is {actual}, which {param} does not allow"  # type: ignore[attr-defined]
-            if formal.option.name == "Variadic" and not formal.isHomogeneous:  # type: ignore[attr-defined]
+                return f"{where}: {formal.name} is {actual}, which {param} does not allow"
+            if formal.option.name == "Variadic" and not formal.isHomogeneous:
                 continue
-            first = bound.setdefault(param, (actual, formal.name))  # type: ignore[attr-defined]
+            first = bound.setdefault(param, (actual, formal.name))
             if first[0] != actual:
                 return (
-                    f"{where}: {param} is {first[0]} for {first[1]} and {actual} for "
-                    f"{formal.name}"  # type: ignore[attr-defined]
+                    f"{where}: {param} is {first[0]} for {first[1]} and {actual} for {formal.name}"
                 )
     return None

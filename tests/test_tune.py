@@ -274,16 +274,16 @@ def test_a_refusal_decides_the_same_fusion_at_other_sizes(
     assert_same_outputs(BERT, run.output)
 
 
-def _conv_relu(path: Path, size: int) -> Path:
-    """x [1, 3, size, size] -> Conv (1x1, 4 channels) -> Relu."""
+def _conv_relu(path: Path, size: int, *, named: bool = True) -> Path:
+    """x [1, 3, size, size] -> Conv (1x1, 4 channels) -> Relu (nodes named, or not)."""
     rng = np.random.default_rng(0)
     weights = [
         onnx.numpy_helper.from_array(rng.normal(size=(4, 3, 1, 1)).astype(np.float32), "w"),
         onnx.numpy_helper.from_array(np.zeros(4, np.float32), "b"),
     ]
     nodes = [
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"),
-        helper.make_node("Relu", ["c"], ["y"], name="relu"),
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv" if named else ""),
+        helper.make_node("Relu", ["c"], ["y"], name="relu" if named else ""),
     ]
     graph = helper.make_graph(
         nodes,
@@ -294,6 +294,19 @@ def _conv_relu(path: Path, size: int) -> Path:
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
+
+
+def test_tune_measures_a_model_whose_nodes_have_no_names(tmp_path: Path) -> None:
+    # onnx.helper writes nodes without names; a site is then found again at the tuning shapes
+    # by its nodes' outputs (it was "not there once the inputs are fixed", never measured).
+    model = _conv_relu(tmp_path / "unnamed.onnx", 8, named=False)
+    repository = tmp_path / "repository.json"
+    tuned = run_cli("tune", model, "--repository", repository, "--budget", "0.2")
+    assert tuned.exit_code == 0, tuned.stderr
+    assert "1 site(s) in 1 class(es)" in tuned.stderr and "0 not measured" in tuned.stderr
+    (section,) = load_repository(repository).sections
+    (entry,) = section.sites.values()
+    assert entry["pass"] == "ConvActivationFusionPass" and entry["fused_ms"] > 0
 
 
 @pytest.mark.usefixtures("restore_registry")

@@ -206,7 +206,16 @@ class _Site:
 
 
 def _site(ctx: PassContext, pattern: str, label: str, nodes: Sequence[ir.Node]) -> _Site:
-    return _Site(ctx.spec.name, pattern, label, frozenset(n.name for n in nodes if n.name))
+    return _Site(ctx.spec.name, pattern, label, frozenset(map(_node_identity, nodes)))
+
+
+def _node_identity(node: ir.Node) -> str:
+    """What names a node in both runs: its name, or for a node without one (models written
+    with onnx.helper often name none) the name of its first output."""
+    if node.name:
+        return node.name
+    first = node.outputs[0].name if node.outputs else None
+    return f"-> {first}" if first else f"{node.op_type} #{id(node)}"
 
 
 class _ClassNamer:

@@ -6,6 +6,7 @@ benchmark process itself:
     python benchmarks/_export.py bert  OUT.onnx [--exporter torchscript|dynamo]
     python benchmarks/_export.py llama OUT.onnx [--layers 16]
     python benchmarks/_export.py gpt2  OUT.onnx [--exporter torchscript|dynamo]
+    python benchmarks/_export.py bert  OUT.onnx --half        # weights and activations float16
 
 The TorchScript exporter writes to a scratch directory (one file per tensor once the model is
 over 2 GB); a second step in a fresh process (``consolidate``) rewrites it as OUT.onnx +
@@ -33,7 +34,7 @@ LLAMA_CONFIG = dict(
 )
 
 
-def _build(kind: str, layers: int | None, attn: str):
+def _build(kind: str, layers: int | None, attn: str, half: bool = False):
     import torch
     import transformers
 
@@ -53,6 +54,8 @@ def _build(kind: str, layers: int | None, attn: str):
     config.use_cache = False
     with torch.no_grad():
         model = cls(config).eval()
+        if half:
+            model = model.half()
 
     class Wrapper(torch.nn.Module):
         """Plain tensor outputs (no ModelOutput, no KV cache) so both exporters are happy."""
@@ -73,15 +76,24 @@ def _build(kind: str, layers: int | None, attn: str):
 
 
 def export(
-    kind: str, out: Path, *, exporter: str, opset: int, layers: int | None, attn: str
+    kind: str,
+    out: Path,
+    *,
+    exporter: str,
+    opset: int,
+    layers: int | None,
+    attn: str,
+    half: bool = False,
 ) -> Path:
     """Export to a scratch directory; returns the scratch model path."""
     import torch
 
     began = time.perf_counter()
-    model, outputs, n_params, vocab = _build(kind, layers, attn)
+    model, outputs, n_params, vocab = _build(kind, layers, attn, half)
+    width, precision = (2, "fp16") if half else (4, "fp32")
     print(
-        f"built {kind}: {n_params / 1e6:.1f} M parameters ({n_params * 4 / 2**30:.2f} GiB fp32) "
+        f"built {kind}: {n_params / 1e6:.1f} M parameters "
+        f"({n_params * width / 2**30:.2f} GiB {precision}) "
         f"in {time.perf_counter() - began:.1f} s",
         flush=True,
     )
@@ -167,6 +179,7 @@ def main() -> None:
     parser.add_argument("--opset", type=int, default=None, help="[17 torchscript, 18 dynamo]")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--attn", default="eager", help="attention implementation [eager]")
+    parser.add_argument("--half", action="store_true", help="export in float16")
     parser.add_argument("--scratch", type=Path, help="consolidate: the scratch model")
     args = parser.parse_args()
     if args.kind == "consolidate":
@@ -174,7 +187,13 @@ def main() -> None:
         return
     opset = args.opset or (17 if args.exporter == "torchscript" else 18)
     scratch = export(
-        args.kind, args.out, exporter=args.exporter, opset=opset, layers=args.layers, attn=args.attn
+        args.kind,
+        args.out,
+        exporter=args.exporter,
+        opset=opset,
+        layers=args.layers,
+        attn=args.attn,
+        half=args.half,
     )
     print(f"SCRATCH={scratch}")
 

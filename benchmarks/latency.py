@@ -7,7 +7,9 @@ benchmarks/out/latency/models):
   2048, 16 query / 4 KV heads, intermediate 5504) cut to 4 layers so that five copies fit in
   memory and time: inputs ``input_ids`` and ``attention_mask`` at batch 1, sequence 128;
 * ``vit`` ViT-base, ``resnet50`` ResNet-50, ``mobilenetv2`` MobileNet-V2 (cnn.py's exports,
-  BatchNorm folded by the exporter): one 1x3x224x224 image.
+  BatchNorm folded by the exporter): one 1x3x224x224 image;
+* opt-in (``--models``): ``bert-fp16`` and ``llama-fp16``, the same BERT and LLaMA exported in
+  float16 (``_export.py --half``).
 
 Outputs per model (each tool once, in a fresh process, as transformers_peers.py runs them):
 
@@ -59,21 +61,21 @@ LATENCY_DIR = h.OUT_DIR / "latency"
 MODEL_DIR = LATENCY_DIR / "models"
 RESULTS = LATENCY_DIR / "results.json"
 TEXT = "input_ids:1,128;attention_mask:1,128"
+BERT = {"kind": "bert", "ort": "bert", "heads": 12, "hidden": 768, "shape": TEXT}
+LLAMA = {"kind": "llama", "layers": 4, "ort": "gpt2", "heads": 16, "hidden": 2048, "shape": TEXT}
 MODELS: dict[str, dict] = {
-    "bert": {"kind": "bert", "ort": "bert", "heads": 12, "hidden": 768, "shape": TEXT},
+    "bert": BERT,
     "gpt2": {"kind": "gpt2", "ort": "gpt2", "heads": 12, "hidden": 768, "shape": TEXT},
-    "llama": {
-        "kind": "llama",
-        "layers": 4,
-        "ort": "gpt2",
-        "heads": 16,
-        "hidden": 2048,
-        "shape": TEXT,
-    },
+    "llama": LLAMA,
+    # The same two in float16 (opt-in): onnxruntime's CPU provider runs what it has no float16
+    # kernel for in float32, casting around it.
+    "bert-fp16": {**BERT, "half": True},
+    "llama-fp16": {**LLAMA, "half": True},
     "vit": {"vision": "vit_torchscript_eval", "ort": "vit", "heads": 12, "hidden": 768},
     "resnet50": {"vision": "resnet50_torchscript_eval"},
     "mobilenetv2": {"vision": "mobilenetv2_torchscript_eval"},
 }
+DEFAULT_MODELS = ("bert", "gpt2", "llama", "vit", "resnet50", "mobilenetv2")
 TOOLS = ("fusectl", "fusectl-none", "fusectl-ext", "onnxscript", "ORT")
 
 
@@ -82,7 +84,8 @@ def export(name: str, force: bool) -> Path:
     case = MODELS[name]
     path = MODEL_DIR / f"{name}.onnx"
     if "kind" in case:
-        h.ensure_export(case["kind"], path, layers=case.get("layers"), force=force)
+        extra = ["--half"] if case.get("half") else None
+        h.ensure_export(case["kind"], path, layers=case.get("layers"), force=force, extra=extra)
         return path
     if force or not path.exists():
         MODEL_DIR.mkdir(parents=True, exist_ok=True)
@@ -227,7 +230,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default=",".join(MODELS), help=f"[{','.join(MODELS)}]")
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"[{','.join(DEFAULT_MODELS)}], or any of {','.join(MODELS)}",
+    )
     parser.add_argument("--runs", type=int, default=30, help="timed runs per model and level [30]")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first [5]")
     parser.add_argument(

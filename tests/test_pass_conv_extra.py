@@ -35,6 +35,7 @@ ACT = "ConvActivationFusionPass"
 ENABLE_FC = ("--enable_pass", FC)
 
 FLOAT16 = onnx.TensorProto.FLOAT16
+BFLOAT16 = onnx.TensorProto.BFLOAT16
 INT64 = onnx.TensorProto.INT64
 
 
@@ -717,6 +718,7 @@ def _fc_model(
     pre_nodes: tuple = (),
     conv_input: str = "x",
     extra_inputs: tuple = (),
+    opset: int = 17,
     **conv_attrs,
 ) -> Path:
     dtype = helper.tensor_dtype_to_np_dtype(elem)
@@ -730,6 +732,7 @@ def _fc_model(
         [value("x", list(x_shape), elem), *extra_inputs],
         [value("y", list(y_shape), elem)],
         initializers,
+        opset=opset,
     )
 
 
@@ -817,12 +820,17 @@ def test_conv_to_fully_connected_declines(case: str, tmp_path: Path) -> None:
     assert run.op_counts() == Counter({"Conv": 1})
 
 
-def test_conv_to_fully_connected_float16(tmp_path: Path) -> None:
-    """onnxruntime has no float16 Gemm: declined for --target ort, converted for onnx. Neither
-    model runs on onnxruntime's CPU provider (no float16 Conv either), so only the checker."""
-    model = _fc_model(tmp_path / "fc_fp16.onnx", elem=FLOAT16)
+def test_conv_to_fully_connected_half_precision(tmp_path: Path) -> None:
+    """onnxruntime's CPU provider runs a float16 Gemm in float32, casting around it: converted,
+    and it computes what the Conv did. No provider runs a bfloat16 Gemm: declined for --target
+    ort, converted for onnx (which onnxruntime cannot run: only the checker)."""
+    half = _fc_model(tmp_path / "fc_fp16.onnx", elem=FLOAT16)
+    run = optimize_checked(half, tmp_path, *ENABLE_FC, atol=1e-2)
+    assert run.counts(FC) == (1, 1)
+    assert run.op_counts() == Counter({"Flatten": 1, "Gemm": 1, "Reshape": 1})
+    model = _fc_model(tmp_path / "fc_bf16.onnx", elem=BFLOAT16, opset=22)  # bfloat16 Conv: 22
     run = optimize_checked(model, tmp_path, *ENABLE_FC, compare=False)
-    assert_declined(run, FC, "onnxruntime has no Gemm kernel for FLOAT16", "conv")
+    assert_declined(run, FC, "onnxruntime has no Gemm kernel for BFLOAT16", "conv")
     assert run.op_counts() == Counter({"Conv": 1})
     onnx_run = optimize_checked(model, tmp_path, "--target", "onnx", *ENABLE_FC, compare=False)
     assert onnx_run.counts(FC) == (1, 1)

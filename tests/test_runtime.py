@@ -4,8 +4,12 @@ operator-schema stand-in when the child dies."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
+from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplemented_
 
 import fusectl
 from fusectl.core.plugins import load_builtin_passes
@@ -47,6 +51,56 @@ def test_the_schema_stand_in_defines_every_fused_op_the_passes_emit() -> None:
     }
     assert ("com.microsoft", "SkipLayerNormalization") in float_ops
     assert ("com.microsoft", "NoSuchFusedOp") not in defined
+
+
+@pytest.mark.parametrize(
+    ("op", "domain", "dtype", "runs"),
+    [
+        ("MultiHeadAttention", "com.microsoft", ir.DataType.FLOAT, True),
+        # a float32 kernel on the CPU only: onnxruntime casts around it
+        ("MultiHeadAttention", "com.microsoft", ir.DataType.FLOAT16, True),
+        ("Gemm", "", ir.DataType.FLOAT16, True),
+        # no bfloat16 cast on the CPU, and no kernel of that type anywhere
+        ("MultiHeadAttention", "com.microsoft", ir.DataType.BFLOAT16, False),
+        ("Gemm", "", ir.DataType.BFLOAT16, False),
+        ("Gemm", "", ir.DataType.INT64, False),
+    ],
+)
+def test_what_the_cpu_provider_runs(op: str, domain: str, dtype: ir.DataType, runs: bool) -> None:
+    assert runtime.has_kernel(op, domain, 17, dtype) is runs
+
+
+def test_the_float16_cast_is_the_cpu_providers_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another provider's float32 kernel runs no float16 node: onnxruntime casts only for the
+    CPU provider (a CUDA float32 kernel is not one the CPU provider could run)."""
+    elsewhere = runtime.Kernel("CUDAExecutionProvider", 1, 1, frozenset({"tensor(float)"}))
+    monkeypatch.setitem(runtime._registry(), ("com.microsoft", "NoSuchFusedOp"), (elsewhere,))
+    assert runtime.has_kernel("NoSuchFusedOp", "com.microsoft", 17, ir.DataType.FLOAT)
+    assert not runtime.has_kernel("NoSuchFusedOp", "com.microsoft", 17, ir.DataType.FLOAT16)
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_onnxruntime_runs_what_the_check_lets_through(elem: int) -> None:
+    """A float16 MultiHeadAttention loads and runs on the CPU provider, a bfloat16 one does not
+    load: as has_kernel says."""
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["y"], num_heads=2)
+    node.domain = "com.microsoft"
+    graph = helper.make_graph(
+        [node],
+        "mha",
+        [helper.make_tensor_value_info(n, elem, [1, 4, 8]) for n in "qkv"],
+        [helper.make_tensor_value_info("y", elem, [1, 4, 8])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    text = helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    dtype = ir.DataType(elem)
+    if not runtime.has_kernel("MultiHeadAttention", "com.microsoft", 17, dtype):
+        with pytest.raises(NotImplemented_, match="Could not find an implementation"):
+            ort.InferenceSession(text, providers=["CPUExecutionProvider"])
+        return
+    session = ort.InferenceSession(text, providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {n: np.ones((1, 4, 8), np.float16) for n in "qkv"})
+    assert out.dtype == np.float16 and np.allclose(out, 1)
 
 
 @pytest.mark.parametrize(

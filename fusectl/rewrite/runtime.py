@@ -134,14 +134,25 @@ def providers(op_type: str, domain: str = "") -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+# onnxruntime runs a float16 node the CPU provider has only a float32 kernel for in float32:
+# its InsertCastTransformer casts the inputs up and the outputs back (no other type, no other
+# provider: a bfloat16 MultiHeadAttention does not load on the CPU).
+_CAST_ON_CPU = {"tensor(float16)": "tensor(float)"}
+_CPU = "CPUExecutionProvider"
+
+
 def has_kernel(op_type: str, domain: str, opset: int, dtype: ir.DataType | None) -> bool:
     """Whether some provider runs ``op_type`` at this opset for this element type: with a
-    kernel, or by expanding the op's ONNX function body into ops it has kernels for."""
+    kernel (on the CPU, a float32 one for float16), or by expanding the op's ONNX function
+    body into ops it has kernels for."""
     wanted = None if dtype is None else type_string(dtype)
     domain = _domain(domain)
     for kernel in kernels(op_type, domain):
         in_range = kernel.first <= opset <= kernel.last if domain == "" else True
-        if in_range and (wanted is None or not kernel.types or wanted in kernel.types):
+        runs = wanted is None or not kernel.types or wanted in kernel.types
+        if kernel.provider == _CPU and not runs:
+            runs = _CAST_ON_CPU.get(wanted or "") in kernel.types
+        if in_range and runs:
             return True
     body = _function_body(op_type, domain, opset)
     return bool(body) and all(has_kernel(op, d, opset, dtype) for op, d in body)

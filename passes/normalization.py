@@ -884,24 +884,35 @@ class AddRmsNormFusionPass(PatternPass):
     rules = _rms_rules("AddRmsNorm", _skip_written_out, residual=True)
 
 
-def _embedding_sum(
-    op: Any, ids: Any, word: Any, segment: Any, segment_ids: Any, position: Any, position_ids: Any
-) -> Any:
+def _embedding_sum(op: Any, ids: Any, word: Any, segment: Any, segment_ids: Any, positions: Any):
     words = op.Gather(word, ids, _allow_other_attributes=True)
     segments = op.Gather(segment, segment_ids, _allow_other_attributes=True)
-    positions = op.Gather(position, position_ids, _allow_other_attributes=True)
     return op.Add(op.Add(words, segments), positions)
 
 
 def _embed_native(op, ids, word, segment, segment_ids, position, position_ids, gamma, beta):
-    total = _embedding_sum(op, ids, word, segment, segment_ids, position, position_ids)
+    positions = op.Gather(position, position_ids, _allow_other_attributes=True)
+    total = _embedding_sum(op, ids, word, segment, segment_ids, positions)
     return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True)
 
 
 def _embed_written(
     op, ids, word, segment, segment_ids, position, position_ids, eps, gamma, beta, two
 ):
-    total = _embedding_sum(op, ids, word, segment, segment_ids, position, position_ids)
+    positions = op.Gather(position, position_ids, _allow_other_attributes=True)
+    total = _embedding_sum(op, ids, word, segment, segment_ids, positions)
+    return _decomposed(op, total, eps, gamma, beta, two)
+
+
+# At a fixed sequence length (--input_shape) the position Gather is folded: its rows 0..S-1
+# are a constant summand.
+def _embed_native_fixed(op, ids, word, segment, segment_ids, positions, gamma, beta):
+    total = _embedding_sum(op, ids, word, segment, segment_ids, positions)
+    return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True)
+
+
+def _embed_written_fixed(op, ids, word, segment, segment_ids, positions, eps, gamma, beta, two):
+    total = _embedding_sum(op, ids, word, segment, segment_ids, positions)
     return _decomposed(op, total, eps, gamma, beta, two)
 
 
@@ -964,14 +975,37 @@ def _is_arange(site: Site, value: ir.Value) -> bool:
     return rows.shape[0] == 1 and bool(np.array_equal(rows[0], np.arange(rows.shape[1])))
 
 
+def _position_rows(site: Site, ids: ir.Value, positions: ir.Value) -> np.ndarray:
+    """The position table a constant summand is: rows 0..S-1 of one, [S, H] or [1, S, H], for
+    ids of the fixed length S (EmbedLayerNormalization reads row i at position i)."""
+    rows = site.require_constant(positions, "the position term (no Gather of a table)")
+    shape = site.shape(ids)
+    length = shape[-1] if shape is not None and len(shape) == 2 else None
+    if not isinstance(length, int):
+        raise Decline("the position term is a constant but the sequence length is not fixed")
+    if rows.ndim not in (2, 3) or rows.shape[-2] != length or rows.shape[:-2] not in ((), (1,)):
+        raise Decline(f"the constant position term {list(rows.shape)} is not [{length}, hidden]")
+    return rows.reshape(length, rows.shape[-1])
+
+
+def _constant_positions(site: Site, positions: ir.Value, **_: Any) -> bool:
+    """Only a constant third summand is a folded position table (not a residual branch that
+    joins the embeddings, as GPT-2's attention output does)."""
+    return site.constant(positions) is not None
+
+
 def _embed(op: Any, site: Site, **bindings: Any) -> Any:
-    ids, segment_ids, position_ids = (bindings[k] for k in ("ids", "segment_ids", "position_ids"))
+    ids, segment_ids = bindings["ids"], bindings["segment_ids"]
     if not ids.is_graph_input():
         raise Decline("the word ids are not a graph input")
-    if not _is_arange(site, position_ids):
+    if "positions" in bindings:
+        position = _position_rows(site, ids, bindings["positions"])
+        bindings["position"] = site.initializer(op, position, "position_rows")
+    elif not _is_arange(site, bindings["position_ids"]):
         raise Decline("the position ids are not 0..S-1")
+    else:
+        position = site.require_constant(bindings["position"], "position embeddings")
     word = site.require_constant(bindings["word"], "word embeddings")
-    position = site.require_constant(bindings["position"], "position embeddings")
     segment = site.require_constant(bindings["segment"], "segment embeddings")
     if not (word.ndim == position.ndim == segment.ndim == 2):
         raise Decline("an embedding table is not 2-D")
@@ -1024,4 +1058,13 @@ class EmbedLayerNormFusionPass(PatternPass):
     rules = (
         Rule("EmbedLayerNormalization", _embed_native, _embed),
         Rule("EmbedLayerNorm", _embed_written, _embed),
+        Rule(
+            "EmbedLayerNormalizationFixedLength",
+            _embed_native_fixed,
+            _embed,
+            candidate=_constant_positions,
+        ),
+        Rule(
+            "EmbedLayerNormFixedLength", _embed_written_fixed, _embed, candidate=_constant_positions
+        ),
     )

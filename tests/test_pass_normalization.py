@@ -1044,6 +1044,71 @@ def test_token_types_filled_with_ones_are_declined(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("name", ["bert_tiny_ts17", "bert_tiny_dynamo"])
+def test_bert_embeddings_at_a_fixed_length(name: str, tmp_path: Path) -> None:
+    """With --input_shape the position Gather folds into a constant [1, S, H]: its rows are the
+    position table EmbedLayerNormalization reads (both exporters)."""
+    source = fixture_path(name)
+    run = optimize(source, tmp_path, "--input_shape", "input_ids:2,16;attention_mask:2,16")
+    check_output(run)
+    assert run.counts(EMBED) == (1, 1)
+    assert pattern_counts(run, EMBED)["EmbedLayerNormalizationFixedLength"] == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (node,) = [n for n in graph.node if n.op_type == "EmbedLayerNormalization"]
+    (rows,) = [i for i in graph.initializer if i.name == node.input[3]]
+    assert list(rows.dims) == [16, 32] and node.input[1] == node.input[4] == ""
+    feeds = random_feeds(run.output)  # at the fixed shapes
+    for want, got in zip(run_model(source, feeds), run_model(run.output, feeds), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def _constant_summand_model(path: Path, length: int | str, summand: np.ndarray) -> Path:
+    """word[ids] + segment[segment_ids] + a constant summand, then a layer norm (hidden 8)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        _n("Gather", ["word", "ids"], "words"),
+        _n("Gather", ["segment", "segment_ids"], "segments"),
+        _n("Add", ["words", "segments"], "sum"),
+        _n("Add", ["sum", "positions"], "total"),
+        _n("LayerNormalization", ["total", "gamma", "beta"], "y", axis=-1),
+    ]
+    inits = [
+        const("word", rng.normal(size=(10, 8))),
+        const("segment", rng.normal(size=(4, 8))),
+        const("positions", summand),
+        const("gamma", np.ones(8)),
+        const("beta", np.zeros(8)),
+    ]
+    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, [1, length]) for n in IDS]
+    return save_model(path, nodes, ids, [value("y", [1, length, 8])], inits)
+
+
+IDS = ("ids", "segment_ids")
+
+
+@pytest.mark.parametrize(
+    ("length", "summand", "reason"),
+    [
+        (4, np.ones((1, 1, 8)), "the constant position term [1, 1, 8] is not [4, hidden]"),
+        (
+            "S",
+            np.ones((1, 4, 8)),
+            "the position term is a constant but the sequence length is not fixed",
+        ),
+    ],
+    ids=["a_bias_not_rows", "length_not_fixed"],
+)
+def test_a_constant_summand_that_is_no_position_table_is_declined(
+    length: int | str, summand: np.ndarray, reason: str, tmp_path: Path
+) -> None:
+    model = _constant_summand_model(tmp_path / "summand.onnx", length, summand)
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert_declined(run, EMBED, reason, "y")
+    if length == 4:
+        assert_same_outputs(model, run.output)
+
+
 def test_gpt2_embeddings_have_no_segment_table(tmp_path: Path) -> None:
     run = optimize_checked(fixture_path("gpt2_tiny_dynamo"), tmp_path)
     assert run.counts(EMBED) == (0, 0)

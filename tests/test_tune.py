@@ -119,12 +119,11 @@ def test_tune_records_every_class_with_provenance(tuned: tuple[Path, Any]) -> No
         assert entry["fused_ms"] > 0 and entry["unfused_ms"] > 0 and entry["rounds"] >= 7
         assert entry["measured_shapes"] and entry["model"] == BERT.name
         counted[entry["pass"]] += entry["sites_in_model"]
-    # Every tuned site is in a measured class, except the embedding layer norm: with the
-    # inputs fixed at the tuning shapes its position ids fold to a constant and it no longer
-    # matches, which the progress line says.
-    assert counted == {k: v for k, v in TUNED_SITES.items() if k != "EmbedLayerNormFusionPass"}
-    assert "EmbedLayerNormFusionPass/EmbedLayerNormalization" in result.stderr
-    assert "not measured: the site is not there once the inputs are fixed" in result.stderr
+    # Every tuned site is in a measured class. The embedding layer norm too: at the tuning
+    # shapes its position Gather folds to a constant and another pattern of the pass (position
+    # rows as a constant) fuses the same nodes.
+    assert counted == TUNED_SITES
+    assert "0 not measured" in result.stderr
     # Symbolic dimensions stay '?': the verdict serves every batch and sequence length.
     skip = next(key for key in sites if key.startswith(f"{SKIP_LN}/"))
     assert "float[?,?,32]" in skip and "com.microsoft.SkipLayerNormalization" in skip
@@ -353,9 +352,10 @@ def test_a_class_measured_with_symbolic_sizes_covers_fixed_ones(
         tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
     )
     run = optimize(BERT, tmp_path, "--repository", repository, "--input_shape", SHAPES)
-    # At fixed sizes the embeddings' sum is provably of one shape and fuses too: a class the
-    # repository has not measured ([1,16,32] from two different sources) keeps the default.
-    assert run.op_counts()["SkipLayerNormalization"] == 1
+    # At fixed sizes the embeddings (their position rows a constant) are still
+    # EmbedLayerNormalization's, before the skip norm could take their sum.
+    assert run.op_counts()["SkipLayerNormalization"] == 0
+    assert run.op_counts()["EmbedLayerNormalization"] == 1
     decided = [d for d in run.report["repository"]["decisions"] if d["pass"] == SKIP_LN]
     assert len(decided) == 4 and all("float[?,?,32]" in d["class"] for d in decided)
     feeds = random_feeds(run.output)  # at the fixed sizes
@@ -370,7 +370,7 @@ def test_faster_decisions_fuse_and_count_as_hits(tuned: tuple[Path, Any], tmp_pa
     ub = run.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
     assert ub[SKIP_LN]["repository_hit_times"] == "4"
     assert sum(int(entry["repository_hit_times"]) for entry in ub.values()) == sum(
-        count for name, count in TUNED_SITES.items() if name != "EmbedLayerNormFusionPass"
+        TUNED_SITES.values()
     )
 
 
@@ -505,7 +505,7 @@ def test_api_optimize_takes_providers_and_repository(
         tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
     )
     result = fusectl.optimize(str(BERT), providers="cpu", repository=repository)
-    assert result.repository is not None and len(result.repository.decisions) == 11
+    assert result.repository is not None and len(result.repository.decisions) == 12
     ops = Counter(node.op_type for node in result.model.graph)
     assert ops["SkipLayerNormalization"] == 0
     with pytest.raises(FusectlError, match="not an onnxruntime execution provider"):

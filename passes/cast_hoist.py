@@ -1,0 +1,131 @@
+"""A widening Cast moved above the Concat, Neg and Slice it follows: one tensor rotated.
+
+Half-precision exports promote where a float16 value meets a float32 one: OLMo-2 applies its
+float32 rotary tables to float16 heads, and the exporter casts both the query and its
+``rotate_half`` to float32 at the multiplication:
+
+    Cast(q) * cos + Cast(Concat(Neg(q[..., H/2:]), q[..., :H/2])) * sin
+
+The rotary pass reads one tensor rotated in both terms. Widening a float exactly commutes with
+moving its elements and with negating them, so ``Cast(Concat(Neg(Slice(q)), Slice(q)))`` is
+``Concat(Neg(Slice(Cast(q))), Slice(Cast(q)))`` bit for bit, and both terms then read the one
+``Cast(q)``. A node is moved over only when every reader of it is that one Cast (casts of one
+value to one type are merged first), so nothing is computed twice, and a Slice only where its
+whole input is cast anyway (the direct term), so no more elements are converted than before.
+The Casts stay below the head split and the key/value repeats, where the attention passes read
+a promoted attention's operands.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import replace_subgraph, typed
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+
+# Exact widenings: every value of the narrow type is a value of the wide one.
+_WIDER = {
+    ir.DataType.FLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
+    ir.DataType.BFLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
+    ir.DataType.FLOAT: frozenset({ir.DataType.DOUBLE}),
+}
+# Ops that move (input 0; Concat: every input) or negate elements, between a rotation's halves
+# and its Cast.
+_MOVING = frozenset({"Slice", "Neg", "Concat"})
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def _widening(cast: ir.Node, ctx: PassContext) -> ir.DataType | None:
+    """The type an exactly widening Cast casts to, else None."""
+    if cast.domain not in _DEFAULT_DOMAINS or cast.inputs[0] is None:
+        return None
+    to = ir.DataType(cast.attributes.get_int("to", 0))
+    source = ctx.dtype(cast.inputs[0])
+    return to if source is not None and to in _WIDER.get(source, ()) else None
+
+
+def _merge_twins(graph: ir.Graph, casts: list[ir.Node]) -> bool:
+    """Casts of one value to one type become the first of them (in graph order)."""
+    merged = False
+    first: dict[tuple[ir.Value, int], ir.Node] = {}
+    for cast in casts:
+        if cast.graph is not graph or cast.inputs[0] is None or cast.outputs[0].is_graph_output():
+            continue
+        key = (cast.inputs[0], cast.attributes.get_int("to", 0))
+        kept = first.setdefault(key, cast)
+        if kept is not cast:
+            cast.outputs[0].replace_all_uses_with(kept.outputs[0])
+            graph.remove(cast, safe=True)
+            merged = True
+    return merged
+
+
+@register_pass
+class WideningCastHoistPass(FusionPass):
+    """Not a pattern: each widening Cast is judged alone, repeatedly, until none moves."""
+
+    spec = PassSpec(
+        name="WideningCastHoistPass",
+        category=Category.GRAPH,
+        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x): exact, "
+        "and the terms of a promoted float16 rotary read one tensor (OLMo-2)",
+        aliases=("widening_cast_hoist",),
+        priority=3041,  # after CSE, before the rotary pass reads the rotation
+        emits=(),
+        canonical=True,
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        casts = ctx.op_index.of_type(graph, "Cast")  # most graphs: none widening, one look
+        moved = True
+        while moved:
+            moved = _merge_twins(graph, casts)
+            ctx.changed = ctx.changed or moved  # the shared op index drops the merged Casts
+            for cast in casts:
+                if cast.graph is graph and self._hoist(cast, ctx):
+                    moved = True
+            if moved:  # the Casts this round made, in graph order, for the next round
+                casts = [node for node in graph if node.op_type == "Cast"]
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+    def _hoist(self, cast: ir.Node, ctx: PassContext) -> bool:
+        to = _widening(cast, ctx)
+        mover = cast.inputs[0].producer() if to is not None else None
+        if mover is None or mover.domain not in _DEFAULT_DOMAINS:
+            return False
+        if mover.op_type not in _MOVING:
+            return False
+        moved_value = mover.outputs[0]
+        if moved_value.is_graph_output() or [user for user, _ in moved_value.uses()] != [cast]:
+            return False
+        if mover.op_type == "Slice" and not any(
+            user is not cast and user.op_type == "Cast" and _widening(user, ctx) == to
+            for user, _ in mover.inputs[0].uses()  # type: ignore[union-attr]
+        ):
+            return False  # casting the whole tensor for a part of it: only where it is anyway
+        data = range(len(mover.inputs)) if mover.op_type == "Concat" else range(1)
+        widened = []
+        inputs = list(mover.inputs)
+        for index in data:
+            if inputs[index] is None:
+                return False
+            up = ir.node("Cast", [inputs[index]], attributes={"to": to})
+            typed(up.outputs[0], to, ctx.shape(inputs[index]))
+            widened.append(up)
+            inputs[index] = up.outputs[0]
+        moved = ir.Node(mover.domain, mover.op_type, inputs, mover.attributes.values())
+        typed(moved.outputs[0], to, ctx.shape(cast.outputs[0]))
+        declined = replace_subgraph(
+            ctx,
+            f"CastAbove{mover.op_type}",
+            cast,
+            [mover, cast],
+            [*widened, moved],
+            cast.outputs,
+            moved.outputs,
+        )
+        return declined is None

@@ -1,0 +1,130 @@
+"""WideningCastHoistPass: a widening Cast moved above the Concat, Neg and Slice it follows, on
+OLMo-2's float16 exports (``make_arch_matrix.py --half --only olmo2``), and the Casts it must
+leave where they are."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tests.conftest import assert_same_outputs, optimize
+from tests.pass_helpers import check_output, fixture_path, pattern_counts, save_model, value
+
+HOIST = "WideningCastHoistPass"
+ROTARY = "RotaryEmbeddingFusionPass"
+MHA = "MultiHeadAttentionFusionPass"
+
+
+@pytest.mark.parametrize("name", ["olmo2_ts17_fp16", "olmo2_dynamo_fp16"])
+def test_olmo2_half_precision_rotary_reads_one_tensor(name: str, tmp_path: Path) -> None:
+    """OLMo-2 rotates float16 q and k with float32 tables: Cast(x) * cos + Cast(rotate_half(x))
+    * sin. Per rotation the Cast moves over the Concat, the Neg and both Slices (2 layers, q
+    and k), then both terms read one Cast(x) and the rotary fuses; without the pass it does
+    not."""
+    run = optimize(fixture_path(name), tmp_path)
+    check_output(run)
+    assert_same_outputs(fixture_path(name), run.output, atol=1e-2, rtol=1e-2)
+    assert run.counts(HOIST) == (16, 16)
+    assert pattern_counts(run, HOIST) == {
+        "CastAboveConcat": (4, 4),
+        "CastAboveNeg": (4, 4),
+        "CastAboveSlice": (8, 8),
+    }
+    assert run.counts(ROTARY) == (4, 4) and run.counts(MHA) == (2, 2)
+    graph = onnx.load(str(run.output)).graph
+    rotations = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    produced = {out: n for n in graph.node for out in n.output}
+    for rotation in rotations:  # each computes in float32 on the cast heads
+        cast = produced[rotation.input[0]]
+        assert cast.op_type == "Cast" and cast.attribute[0].i == TensorProto.FLOAT
+    (tmp_path / "off").mkdir()
+    off = optimize(fixture_path(name), tmp_path / "off", "--disable_pass", HOIST)
+    assert off.counts(ROTARY) == (0, 0) and off.op_counts()["RotaryEmbedding"] == 0
+
+
+def _casted(
+    path: Path, nodes: list[onnx.NodeProto], elem: int = TensorProto.FLOAT16, width: int = 8
+) -> Path:
+    """x [2, 8] of ``elem`` through ``nodes`` to y [2, width] (float16 from float32 input,
+    float32 from float16)."""
+    out = TensorProto.FLOAT16 if elem == TensorProto.FLOAT else TensorProto.FLOAT
+    return save_model(path, nodes, [value("x", [2, 8], elem)], [value("y", [2, width], out)], [])
+
+
+def _slice(source: str, start: int, end: int, out: str) -> list[onnx.NodeProto]:
+    consts = [
+        helper.make_node(
+            "Constant", [], [f"{out}_{k}"], value=helper.make_tensor(k, TensorProto.INT64, [1], [v])
+        )
+        for k, v in (("start", start), ("end", end), ("axis", -1))
+    ]
+    names = [source, f"{out}_start", f"{out}_end", f"{out}_axis"]
+    return [*consts, helper.make_node("Slice", names, [out])]
+
+
+NEAR_MISSES: dict[str, tuple[list[onnx.NodeProto], int, int]] = {
+    # float32 to float16 loses values: Cast(Neg(x)) is not Neg(Cast(x)) to the bit
+    "narrowing": (
+        [
+            helper.make_node("Neg", ["x"], ["n"]),
+            helper.make_node("Cast", ["n"], ["y"], to=TensorProto.FLOAT16),
+        ],
+        TensorProto.FLOAT,
+        8,
+    ),
+    # the Neg is read by another node too: moving the Cast would compute the Neg twice
+    "read_elsewhere": (
+        [
+            helper.make_node("Neg", ["x"], ["n"]),
+            helper.make_node("Cast", ["n"], ["c"], to=TensorProto.FLOAT),
+            helper.make_node("Abs", ["n"], ["a"]),
+            helper.make_node("Cast", ["a"], ["a32"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["c", "a32"], ["y"]),
+        ],
+        TensorProto.FLOAT16,
+        8,
+    ),
+    # a Slice whose whole input nothing else casts: casting all of x for half of it
+    "slice_of_an_uncast_tensor": (
+        [
+            *_slice("x", 0, 4, "s"),
+            helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT),
+        ],
+        TensorProto.FLOAT16,
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_casts_that_must_stay(case: str, tmp_path: Path) -> None:
+    nodes, elem, width = NEAR_MISSES[case]
+    model = _casted(tmp_path / f"{case}.onnx", nodes, elem, width)
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert run.counts(HOIST) == (0, 0)
+    before = Counter(n.op_type for n in onnx.load(str(model)).graph.node if n.op_type != "Constant")
+    after = run.op_counts()
+    assert {op: after[op] for op in before} == dict(before)
+    assert_same_outputs(model, run.output, atol=0)
+
+
+def test_a_slice_of_a_tensor_cast_anyway_moves(tmp_path: Path) -> None:
+    """Cast(x) is there already: Cast(Slice(x)) becomes Slice of that Cast, bit for bit."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["whole"], to=TensorProto.FLOAT),
+        *_slice("x", 0, 4, "s"),
+        helper.make_node("Cast", ["s"], ["part"], to=TensorProto.FLOAT),
+        helper.make_node("Concat", ["part", "part"], ["both"], axis=-1),
+        helper.make_node("Add", ["whole", "both"], ["y"]),
+    ]
+    model = _casted(tmp_path / "sliced.onnx", nodes)
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert run.counts(HOIST) == (1, 1)
+    assert run.op_counts()["Cast"] == 1
+    assert_same_outputs(model, run.output, atol=0)

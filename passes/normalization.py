@@ -884,7 +884,9 @@ class AddRmsNormFusionPass(PatternPass):
     rules = _rms_rules("AddRmsNorm", _skip_written_out, residual=True)
 
 
-def _embedding_sum(op: Any, ids: Any, word: Any, segment: Any, segment_ids: Any, positions: Any):
+def _embedding_sum(
+    op: Any, ids: Any, word: Any, segment: Any, segment_ids: Any, positions: Any
+) -> Any:
     words = op.Gather(word, ids, _allow_other_attributes=True)
     segments = op.Gather(segment, segment_ids, _allow_other_attributes=True)
     return op.Add(op.Add(words, segments), positions)
@@ -998,9 +1000,9 @@ def _embed(op: Any, site: Site, **bindings: Any) -> Any:
     ids, segment_ids = bindings["ids"], bindings["segment_ids"]
     if not ids.is_graph_input():
         raise Decline("the word ids are not a graph input")
-    if "positions" in bindings:
+    fixed = "positions" in bindings
+    if fixed:
         position = _position_rows(site, ids, bindings["positions"])
-        bindings["position"] = site.initializer(op, position, "position_rows")
     elif not _is_arange(site, bindings["position_ids"]):
         raise Decline("the position ids are not 0..S-1")
     else:
@@ -1029,7 +1031,7 @@ def _embed(op: Any, site: Site, **bindings: Any) -> Any:
             ids32,
             op.Cast(segment_ids, to=ir.DataType.INT32),
             bindings["word"],
-            bindings["position"],
+            site.initializer(op, position, "position_rows") if fixed else bindings["position"],
             bindings["segment"],
         ]
     else:

@@ -1086,6 +1086,19 @@ def _constant_summand_model(path: Path, length: int | str, summand: np.ndarray) 
 IDS = ("ids", "segment_ids")
 
 
+def test_constant_position_rows_with_segment_ids_fed(tmp_path: Path) -> None:
+    """Segment ids as a graph input keep their table; the constant rows become the position
+    table (the row S-1 read at position S-1)."""
+    rows = np.random.default_rng(1).normal(size=(1, 4, 8))
+    model = _constant_summand_model(tmp_path / "rows.onnx", 4, rows)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, EMBED)["EmbedLayerNormalizationFixedLength"] == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    (node,) = [n for n in graph.node if n.op_type == "EmbedLayerNormalization"]
+    tables = {i.name: list(i.dims) for i in graph.initializer}
+    assert [tables.get(name) for name in node.input[2:5]] == [[10, 8], [4, 8], [4, 8]]
+
+
 @pytest.mark.parametrize(
     ("length", "summand", "reason"),
     [

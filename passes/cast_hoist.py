@@ -14,6 +14,10 @@ value to one type are merged first), so nothing is computed twice, and a Slice o
 whole input is cast anyway (the direct term), so no more elements are converted than before.
 The Casts stay below the head split and the key/value repeats, where the attention passes read
 a promoted attention's operands.
+
+The other way round, a round trip through a wider type around an op that only moves elements
+is that op alone: the OpenAI privacy filter casts its float16 probabilities to float32, slices
+the attention sink's column off and casts back.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ _WIDER = {
 # Ops that move (input 0; Concat: every input) or negate elements, between a rotation's halves
 # and its Cast.
 _MOVING = frozenset({"Slice", "Neg", "Concat"})
+# Ops that only move elements: a round trip through a wider type around one is the op alone.
+_BACK = frozenset({"Slice", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -68,8 +74,9 @@ class WideningCastHoistPass(FusionPass):
     spec = PassSpec(
         name="WideningCastHoistPass",
         category=Category.GRAPH,
-        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x): exact, "
-        "and the terms of a promoted float16 rotary read one tensor (OLMo-2)",
+        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x), and "
+        "Cast back(Slice(Cast wider(x))) -> Slice(x): exact; a promoted float16 rotary reads "
+        "one tensor (OLMo-2), a sink sliced off in float32 is sliced in float16",
         aliases=("widening_cast_hoist",),
         priority=3041,  # after CSE, before the rotary pass reads the rotation
         emits=(),
@@ -85,12 +92,42 @@ class WideningCastHoistPass(FusionPass):
             moved = _merge_twins(graph, casts)
             ctx.changed = ctx.changed or moved  # the shared op index drops the merged Casts
             for cast in casts:
-                if cast.graph is graph and self._hoist(cast, ctx):
+                if cast.graph is graph and (self._round_trip(cast, ctx) or self._hoist(cast, ctx)):
                     moved = True
             if moved:  # the Casts this round made, in graph order, for the next round
                 casts = [node for node in graph if node.op_type == "Cast"]
         if ctx.changed and ctx.shapes is not None:
             ctx.shapes.invalidate()
+
+    def _round_trip(self, cast: ir.Node, ctx: PassContext) -> bool:
+        """Cast(Move(Cast(x) to a wider type) back to x's type) -> Move(x): widening is exact,
+        so the values come back as they were (GPT-OSS-style sinks sliced off in float32)."""
+        mover = cast.inputs[0].producer() if cast.inputs[0] is not None else None
+        if mover is None or mover.op_type not in _BACK or mover.domain not in _DEFAULT_DOMAINS:
+            return False
+        widen = mover.inputs[0].producer() if mover.inputs[0] is not None else None
+        if widen is None or widen.op_type != "Cast" or _widening(widen, ctx) is None:
+            return False
+        source = widen.inputs[0]
+        if ctx.dtype(source) != ir.DataType(cast.attributes.get_int("to", 0)):
+            return False
+        for node, reader in ((widen, mover), (mover, cast)):
+            value = node.outputs[0]
+            if value.is_graph_output() or [user for user, _ in value.uses()] != [reader]:
+                return False
+        inputs = [source, *mover.inputs[1:]]
+        moved = ir.Node(mover.domain, mover.op_type, inputs, mover.attributes.values())
+        typed(moved.outputs[0], ctx.dtype(source), ctx.shape(cast.outputs[0]))
+        declined = replace_subgraph(
+            ctx,
+            f"CastRoundTripAround{mover.op_type}",
+            cast,
+            [widen, mover, cast],
+            [moved],
+            cast.outputs,
+            moved.outputs,
+        )
+        return declined is None
 
     def _hoist(self, cast: ir.Node, ctx: PassContext) -> bool:
         to = _widening(cast, ctx)

@@ -1,6 +1,7 @@
-"""WideningCastHoistPass: a widening Cast moved above the Concat, Neg and Slice it follows, on
-OLMo-2's float16 exports (``make_arch_matrix.py --half --only olmo2``), and the Casts it must
-leave where they are."""
+"""WideningCastHoistPass: a widening Cast moved above the Concat, Neg and Slice it follows
+(OLMo-2's float16 exports), a round trip through float32 around a Slice dropped (the OpenAI
+privacy filter's float16 exports; both ``make_arch_matrix.py --half --only NAME``), and the Casts
+it must leave where they are."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.pass_helpers import check_output, fixture_path, pattern_counts, save_
 HOIST = "WideningCastHoistPass"
 ROTARY = "RotaryEmbeddingFusionPass"
 MHA = "MultiHeadAttentionFusionPass"
+GQA = "GroupQueryAttentionFusionPass"
 
 
 @pytest.mark.parametrize("name", ["olmo2_ts17_fp16", "olmo2_dynamo_fp16"])
@@ -44,6 +46,23 @@ def test_olmo2_half_precision_rotary_reads_one_tensor(name: str, tmp_path: Path)
     (tmp_path / "off").mkdir()
     off = optimize(fixture_path(name), tmp_path / "off", "--disable_pass", HOIST)
     assert off.counts(ROTARY) == (0, 0) and off.op_counts()["RotaryEmbedding"] == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["openai_privacy_filter_ts17_fp16", "openai_privacy_filter_dynamo_fp16"]
+)
+def test_a_sink_sliced_off_in_float32_is_sliced_in_float16(name: str, tmp_path: Path) -> None:
+    """The privacy filter casts its float16 probabilities to float32, slices the sink column
+    off and casts back: the Slice alone (exact), which the attention passes read as the sink
+    dropped after the Softmax."""
+    run = optimize(fixture_path(name), tmp_path)
+    check_output(run)
+    assert_same_outputs(fixture_path(name), run.output, atol=1e-2, rtol=1e-2)
+    assert pattern_counts(run, HOIST) == {"CastRoundTripAroundSlice": (2, 2)}
+    assert run.counts(GQA) == (2, 2)
+    (tmp_path / "off").mkdir()
+    off = optimize(fixture_path(name), tmp_path / "off", "--disable_pass", HOIST)
+    assert off.op_counts()["GroupQueryAttention"] == 0
 
 
 def _casted(
@@ -127,4 +146,22 @@ def test_a_slice_of_a_tensor_cast_anyway_moves(tmp_path: Path) -> None:
     check_output(run)
     assert run.counts(HOIST) == (1, 1)
     assert run.op_counts()["Cast"] == 1
+    assert_same_outputs(model, run.output, atol=0)
+
+
+def test_a_round_trip_whose_wide_slice_is_an_output_stays(tmp_path: Path) -> None:
+    """The float32 slice is a graph output too: the round trip around it is not dropped."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["w"], to=TensorProto.FLOAT),
+        *_slice("w", 0, 4, "s"),
+        helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT16),
+    ]
+    outputs = [value("y", [2, 4], TensorProto.FLOAT16), value("s", [2, 4], TensorProto.FLOAT)]
+    model = save_model(
+        tmp_path / "exposed.onnx", nodes, [value("x", [2, 8], TensorProto.FLOAT16)], outputs, []
+    )
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert run.counts(HOIST) == (0, 0)
+    assert run.op_counts() == Counter({"Cast": 2, "Slice": 1})
     assert_same_outputs(model, run.output, atol=0)

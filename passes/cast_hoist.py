@@ -25,15 +25,11 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import replace_subgraph, typed
+from fusectl.rewrite.graph import lossless, replace_subgraph, typed
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
-# Exact widenings: every value of the narrow type is a value of the wide one.
-_WIDER = {
-    ir.DataType.FLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
-    ir.DataType.BFLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
-    ir.DataType.FLOAT: frozenset({ir.DataType.DOUBLE}),
-}
+# Floats only: a wider integer does not wrap where the narrow one does (Neg of int8's -128).
+_FLOATS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT})
 # Ops that move (input 0; Concat: every input) or negate elements, between a rotation's halves
 # and its Cast.
 _MOVING = frozenset({"Slice", "Neg", "Concat"})
@@ -48,11 +44,16 @@ def _widening(cast: ir.Node, ctx: PassContext) -> ir.DataType | None:
         return None
     to = ir.DataType(cast.attributes.get_int("to", 0))
     source = ctx.dtype(cast.inputs[0])
-    return to if source is not None and to in _WIDER.get(source, ()) else None
+    return to if source in _FLOATS and lossless(source, to) else None  # type: ignore[arg-type]
+
+
+def _read_only_by(value: ir.Value, reader: ir.Node) -> bool:
+    return not value.is_graph_output() and [user for user, _ in value.uses()] == [reader]
 
 
 def _merge_twins(graph: ir.Graph, casts: list[ir.Node]) -> bool:
-    """Casts of one value to one type become the first of them (in graph order)."""
+    """Casts of one value to one type become the first of them (in graph order): CSE compares
+    only shape arithmetic, and TorchScript's half-precision exports cast one mask per layer."""
     merged = False
     first: dict[tuple[ir.Value, int], ir.Node] = {}
     for cast in casts:
@@ -101,7 +102,7 @@ class WideningCastHoistPass(FusionPass):
 
     def _round_trip(self, cast: ir.Node, ctx: PassContext) -> bool:
         """Cast(Move(Cast(x) to a wider type) back to x's type) -> Move(x): widening is exact,
-        so the values come back as they were (GPT-OSS-style sinks sliced off in float32)."""
+        so the values come back as they were (the privacy filter's sink, sliced off in float32)."""
         mover = cast.inputs[0].producer() if cast.inputs[0] is not None else None
         if mover is None or mover.op_type not in _BACK or mover.domain not in _DEFAULT_DOMAINS:
             return False
@@ -109,35 +110,20 @@ class WideningCastHoistPass(FusionPass):
         if widen is None or widen.op_type != "Cast" or _widening(widen, ctx) is None:
             return False
         source = widen.inputs[0]
-        if ctx.dtype(source) != ir.DataType(cast.attributes.get_int("to", 0)):
+        dtype = ctx.dtype(source)
+        if dtype != ir.DataType(cast.attributes.get_int("to", 0)):
             return False
-        for node, reader in ((widen, mover), (mover, cast)):
-            value = node.outputs[0]
-            if value.is_graph_output() or [user for user, _ in value.uses()] != [reader]:
-                return False
+        if not (_read_only_by(widen.outputs[0], mover) and _read_only_by(mover.outputs[0], cast)):
+            return False
         inputs = [source, *mover.inputs[1:]]
-        moved = ir.Node(mover.domain, mover.op_type, inputs, mover.attributes.values())
-        typed(moved.outputs[0], ctx.dtype(source), ctx.shape(cast.outputs[0]))
-        declined = replace_subgraph(
-            ctx,
-            f"CastRoundTripAround{mover.op_type}",
-            cast,
-            [widen, mover, cast],
-            [moved],
-            cast.outputs,
-            moved.outputs,
-        )
-        return declined is None
+        return _rebuilt(ctx, "CastRoundTripAround", cast, [widen, mover], inputs, dtype, [])
 
     def _hoist(self, cast: ir.Node, ctx: PassContext) -> bool:
         to = _widening(cast, ctx)
         mover = cast.inputs[0].producer() if to is not None else None
-        if mover is None or mover.domain not in _DEFAULT_DOMAINS:
+        if mover is None or mover.op_type not in _MOVING or mover.domain not in _DEFAULT_DOMAINS:
             return False
-        if mover.op_type not in _MOVING:
-            return False
-        moved_value = mover.outputs[0]
-        if moved_value.is_graph_output() or [user for user, _ in moved_value.uses()] != [cast]:
+        if not _read_only_by(mover.outputs[0], cast):
             return False
         if mover.op_type == "Slice" and not any(
             user is not cast and user.op_type == "Cast" and _widening(user, ctx) == to
@@ -154,15 +140,30 @@ class WideningCastHoistPass(FusionPass):
             typed(up.outputs[0], to, ctx.shape(inputs[index]))
             widened.append(up)
             inputs[index] = up.outputs[0]
-        moved = ir.Node(mover.domain, mover.op_type, inputs, mover.attributes.values())
-        typed(moved.outputs[0], to, ctx.shape(cast.outputs[0]))
-        declined = replace_subgraph(
-            ctx,
-            f"CastAbove{mover.op_type}",
-            cast,
-            [mover, cast],
-            [*widened, moved],
-            cast.outputs,
-            moved.outputs,
-        )
-        return declined is None
+        return _rebuilt(ctx, "CastAbove", cast, [mover], inputs, to, widened)
+
+
+def _rebuilt(
+    ctx: PassContext,
+    pattern: str,
+    cast: ir.Node,
+    old: list[ir.Node],
+    inputs: list[ir.Value | None],
+    dtype: ir.DataType | None,
+    new: list[ir.Node],
+) -> bool:
+    """The last of ``old`` (the mover) again over ``inputs``, of ``dtype``, in place of it and
+    ``cast``; whether it replaced them."""
+    mover = old[-1]
+    moved = ir.Node(mover.domain, mover.op_type, inputs, mover.attributes.values())
+    typed(moved.outputs[0], dtype, ctx.shape(cast.outputs[0]))
+    declined = replace_subgraph(
+        ctx,
+        pattern + mover.op_type,
+        cast,
+        [*old, cast],
+        [*new, moved],
+        cast.outputs,
+        moved.outputs,
+    )
+    return declined is None

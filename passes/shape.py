@@ -13,6 +13,7 @@ from fusectl.rewrite.graph import (
     bypass,
     bypass_refusal,
     constant_value,
+    lossless,
     node_axes,
     transpose_perm,
 )
@@ -157,52 +158,6 @@ class SqueezeUnsqueezeFusionPass(PatternPass):
     )
 
 
-_D = ir.DataType
-# For each type, the types that hold every one of its values exactly.
-_LOSSLESS: dict[ir.DataType, frozenset[ir.DataType]] = {
-    _D.BOOL: frozenset(
-        {
-            _D.INT8,
-            _D.UINT8,
-            _D.INT16,
-            _D.UINT16,
-            _D.INT32,
-            _D.UINT32,
-            _D.INT64,
-            _D.UINT64,
-            _D.FLOAT16,
-            _D.BFLOAT16,
-            _D.FLOAT,
-            _D.DOUBLE,
-        }
-    ),
-    _D.UINT8: frozenset(
-        {
-            _D.INT16,
-            _D.UINT16,
-            _D.INT32,
-            _D.UINT32,
-            _D.INT64,
-            _D.UINT64,
-            _D.FLOAT16,
-            _D.BFLOAT16,
-            _D.FLOAT,
-            _D.DOUBLE,
-        }
-    ),
-    _D.INT8: frozenset(
-        {_D.INT16, _D.INT32, _D.INT64, _D.FLOAT16, _D.BFLOAT16, _D.FLOAT, _D.DOUBLE}
-    ),
-    _D.UINT16: frozenset({_D.INT32, _D.UINT32, _D.INT64, _D.UINT64, _D.FLOAT, _D.DOUBLE}),
-    _D.INT16: frozenset({_D.INT32, _D.INT64, _D.FLOAT, _D.DOUBLE}),
-    _D.UINT32: frozenset({_D.INT64, _D.UINT64, _D.DOUBLE}),
-    _D.INT32: frozenset({_D.INT64, _D.DOUBLE}),
-    _D.FLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
-    _D.BFLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
-    _D.FLOAT: frozenset({_D.DOUBLE}),
-}
-
-
 def _cast_cast(op, x):
     return op.Cast(op.Cast(x, _allow_other_attributes=True), _allow_other_attributes=True)
 
@@ -215,7 +170,7 @@ def _merge_casts(op: Any, site: Site, x: ir.Value) -> ir.Value:
         raise Decline("the element type of the first Cast's input is unknown")
     middle = ir.DataType(inner.attributes.get_int("to"))
     final = ir.DataType(site.root.attributes.get_int("to"))
-    if middle != source and middle not in _LOSSLESS.get(source, frozenset()):
+    if middle != source and not lossless(source, middle):
         raise Decline(f"casting {source.name} to {middle.name} loses values")
     if final == source:
         return op.Identity(x)

@@ -370,6 +370,57 @@ def _initializer(
     return value
 
 
+_D = ir.DataType
+# For each type, the types that hold every one of its values exactly.
+_LOSSLESS: dict[ir.DataType, frozenset[ir.DataType]] = {
+    _D.BOOL: frozenset(
+        {
+            _D.INT8,
+            _D.UINT8,
+            _D.INT16,
+            _D.UINT16,
+            _D.INT32,
+            _D.UINT32,
+            _D.INT64,
+            _D.UINT64,
+            _D.FLOAT16,
+            _D.BFLOAT16,
+            _D.FLOAT,
+            _D.DOUBLE,
+        }
+    ),
+    _D.UINT8: frozenset(
+        {
+            _D.INT16,
+            _D.UINT16,
+            _D.INT32,
+            _D.UINT32,
+            _D.INT64,
+            _D.UINT64,
+            _D.FLOAT16,
+            _D.BFLOAT16,
+            _D.FLOAT,
+            _D.DOUBLE,
+        }
+    ),
+    _D.INT8: frozenset(
+        {_D.INT16, _D.INT32, _D.INT64, _D.FLOAT16, _D.BFLOAT16, _D.FLOAT, _D.DOUBLE}
+    ),
+    _D.UINT16: frozenset({_D.INT32, _D.UINT32, _D.INT64, _D.UINT64, _D.FLOAT, _D.DOUBLE}),
+    _D.INT16: frozenset({_D.INT32, _D.INT64, _D.FLOAT, _D.DOUBLE}),
+    _D.UINT32: frozenset({_D.INT64, _D.UINT64, _D.DOUBLE}),
+    _D.INT32: frozenset({_D.INT64, _D.DOUBLE}),
+    _D.FLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
+    _D.BFLOAT16: frozenset({_D.FLOAT, _D.DOUBLE}),
+    _D.FLOAT: frozenset({_D.DOUBLE}),
+}
+
+
+def lossless(source: ir.DataType, target: ir.DataType) -> bool:
+    """Whether ``target`` holds every value of ``source`` exactly (a Cast there loses nothing)."""
+    return target in _LOSSLESS.get(source, frozenset())
+
+
 def typed(value: ir.Value, dtype: ir.DataType | None, shape: ir.Shape | None) -> ir.Value:
     """Record what a pass knows of a new value: onnx shape inference cannot see through the
     contrib ops, and a later run would otherwise infer (and write) what this one did not."""

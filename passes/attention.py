@@ -295,6 +295,9 @@ class _Attention:
     # The scores' product and the value promoted from float16 / bfloat16 to this type before
     # the Softmax and the context: the fused op computes in it from promoted operands.
     promoted: ir.DataType | None = None
+    # The probabilities cast back to this (the operands') type for the value product: the
+    # fused op's output is cast to it.
+    narrowed: ir.DataType | None = None
 
 
 def _unswapped_key(value: ir.Value, nodes: list[ir.Node]) -> _Heads:
@@ -342,9 +345,10 @@ def _ranks(ctx: PassContext, node: ir.Node) -> tuple[int, int] | None:
 
 # A masked_fill value: a score set to it gets no weight (exp(-1e4 - max) is 0 in fp32).
 _FILL_LIMIT = -1e4
-# Max(scores, c) with c at most this (-FLT_MAX, as eager attention writes it) only turns -inf
-# into a finite value.
+# Max(scores, c) with c at most this (-FLT_MAX, as eager attention writes it; float16 scores:
+# its lowest, -65504) only turns -inf into a finite value.
 _FLOOR_LIMIT = -1e30
+_FLOOR_LIMITS = {ir.DataType.FLOAT16: float(np.finfo(np.float16).min)}
 
 
 def _masked_fill(value: ir.Value) -> tuple[ir.Node, int] | None:
@@ -370,14 +374,16 @@ def _derived(value: ir.Value) -> tuple[ir.Node, int] | None:
     return _masked_fill(value)
 
 
-def _floored(value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
-    """(the Max, x) when ``value`` is Max(x, c) with c a scalar constant of at most -1e30."""
+def _floored(ctx: PassContext, value: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+    """(the Max, x) when ``value`` is Max(x, c) with c a scalar constant of at most -1e30 (the
+    lowest float16 for float16 scores)."""
     floor = producer_of(value, "Max")
     if floor is None or len(floor.inputs) != 2:
         return None
+    limit = _FLOOR_LIMITS.get(ctx.dtype(value), _FLOOR_LIMIT)  # type: ignore[arg-type]
     for index in (0, 1):
         bound = _scalar(floor.inputs[1 - index])
-        if bound is not None and bound <= _FLOOR_LIMIT and _leads_to_matmul(floor.inputs[index]):
+        if bound is not None and bound <= limit and _leads_to_matmul(floor.inputs[index]):
             return floor, floor.inputs[index]  # type: ignore[return-value]
     return None
 
@@ -393,6 +399,7 @@ class _Walk:
     floored: bool = False
     head_scale: ir.Value | None = None  # a constant [N, 1, 1] or [1, N, 1, 1]
     promoted: ir.DataType | None = None  # the product cast to this wider float type
+    narrow: ir.DataType | None = None  # the type the promotion is from
 
 
 def _scores(
@@ -405,7 +412,10 @@ def _scores(
     computed with the heads folded into the batch: it goes to ``folds`` (the biases after it in
     ``nodes`` are added in that layout, where a Sub, a masked_fill or a floor is not read)."""
     biases, folds = walk.biases, walk.folds
-    for _ in range(6):
+    for _ in range(7):
+        if walk.promoted is None and _promotion(ctx, value) is not None:
+            value = _unpromoted(ctx, value, nodes, walk)  # masked in float16, then promoted
+            continue
         add = producer_of(value, "Add")
         unfold = producer_of(value, "Reshape")
         if add is None and unfold is not None and not folds and _ranks(ctx, unfold) == (3, 4):
@@ -414,7 +424,7 @@ def _scores(
             value = unfold.inputs[0]
             continue
         derived = _derived(value) if not folds else None
-        floor = _floored(value) if not folds else None
+        floor = _floored(ctx, value) if not folds else None
         if derived is not None:
             nodes.append(derived[0])
             walk.derived.append(derived[0])
@@ -501,7 +511,28 @@ def _unpromoted(ctx: PassContext, value: ir.Value, nodes: list[ir.Node], walk: _
         return value
     nodes.append(cast)
     walk.promoted = ir.DataType(cast.attributes.get_int("to", 0))
+    walk.narrow = ctx.dtype(cast.inputs[0])
     return cast.inputs[0]  # type: ignore[return-value]
+
+
+def _operand(
+    ctx: PassContext, value: ir.Value, nodes: list[ir.Node], walk: _Walk
+) -> tuple[ir.Value, float]:
+    """A scores operand behind its constant scale (_unscale) and a Cast promoting it to the
+    type the product computes in (GPT-J casts the query and key heads to float32): (the
+    operand, the scale). Recorded in ``walk`` as a promoted product."""
+    value, scale = _unscale(value, nodes)
+    cast = _promotion(ctx, value)
+    if cast is None:
+        return value, scale
+    to = ir.DataType(cast.attributes.get_int("to", 0))
+    narrow = ctx.dtype(cast.inputs[0])
+    if walk.promoted is not None and (walk.promoted, walk.narrow) != (to, narrow):
+        return value, scale
+    nodes.append(cast)
+    walk.promoted, walk.narrow = to, narrow
+    inner, factor = _unscale(cast.inputs[0], nodes)  # type: ignore[arg-type]
+    return inner, scale * factor
 
 
 def _scaled_biases(value: ir.Value, nodes: list[ir.Node], scaled: list[ir.Value]) -> ir.Value:
@@ -612,8 +643,8 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             f"scale (they come from {found.op_type if found else 'a graph input'})"
         )
     nodes.append(matmul)
-    q_scaled, q_scale = _unscale(matmul.inputs[0], nodes)
-    k_scaled, k_scale = _unscale(matmul.inputs[1], nodes)
+    q_scaled, q_scale = _operand(ctx, matmul.inputs[0], nodes, walk)  # type: ignore[arg-type]
+    k_scaled, k_scale = _operand(ctx, matmul.inputs[1], nodes, walk)  # type: ignore[arg-type]
     scale = q_scale * k_scale * product_scale
     folded: list[ir.Value] = []
     scores = ctx.shape(matmul.outputs[0])
@@ -655,6 +686,11 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     # A Shape of the probabilities (TorchScript's run-time fold target) is shape arithmetic
     # that dies with the match (absorb_shape_arithmetic), or keeps the match from landing.
     uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
+    narrowed = _narrowing(walk, uses)
+    if narrowed is not None:  # cast back to the operands' type for the value product
+        nodes.append(uses[0])
+        probabilities = uses[0].outputs[0]
+        uses = [user for user, _ in probabilities.uses() if user.op_type not in _SHAPE_READERS]
     # Whether the probabilities meet the value folded [B*N, S, L]; scores folded only for
     # their product and unfolded before the Softmax meet it as [B, N, L, H] heads (GPT-NeoX-
     # Japanese's baddbmm).
@@ -674,10 +710,12 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     context = uses[0]
     nodes.append(context)
     values = context.inputs[1]
-    if walk.promoted is not None:
+    if narrowed is not None and ctx.dtype(values) != narrowed:
+        return f"the probabilities are cast back to {narrowed}, the value is not of that type"
+    if walk.promoted is not None and narrowed is None:
         cast = _promotion(ctx, values)
         narrow = None if cast is None else ctx.dtype(cast.inputs[0])  # type: ignore[arg-type]
-        if narrow is None or narrow != ctx.dtype(matmul.outputs[0]):
+        if narrow is None or narrow != walk.narrow:
             return "the scores are promoted to float32, the value not from their type"
         nodes.append(cast)
         values = cast.inputs[0]
@@ -695,7 +733,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             heads, guard is not None, query, key, value3, scale, biases, result, context,
             nodes, softcap, single_head=True, derived=walk.derived, floored=walk.floored,
             head_scale=walk.head_scale, sink=sink, scaled=walk.scaled, bias_scale=product_scale,
-            promoted=walk.promoted,
+            promoted=walk.promoted, narrowed=narrowed,
         )  # fmt: skip
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
@@ -733,7 +771,7 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
             heads, guard is not None, query, key, value, scale, biases, result, root, nodes,
             softcap, split_back=(split_back, value_size), derived=walk.derived,
             floored=walk.floored, head_scale=walk.head_scale, sink=sink, scaled=walk.scaled,
-            bias_scale=product_scale, promoted=walk.promoted,
+            bias_scale=product_scale, promoted=walk.promoted, narrowed=narrowed,
         )  # fmt: skip
     nodes += [merge, final]  # type: ignore[list-item]
     return _Attention(
@@ -757,7 +795,17 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         scaled=walk.scaled,
         bias_scale=product_scale,
         promoted=walk.promoted,
+        narrowed=narrowed,
     )
+
+
+def _narrowing(walk: _Walk, uses: list[ir.Node]) -> ir.DataType | None:
+    """The operands' type where the probabilities of a promoted attention are only cast back
+    to it (for a value product in that type: GPT-J, MPT), else None."""
+    if walk.promoted is None or len(uses) != 1 or uses[0].op_type != "Cast":
+        return None
+    to = ir.DataType(uses[0].attributes.get_int("to", 0))
+    return to if to == walk.narrow else None
 
 
 def _max_shifted(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -813,15 +861,15 @@ def _lse_sink(
     """(scaled context, sink values) where the context [B, N, S, H] is scaled by
     sigmoid(logsumexp(scores) - sink), a constant logit per head (Granite-SWA): that is
     e^s @ v / (sum(e^s) + e^sink), a sink joined to the scores and dropped after the
-    Softmax. Casts to the type they already have may sit on the way; the nodes go to
-    ``nodes``."""
+    Softmax. Casts between float types may sit on the way (the float16 export computes the
+    sigmoid in float32), which the fused op computes in its own; the nodes go to ``nodes``."""
     found: list[ir.Node] = []
 
     def through_casts(value: ir.Value | None) -> ir.Node | None:
         node = value.producer() if value is not None else None
         while node is not None and node.op_type == "Cast" and node.inputs[0] is not None:
-            dtype = ctx.dtype(node.inputs[0])
-            if dtype is None or dtype != ctx.dtype(node.outputs[0]):
+            types = (ctx.dtype(node.inputs[0]), ctx.dtype(node.outputs[0]))
+            if not all(dtype is not None and dtype.is_floating_point() for dtype in types):
                 return None
             found.append(node)
             node = node.inputs[0].producer()
@@ -1663,9 +1711,11 @@ class _AttentionFusion(FusionPass):
             biases.append(bias)
             new_nodes += built
         if match.scaled:
-            bias, built = _scaled_bias(ctx, match, dtype)
+            bias, built = _scaled_bias(ctx, match, ctx.dtype(match.scaled[0]) or dtype)
             biases.append(bias)
             new_nodes += built
+        if match.promoted is not None:  # biases added before the promotion, in its source type
+            biases = [_promoted(ctx, bias, match.promoted, shared, new_nodes) for bias in biases]
         if self.clamps_mask:
             clamped = [_clamped(b, match.root, shared) for b in biases]
             biases = [value for value, _ in clamped]
@@ -1726,11 +1776,15 @@ class _AttentionFusion(FusionPass):
             new_nodes += [nan, guard]
             guarded.append(nan.outputs[0])
             result = guard.outputs[0]
+        if match.narrowed is not None:  # the context as the original's value product types it
+            narrow = ir.node("Cast", [result], attributes={"to": match.narrowed})
+            new_nodes.append(narrow)
+            result = narrow.outputs[0]
         fused = ir.Shape([query[0], query[1], None]) if flatten else _fused_shape(query, replaced)
         if match.split_back is not None:
             perm, value_size = match.split_back
             fused = ir.Shape([query[0], query[1], heads * value_size])
-            typed(result, dtype, fused)
+            typed(result, match.narrowed or dtype, fused)
             back = _split_back(ctx, match.root, result, perm, (heads, value_size), shared)
             new_nodes += back
             result = back[-1].outputs[0]

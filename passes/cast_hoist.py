@@ -18,6 +18,11 @@ a promoted attention's operands.
 The other way round, a round trip through a wider type around an op that only moves elements
 is that op alone: the OpenAI privacy filter casts its float16 probabilities to float32, slices
 the attention sink's column off and casts back.
+
+And a Transpose is moved above a widening Cast it alone reads: GPT-J, CodeGen and GPT-Neo in
+half precision cast the query and the key to float32 for the scores, the key before its
+transpose to K^T. With the Cast last, the scores' MatMul reads two promoted operands, as the
+attention passes read them, and the Transpose moves half the bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ _FLOATS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOA
 _MOVING = frozenset({"Slice", "Neg", "Concat"})
 # Ops that only move elements: a round trip through a wider type around one is the op alone.
 _BACK = frozenset({"Slice", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
+# Ops a widening Cast that they alone read moves below (the op's input is cast instead).
+_UNDER = frozenset({"Transpose"})
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -75,9 +82,10 @@ class WideningCastHoistPass(FusionPass):
     spec = PassSpec(
         name="WideningCastHoistPass",
         category=Category.GRAPH,
-        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x), and "
-        "Cast back(Slice(Cast wider(x))) -> Slice(x): exact; a promoted float16 rotary reads "
-        "one tensor (OLMo-2), a sink sliced off in float32 is sliced in float16",
+        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x), "
+        "Cast back(Slice(Cast wider(x))) -> Slice(x) and Transpose(Cast wider(x)) -> "
+        "Cast(Transpose(x)): exact; a promoted float16 rotary reads one tensor (OLMo-2), a sink "
+        "sliced off in float32 is sliced in float16, the scores read promoted heads (GPT-J)",
         aliases=("widening_cast_hoist",),
         priority=3041,  # after CSE, before the rotary pass reads the rotation
         emits=(),
@@ -93,7 +101,9 @@ class WideningCastHoistPass(FusionPass):
             moved = _merge_twins(graph, casts)
             ctx.changed = ctx.changed or moved  # the shared op index drops the merged Casts
             for cast in casts:
-                if cast.graph is graph and (self._round_trip(cast, ctx) or self._hoist(cast, ctx)):
+                if cast.graph is graph and (
+                    self._round_trip(cast, ctx) or self._hoist(cast, ctx) or self._sink(cast, ctx)
+                ):
                     moved = True
             if moved:  # the Casts this round made, in graph order, for the next round
                 casts = [node for node in graph if node.op_type == "Cast"]
@@ -141,6 +151,30 @@ class WideningCastHoistPass(FusionPass):
             widened.append(up)
             inputs[index] = up.outputs[0]
         return _rebuilt(ctx, "CastAbove", cast, [mover], inputs, to, widened)
+
+    def _sink(self, cast: ir.Node, ctx: PassContext) -> bool:
+        """Mover(Cast(x) wider) -> Cast(Mover(x)) where the mover alone reads the Cast."""
+        to = _widening(cast, ctx)
+        users = [user for user, _ in cast.outputs[0].uses()] if to is not None else []
+        if len(users) != 1 or users[0].op_type not in _UNDER:
+            return False
+        mover = users[0]
+        if mover.domain not in _DEFAULT_DOMAINS or not _read_only_by(cast.outputs[0], mover):
+            return False
+        narrow = ir.Node(mover.domain, mover.op_type, cast.inputs, mover.attributes.values())
+        typed(narrow.outputs[0], ctx.dtype(cast.inputs[0]), ctx.shape(mover.outputs[0]))  # type: ignore[arg-type]
+        up = ir.node("Cast", narrow.outputs, attributes={"to": to})
+        typed(up.outputs[0], to, ctx.shape(mover.outputs[0]))
+        declined = replace_subgraph(
+            ctx,
+            "CastBelow" + mover.op_type,
+            mover,
+            [cast, mover],
+            [narrow, up],
+            mover.outputs,
+            up.outputs,
+        )
+        return declined is None
 
 
 def _rebuilt(

@@ -119,19 +119,6 @@ NEAR_MISSES: dict[str, tuple[list[onnx.NodeProto], int, int]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
-def test_casts_that_must_stay(case: str, tmp_path: Path) -> None:
-    nodes, elem, width = NEAR_MISSES[case]
-    model = _casted(tmp_path / f"{case}.onnx", nodes, elem, width)
-    run = optimize(model, tmp_path)
-    check_output(run)
-    assert run.counts(HOIST) == (0, 0)
-    before = Counter(n.op_type for n in onnx.load(str(model)).graph.node if n.op_type != "Constant")
-    after = run.op_counts()
-    assert {op: after[op] for op in before} == dict(before)
-    assert_same_outputs(model, run.output, atol=0)
-
-
 def test_a_slice_of_a_tensor_cast_anyway_moves(tmp_path: Path) -> None:
     """Cast(x) is there already: Cast(Slice(x)) becomes Slice of that Cast, bit for bit."""
     nodes = [
@@ -164,4 +151,81 @@ def test_a_round_trip_whose_wide_slice_is_an_output_stays(tmp_path: Path) -> Non
     check_output(run)
     assert run.counts(HOIST) == (0, 0)
     assert run.op_counts() == Counter({"Cast": 2, "Slice": 1})
+    assert_same_outputs(model, run.output, atol=0)
+
+
+def _transposed(path: Path, nodes: list[onnx.NodeProto], elem: int, outputs: list[str]) -> Path:
+    """x [2, 8] of ``elem`` through ``nodes``, which Cast it to the other float type as "c" and
+    Transpose that as "t"; ``outputs`` of those are the graph's."""
+    other = TensorProto.FLOAT16 if elem == TensorProto.FLOAT else TensorProto.FLOAT
+    shapes = {"c": [2, 8], "t": [8, 2], "y": [8, 2]}
+    return save_model(
+        path, nodes, [value("x", [2, 8], elem)], [value(n, shapes[n], other) for n in outputs], []
+    )
+
+
+def test_a_transpose_moves_above_the_widening_cast_it_alone_reads(tmp_path: Path) -> None:
+    """Transpose(Cast(x) to float32) -> Cast(Transpose(x)): bit for bit, half the bytes moved."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["c"], ["t"], perm=[1, 0]),
+    ]
+    model = _transposed(tmp_path / "sink.onnx", nodes, TensorProto.FLOAT16, ["t"])
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert pattern_counts(run, HOIST) == {"CastBelowTranspose": (1, 1)}
+    graph = onnx.load(str(run.output)).graph
+    assert [n.op_type for n in graph.node] == ["Transpose", "Cast"]
+    assert_same_outputs(model, run.output, atol=0)
+
+
+SINK_NEAR_MISSES: dict[str, tuple[list[onnx.NodeProto], int, list[str]]] = {
+    # float32 to float16 loses values: the Transpose keeps reading what the Cast rounded
+    "narrowing_under_a_transpose": (
+        [
+            helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT16),
+            helper.make_node("Transpose", ["c"], ["t"], perm=[1, 0]),
+        ],
+        TensorProto.FLOAT,
+        ["t"],
+    ),
+    # the cast tensor is a graph output: the Cast stays for it either way
+    "cast_is_an_output": (
+        [
+            helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),
+            helper.make_node("Transpose", ["c"], ["t"], perm=[1, 0]),
+        ],
+        TensorProto.FLOAT16,
+        ["t", "c"],
+    ),
+    # another node reads the cast tensor too: the Cast would stay, and a second one be added
+    "cast_read_elsewhere": (
+        [
+            helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),
+            helper.make_node("Transpose", ["c"], ["t"], perm=[1, 0]),
+            helper.make_node("Abs", ["c"], ["a"]),
+            helper.make_node("Transpose", ["a"], ["b"], perm=[1, 0]),
+            helper.make_node("Add", ["t", "b"], ["y"]),
+        ],
+        TensorProto.FLOAT16,
+        ["y"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES) + sorted(SINK_NEAR_MISSES))
+def test_casts_that_must_stay(case: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{case}.onnx"
+    if case in NEAR_MISSES:
+        nodes, elem, width = NEAR_MISSES[case]
+        model = _casted(path, nodes, elem, width)
+    else:
+        nodes, elem, outputs = SINK_NEAR_MISSES[case]
+        model = _transposed(path, nodes, elem, outputs)
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert run.counts(HOIST) == (0, 0)
+    before = Counter(n.op_type for n in onnx.load(str(model)).graph.node if n.op_type != "Constant")
+    after = run.op_counts()
+    assert {op: after[op] for op in before} == dict(before)
     assert_same_outputs(model, run.output, atol=0)

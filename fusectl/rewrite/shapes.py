@@ -15,6 +15,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import _c_api_utils
 
 from fusectl.errors import FusectlError
+from fusectl.rewrite.contrib_inference import contrib_schemas
 from fusectl.rewrite.graph import attribute_graphs
 
 logger = logging.getLogger("fusectl")
@@ -174,7 +175,8 @@ class ShapeOracle:
         self._runs += 1
 
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-            return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+            with contrib_schemas():  # onnxruntime's ops, for this call
+                return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
 
         # Shapes this oracle filled in earlier are left out of what inference reads: onnx
         # keeps a recorded symbol over the one it would infer, so they would stay stale.

@@ -494,6 +494,26 @@ def _add_layer_normalization_without_beta(op: Any, a: Any, b: Any, gamma: Any) -
     return op.LayerNormalization(total, gamma, _allow_other_attributes=True)
 
 
+def _add_native_rms(op_type: str) -> Callable[..., Any]:
+    """Residual Add + the RMS norm op ``op_type`` (weighted, as both ops take gamma)."""
+
+    def pattern(op: Any, a: Any, b: Any, gamma: Any) -> Any:
+        total = op.Add(a, b, _outputs=["total"])
+        return getattr(op, op_type)(total, gamma, _allow_other_attributes=True)
+
+    return pattern
+
+
+# The norm ops a residual Add may feed, and whether each centres (a layer norm) or not (RMS:
+# opset 23's RMSNormalization, onnxruntime's SimplifiedLayerNormalization, which its optimizer
+# and onnxscript's write in the ONNX domain).
+_NATIVE_NORMS = {
+    "LayerNormalization": True,
+    "RMSNormalization": False,
+    "SimplifiedLayerNormalization": False,
+}
+
+
 def _skip_native(
     op: Any,
     site: Site,
@@ -503,18 +523,20 @@ def _skip_native(
     gamma: ir.Value,
     beta: ir.Value | None = None,
 ) -> ir.Value:
-    norm = site.node("LayerNormalization")
+    norm = next(node for node in site.nodes if node.op_type in _NATIVE_NORMS)
+    centred = _NATIVE_NORMS[norm.op_type]
     shape = site.shape(total)
     axis = norm.attributes.get_int("axis", -1)
     if not (axis == -1 or (shape is not None and axis == len(shape) - 1)):
-        raise Decline("SkipLayerNormalization normalises the last axis only")
+        kernel = "SkipLayerNormalization" if centred else "SkipSimplifiedLayerNormalization"
+        raise Decline(f"{kernel} normalises the last axis only")
     if norm.attributes.get_int("stash_type", 1) != 1:
-        raise Decline("LayerNormalization computes in another precision (stash_type)")
+        raise Decline(f"{norm.op_type} computes in another precision (stash_type)")
     site.require_constant(gamma, "gamma")
     if beta is not None:
         site.require_constant(beta, "beta")
     epsilon = _native_epsilon(norm)
-    return _skip(op, site, a, b, total, gamma, beta, epsilon, centred=True)
+    return _skip(op, site, a, b, total, gamma, beta, epsilon, centred=centred)
 
 
 @register_pass
@@ -873,15 +895,22 @@ class AddRmsNormFusionPass(PatternPass):
     spec = PassSpec(
         name="AddRmsNormFusionPass",
         category=Category.UB,
-        description="residual Add + written-out RMS norm -> com.microsoft "
-        "SkipSimplifiedLayerNormalization (the sum stays available to its other readers)",
+        description="residual Add + RMS norm (written out, RMSNormalization or onnxruntime's "
+        "SimplifiedLayerNormalization) -> com.microsoft SkipSimplifiedLayerNormalization (the "
+        "sum stays available to its other readers)",
         aliases=("add_rms_norm_fusion", "SkipSimplifiedLayerNormFusion"),
         numerics=Numerics.REASSOCIATING,
         targets=("ort",),
         emits=("SkipSimplifiedLayerNormalization",),
         emits_domain=MS,
     )
-    rules = _rms_rules("AddRmsNorm", _skip_written_out, residual=True)
+    rules = (
+        *_rms_rules("AddRmsNorm", _skip_written_out, residual=True),
+        *(
+            Rule(f"Add{op_type}", _add_native_rms(op_type), _skip_native, exposes=("total",))
+            for op_type in ("RMSNormalization", "SimplifiedLayerNormalization")
+        ),
+    )
 
 
 def _embedding_sum(

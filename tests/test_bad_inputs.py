@@ -608,6 +608,22 @@ def test_what_only_the_checker_minds_passes_with_a_warning(tmp_path: Path) -> No
     assert [n.name for n in onnx.load(str(output)).graph.node] == ["first", "second"]
 
 
+def test_an_onnxruntime_op_in_the_onnx_domain_is_no_fault(tmp_path: Path) -> None:
+    """onnxruntime's SimplifiedLayerNormalization in the ONNX domain (onnxruntime's optimizer
+    and onnxscript's write it): onnxruntime runs it, so fusectl optimizes the model with the
+    checker's objection as a warning, where an op no runtime knows (Frobnicate) is refused."""
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [2], [1.0, 2.0])
+    norm = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], name="rms")
+    model = _saved(tmp_path, _model([norm], initializers=(weight,)))
+    output = tmp_path / "out.onnx"
+    result = run_cli("optimize", model, "-o", output, "--export_compile_stat", "0")
+    assert result.exit_code == 0, result.stderr
+    assert "onnx.checker rejects it (onnxruntime loads it)" in result.stderr
+    assert [n.op_type for n in onnx.load(str(output)).graph.node] == [
+        "SimplifiedLayerNormalization"
+    ]
+
+
 def test_a_type_conflict_is_optimized_with_a_warning(tmp_path: Path) -> None:
     """What only inference finds (operand types that disagree) is the passes' business: they
     decline such sites (tests/test_pass_conv.py). fusectl says what both tools think of it."""

@@ -1390,3 +1390,60 @@ def test_skip_norm_proven_through_a_same_length_convolution(tmp_path: Path, conv
     run = optimize_checked(model, tmp_path)
     assert run.counts(SKIP) == (1, 1)
     assert run.op_counts()[SKIP_OP] == 1
+
+
+def _native_rms_model(path: Path, op_type: str, opset: int, **attributes: object) -> Path:
+    """a + b, then ``op_type`` (RMSNormalization or onnxruntime's SimplifiedLayerNormalization,
+    both in the ONNX domain) over the last axis with a weight; the sum is an output too."""
+    nodes = [
+        _n("Add", ["a", "b"], "total"),
+        _n(op_type, ["total", "weight"], "y", epsilon=1e-6, **attributes),
+    ]
+    return save_model(
+        path,
+        nodes,
+        [value("a", SHAPE), value("b", SHAPE)],
+        [value("y", SHAPE), value("total", SHAPE)],
+        [const("weight", _RANDOM_WEIGHT)],
+        opset=opset,
+        check=op_type != "SimplifiedLayerNormalization",  # onnx has no such op; onnxruntime does
+    )
+
+
+@pytest.mark.parametrize(
+    ("op_type", "opset"), [("RMSNormalization", 23), ("SimplifiedLayerNormalization", 17)]
+)
+def test_residual_add_and_native_rms_norm_become_skip_rms_norm(
+    op_type: str, opset: int, tmp_path: Path
+) -> None:
+    """The norm op itself (the dynamo exporter writes F.rms_norm as RMSNormalization at opset
+    23; onnxruntime's optimizer and onnxscript's write SimplifiedLayerNormalization) behind a
+    residual Add: one SkipSimplifiedLayerNormalization, the sum from its fourth output."""
+    model = _native_rms_model(tmp_path / "native.onnx", op_type, opset)
+    run = optimize(model, tmp_path)
+    assert run.counts(SKIP_RMS) == (1, 1)
+    assert run.passed(SKIP_RMS)["patterns"][f"Add{op_type}"] == {"matched": 1, "effected": 1}
+    assert run.op_counts() == Counter({"SkipSimplifiedLayerNormalization": 1})
+    (node,) = onnx.load(str(run.output)).graph.node
+    assert len(node.output) == 4 and node.output[3] == "total"
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["epsilon"] == (
+        pytest.approx(1e-6)
+    )
+    assert_same_outputs(model, run.output, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("attributes", "reason"),
+    [
+        ({"axis": 1}, "SkipSimplifiedLayerNormalization normalises the last axis only"),
+        ({"stash_type": 0}, "RMSNormalization computes in another precision (stash_type)"),
+    ],
+)
+def test_native_rms_norm_the_skip_kernel_cannot_take(
+    attributes: dict, reason: str, tmp_path: Path
+) -> None:
+    model = _native_rms_model(tmp_path / "native.onnx", "RMSNormalization", 23, **attributes)
+    run = optimize(model, tmp_path)
+    assert run.counts(SKIP_RMS) == (1, 0)
+    assert reasons(run, SKIP_RMS) == {reason: 1}
+    assert_same_outputs(model, run.output, atol=1e-5)

@@ -211,8 +211,9 @@ def run_plan(
         return changed
 
     # Enabled graph passes that take what the fusions make adjacent run again once every
-    # pass has run (see PassSpec.again_after_fusions); the required passes that tidy the
-    # graph run again after them where they changed it.
+    # pass has run (see PassSpec.again_after_fusions), on shapes re-derived through the fused
+    # ops; the required passes that tidy the graph run again after them where they changed
+    # it, round after round until nothing changes (as a second run would find it).
     again = [
         index
         for index, decision in enumerate(decisions)
@@ -237,7 +238,13 @@ def run_plan(
                 if not any(changed):
                     break
             position += len(group)
-        if any([run_one(index, decisions[index]) for index in again]):
+        if shapes is not None and again:
+            # Re-derived on the graph the fusions made, their contrib ops included
+            # (fusectl.rewrite.contrib_inference), as a second run would see it.
+            shapes.invalidate()
+        for _ in range(_CANONICAL_ROUNDS):  # to a fixpoint: a folded Shape frees a pair
+            if not any([run_one(index, decisions[index]) for index in again]):
+                break
             for index in tidy:
                 run_one(index, decisions[index])
     for graph in graphs:

@@ -22,6 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, TypeProto
 
 from fusectl.errors import FusectlError
+from fusectl.rewrite import runtime
 from fusectl.rewrite.graph import attribute_graphs
 
 logger = logging.getLogger("fusectl")
@@ -251,6 +252,10 @@ class _Validator:
         try:
             return onnx.defs.get_schema(key[1], self.opsets[domain], schema_domain)
         except onnx.defs.SchemaError:
+            if schema_domain == "" and runtime.has_kernel(key[1], "", self.opsets[domain], None):
+                # onnxruntime's own ops in the ONNX domain (SimplifiedLayerNormalization, which
+                # its optimizer and onnxscript's write): it runs them, so they are no fault
+                return None
             self.error(
                 f"op '{key[1]}' is not in domain '{domain}' at opset {self.opsets[domain]} "
                 f"(node {label})"

@@ -111,10 +111,9 @@ def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     reshape = producer_of(value, "Reshape")
     expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
     unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsqueeze is None or len(unsqueeze.inputs) < 2:
-        return None
-    axes = constant_value(unsqueeze.inputs[1])
-    if axes is None or [int(a) for a in axes.reshape(-1)] != [2]:
+    if unsqueeze is None or node_axes(unsqueeze) != [
+        2
+    ]:  # an input, or before opset 13 an attribute
         return None
     nodes += [reshape, expand, unsqueeze]
     return unsqueeze.inputs[0]

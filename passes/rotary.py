@@ -684,10 +684,12 @@ class RotaryEmbeddingFusionPass(FusionPass):
             result = typed(unmerged.outputs[0], ctx.dtype(match.x), shape)
         if split is not None:
             reshape = split[0]
+            allowzero = reshape.attributes.get_int("allowzero", 0)
             heads = ir.node(
                 "Reshape",
                 [result, reshape.inputs[1]],
-                attributes={"allowzero": reshape.attributes.get_int("allowzero", 0)},
+                # allowzero is Reshape's from opset 14 (LLaMA exported at opset 11 or 13)
+                attributes={"allowzero": allowzero} if ctx.opset >= 14 else {},
             )
             merge = ir.node("Transpose", [heads.outputs[0]], attributes={"perm": _HEADS})
             new_nodes += [heads, merge]

@@ -159,3 +159,48 @@ def test_axis_size_reads_whole_shape_targets_as_far_up_as_the_walk() -> None:
     assert [axis_size(ctx, values["back"], axis) for axis in range(4)] == [None, None, 2, 8]
     assert axis_size(ctx, values["t3"], 1) == 2
     assert axis_size(ctx, values["key"], 1) == 4
+
+
+def _head_split(opset: int, extra: list[onnx.NodeProto] = ()) -> onnx.ModelProto:
+    """x [b, s, 8] reshaped to [b, -1, 2, 4] by a target computed from x's shape (every
+    exporter's head split), then ``extra``."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["dims"]),
+        helper.make_node("Gather", ["dims", "zero"], ["batch"], axis=0),
+        helper.make_node("Unsqueeze", ["batch"], ["batch1"], axes=[0]),
+        helper.make_node("Concat", ["batch1", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["heads"]),
+        *extra,
+    ]
+    inits = [const("zero", np.array(0, np.int64), np.int64), const("rest", [-1, 2, 4], np.int64)]
+    last = nodes[-1].output[0]
+    proto = _model(nodes, [value("x", ["b", "s", 8])], [value(last, None)], inits)
+    proto.opset_import[0].version = opset
+    return proto
+
+
+def test_a_model_before_opset_14_is_inferred_as_at_opset_14() -> None:
+    """Reshape's inference before opset 14 gives a computed target's output no rank; on the
+    model converted to opset 14 (names and meaning kept) it has rank 4, batch kept."""
+    proto = _head_split(11)
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    assert not {v.name: v for v in inferred.graph.output}["heads"].type.tensor_type.HasField(
+        "shape"
+    )
+    model = ir.serde.deserialize_model(proto)
+    heads = next(node for node in model.graph if node.op_type == "Reshape").outputs[0]
+    shape = ShapeOracle(model, None).shape(heads)
+    assert shape is not None and len(shape) == 4
+    assert str(shape[0]) == "b" and list(shape)[2:] == [2, 4]
+
+
+def test_a_model_the_converter_refuses_keeps_its_opset() -> None:
+    """An op no schema describes stops onnx's version converter: inference runs on the model
+    as it is (the old inference, no rank), and nothing is raised."""
+    proto = _head_split(11, [helper.make_node("Frobnicate", ["heads"], ["out"])])
+    assert shapes._inferable(proto) is proto
+    convertible = _head_split(11)
+    assert shapes._inferable(convertible) is not convertible  # converted: a new model
+    model = ir.serde.deserialize_model(proto)
+    heads = next(node for node in model.graph if node.op_type == "Reshape").outputs[0]
+    assert ShapeOracle(model, None).shape(heads) is None

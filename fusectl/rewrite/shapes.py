@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx.version_converter
 import onnx_ir as ir
 from onnx_ir.passes.common import _c_api_utils
 
@@ -176,7 +177,9 @@ class ShapeOracle:
 
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             with contrib_schemas():  # onnxruntime's ops, for this call
-                return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+                return onnx.shape_inference.infer_shapes(
+                    _inferable(proto), strict_mode=False, data_prop=True
+                )
 
         # Shapes this oracle filled in earlier are left out of what inference reads: onnx
         # keeps a recorded symbol over the one it would infer, so they would stay stale.
@@ -218,6 +221,26 @@ class ShapeOracle:
             self._filled[value] = None
         if value.type is None and found.tensor_type.elem_type:
             value.type = ir.serde.deserialize_type_proto_for_type(found)
+
+
+# From this opset Reshape's inference gives its output the rank of a computed target (before,
+# only a constant target's shape): every exporter's run-time head split.
+_INFERABLE_OPSET = 14
+
+
+def _inferable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` for shape inference: converted to opset 14 where it is older (onnx's version
+    converter keeps the values' names and meaning), so that the shapes of a model exported at
+    opset 11 or 13 are inferred as far as the same model's at opset 14; as it is where it is
+    newer or the converter cannot convert it."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None or opset >= _INFERABLE_OPSET:
+        return proto
+    try:
+        return onnx.version_converter.convert_version(proto, _INFERABLE_OPSET)
+    except Exception as error:  # the converter's adapters raise their own types
+        logger.debug("opset %d kept for shape inference: %s", opset, error)
+        return proto
 
 
 # A subgraph's place in the model: for each enclosing graph attribute, the first output name

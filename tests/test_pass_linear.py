@@ -49,7 +49,9 @@ def test_every_conv1d_of_gpt2_becomes_matmul_add(name: str, nodes: int, tmp_path
 def test_switched_off_keeps_the_gemms(tmp_path: Path) -> None:
     run = optimize_checked(fixture_path("gpt2_tiny_ts17"), tmp_path, "--disable_pass", PASS)
     assert run.op_counts()["Gemm"] == 8
-    assert run.report["model"]["after"]["nodes"] == 138
+    # 138 before the shapes were re-derived through the fused ops for the passes that run
+    # again after the fusions: constant folding then folds two Slices and two Concats more.
+    assert run.report["model"]["after"]["nodes"] == 134
 
 
 K, N = 8, 6

@@ -216,8 +216,11 @@ class ShapeOracle:
             shape = _own_symbols(shape, self._runs)
         # Recorded shapes are upgraded only once the graph changed: a graph no pass
         # touched keeps the shapes it came with (a second run changes nothing).
-        if value.shape is None or (self.stale and _more_static(shape, value.shape)):
+        if value.shape is None:
             value.shape = shape
+            self._filled[value] = None
+        elif self.stale and _more_static(shape, value.shape):
+            value.shape = _upgraded(shape, value.shape)  # type: ignore[arg-type]
             self._filled[value] = None
         if value.type is None and found.tensor_type.elem_type:
             value.type = ir.serde.deserialize_type_proto_for_type(found)
@@ -311,6 +314,13 @@ def _more_static(new: ir.Shape | None, old: ir.Shape) -> bool:
     if any(isinstance(o, int) and n != o for n, o in pairs):
         return False
     return any(_rank_of(n) > _rank_of(o) for n, o in pairs)
+
+
+def _upgraded(new: ir.Shape, old: ir.Shape) -> ir.Shape:
+    """``old`` with each dim that ``new`` knows more of taken from ``new``: a size, or a name
+    where ``old`` had one made up. A made-up name stays the old one, which the values that
+    kept their shapes share (a fused op's output keeps its query's batch and sequence)."""
+    return ir.Shape([n if _rank_of(n) > _rank_of(o) else o for n, o in zip(new, old, strict=True)])
 
 
 def named(dim: int | ir.SymbolicDim | None) -> bool:

@@ -155,12 +155,12 @@ class WideningCastHoistPass(FusionPass):
     def _sink(self, cast: ir.Node, ctx: PassContext) -> bool:
         """Mover(Cast(x) wider) -> Cast(Mover(x)) where the mover alone reads the Cast."""
         to = _widening(cast, ctx)
-        users = [user for user, _ in cast.outputs[0].uses()] if to is not None else []
-        if len(users) != 1 or users[0].op_type not in _UNDER:
+        users = [user for user, _ in cast.outputs[0].uses()]
+        mover = users[0] if to is not None and len(users) == 1 else None
+        if mover is None or mover.op_type not in _UNDER or mover.domain not in _DEFAULT_DOMAINS:
             return False
-        mover = users[0]
-        if mover.domain not in _DEFAULT_DOMAINS or not _read_only_by(cast.outputs[0], mover):
-            return False
+        if not _read_only_by(cast.outputs[0], mover):
+            return False  # the cast tensor is a graph output too
         narrow = ir.Node(mover.domain, mover.op_type, cast.inputs, mover.attributes.values())
         typed(narrow.outputs[0], ctx.dtype(cast.inputs[0]), ctx.shape(mover.outputs[0]))  # type: ignore[arg-type]
         up = ir.node("Cast", narrow.outputs, attributes={"to": to})

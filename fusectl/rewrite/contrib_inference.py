@@ -5,17 +5,18 @@ node's outputs is left without a shape. A model quantized with ``MatMulNBits`` (
 4-bit quantizer), or one that onnxruntime's optimizer fused before, then loses the ranks and
 sizes the passes prove their rewrites with: nothing downstream of the first such node fuses.
 
-For the inference call only, each contrib op of the model gets a schema whose inference
-function says what its outputs are: onnx's own function where the op computes the shape of a
-standard op (FusedConv is a Conv, FusedGemm a Gemm, the GELUs and norms keep their input's
-shape), else a rule from the contrib op's specification (MatMulNBits's ``N``, the attention
-ops' output width). Outputs no rule covers stay unknown, as before.
+For the inference call only, every contrib op below that onnx has no schema for gets one,
+whose inference function says what its outputs are: onnx's own function where the op computes
+the shape of a standard op (FusedConv is a Conv, FusedGemm a Gemm, the GELUs and norms keep
+their input's shape), else a rule from the op's specification (MatMulNBits's ``N``, the
+attention ops' output width). Outputs no rule covers stay unknown, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 import onnx
@@ -164,12 +165,7 @@ def _multi_head_attention(ctx: InferenceContext) -> None:
 
 def _product(*dims: onnx.TensorShapeProto.Dimension) -> int | None:
     sizes = [_size(dim) for dim in dims]
-    if any(size is None for size in sizes):
-        return None
-    result = 1
-    for size in sizes:
-        result *= size  # type: ignore[operator]
-    return result
+    return None if None in sizes else math.prod(sizes)  # type: ignore[arg-type]
 
 
 def _group_query_attention(ctx: InferenceContext) -> None:

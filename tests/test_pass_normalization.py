@@ -1447,3 +1447,17 @@ def test_native_rms_norm_the_skip_kernel_cannot_take(
     assert run.counts(SKIP_RMS) == (1, 0)
     assert reasons(run, SKIP_RMS) == {reason: 1}
     assert_same_outputs(model, run.output, atol=1e-5)
+
+
+def test_dynamic_int8_bert_residual_norms(tmp_path: Path) -> None:
+    """onnxruntime's quantize_dynamic BERT: a residual's projection is DynamicQuantizeLinear ->
+    MatMulInteger -> Cast -> scale, and onnx names the sizes after it afresh. The size walk
+    reads through them (each keeps its input's shape, MatMulInteger a MatMul's rows), so every
+    residual norm fuses; the embeddings' sum, from tables dequantized at run time, is left."""
+    run = optimize_checked(fixture_path("int8_bert_tiny_ts17"), tmp_path)
+    assert run.counts(SKIP) == (5, 4)
+    assert reasons(run, SKIP) == {
+        "the residual Add's inputs are not two 3-D tensors of one shape": 1
+    }
+    counts = run.op_counts()
+    assert counts["SkipLayerNormalization"] == 4 and counts["MatMulInteger"] == 13

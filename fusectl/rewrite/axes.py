@@ -119,7 +119,12 @@ _SAME_SHAPE = frozenset(
     | {"Sign", "Not", "IsNaN", "IsInf", "Softplus", "Softsign", "Elu", "Selu", "Celu"}
     | {"LeakyRelu", "HardSigmoid", "HardSwish", "Mish", "Gelu", "LogSoftmax", "Clip"}
     | {"ScatterND", "ScatterElements"}
+    # quantized models: output 0 is the input's shape (DynamicQuantizeLinear's scale and zero
+    # point are outputs 1 and 2)
+    | {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 )
+# Matrix products: MatMulInteger's inputs 2 and 3 are zero points, not operands.
+_MATMULS = frozenset({"MatMul", "MatMulInteger"})
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
 
 
@@ -140,13 +145,14 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     if node.domain not in ("", "ai.onnx") and not (contrib and op == "RotaryEmbedding"):
         return None
     inputs = [v for v in node.inputs if v is not None]
-    if shape is None and (op in _SAME_SHAPE or op in ("Slice", "RotaryEmbedding")) and inputs:
+    same = (op in _SAME_SHAPE or op == "RotaryEmbedding") and value is node.outputs[0]
+    if shape is None and (same or op == "Slice") and inputs:
         shape = ctx.shape(inputs[0])  # these keep their input's rank
     if shape is None or not -len(shape) <= axis < len(shape):
         return None
     rank = len(shape)
     axis %= rank
-    if op in _SAME_SHAPE or op == "RotaryEmbedding":
+    if same:
         return axis_size(ctx, inputs[0], axis, depth - 1)
     if op in _BROADCASTING:
         sizes = []
@@ -549,12 +555,14 @@ def _copied_axis(
         return inputs[1], axis  # the output has the indices' shape
     if op == "Conv" and len(inputs) > 1 and inputs[1] is not None:
         return _conv_source(ctx, node, first, inputs[1], axis)
-    if op == "MatMul" and not _matrices(ctx, inputs):
-        return None
-    if op == "MatMul" and axis >= rank - 2:
-        return inputs[0 if axis == rank - 2 else 1], axis - rank  # type: ignore[return-value]
-    if op in _BROADCASTING or op == "MatMul":
-        return _unbroadcast(ctx, inputs, axis, rank, matrices=op == "MatMul")
+    if op in _MATMULS:
+        inputs = inputs[:2]
+        if not _matrices(ctx, inputs):
+            return None
+        if axis >= rank - 2:
+            return inputs[0 if axis == rank - 2 else 1], axis - rank  # type: ignore[return-value]
+    if op in _BROADCASTING or op in _MATMULS:
+        return _unbroadcast(ctx, inputs, axis, rank, matrices=op in _MATMULS)
     if op == "Reshape" and len(inputs) > 1 and inputs[1] is not None:
         parts = target_parts(ctx, inputs[1])
         part = parts[axis] if parts is not None and len(parts) == rank else None

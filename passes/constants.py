@@ -22,7 +22,6 @@ from fusectl.rewrite.graph import (
     SEEN_THROUGH,
     constant_tensor,
     constant_value,
-    producer_of,
     remove_dead,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
@@ -91,34 +90,50 @@ def _shape_dims(ctx: PassContext, node: ir.Node) -> list[int | None] | None:
 def _static_part_of_shape(ctx: PassContext, node: ir.Node) -> list[np.ndarray] | None:
     """Gather / Slice of a Shape that select only static dimensions (the head size read back
     from a [B, N, S, H] tensor, say): known before run time even though the shape is not."""
-    shape = producer_of(node.inputs[0], "Shape")
-    if shape is None:
+    found = _shape_positions(ctx, node.outputs[0])
+    if found is None:
         return None
-    dims = _shape_dims(ctx, shape)
-    if dims is None:
-        return None
-    positions = np.arange(len(dims), dtype=np.int64)
-    if node.op_type == "Gather":
-        indices = constant_value(node.inputs[1])
-        if indices is None or node.attributes.get_int("axis", 0) != 0:
-            return None
-        selected = positions[indices]
-    else:
-        operands = [*node.inputs[1:], None, None][:4]
-        defaults = [None, None, np.array([0]), np.array([1])]
-        starts, ends, axes, steps = (
-            constant_value(v) if v is not None else default
-            for v, default in zip(operands, defaults, strict=True)
-        )
-        if starts is None or ends is None or axes is None or steps is None:
-            return None
-        if np.size(starts) != 1 or int(np.ravel(axes)[0]) not in (0, -1):
-            return None
-        selected = positions[slice(*(int(np.ravel(b)[0]) for b in (starts, ends, steps)))]
+    dims, selected = found
     values = [dims[int(i)] for i in np.ravel(selected)]
     if any(v is None for v in values):
         return None
     return [np.array(values, dtype=np.int64).reshape(np.shape(selected))]
+
+
+def _shape_positions(
+    ctx: PassContext, value: ir.Value | None, depth: int = 4
+) -> tuple[list[int | None], np.ndarray] | None:
+    """The dims a Shape read and which of them ``value`` holds: the Shape itself, or Gathers
+    and Slices of it (onnxruntime's transpose optimizer writes Shape(Transpose(x)) as
+    Gather(Shape(x), perm), which a Gather then reads a size of)."""
+    node = value.producer() if value is not None else None
+    if node is None:
+        return None
+    if node.op_type == "Shape":
+        dims = _shape_dims(ctx, node)
+        return None if dims is None else (dims, np.arange(len(dims), dtype=np.int64))
+    if node.op_type not in ("Gather", "Slice") or depth == 0:
+        return None
+    inner = _shape_positions(ctx, node.inputs[0], depth - 1)
+    if inner is None or inner[1].ndim != 1:
+        return None
+    dims, positions = inner
+    if node.op_type == "Gather":
+        indices = constant_value(node.inputs[1])
+        if indices is None or node.attributes.get_int("axis", 0) != 0:
+            return None
+        return dims, positions[indices]
+    operands = [*node.inputs[1:], None, None][:4]
+    defaults = [None, None, np.array([0]), np.array([1])]
+    starts, ends, axes, steps = (
+        constant_value(v) if v is not None else default
+        for v, default in zip(operands, defaults, strict=True)
+    )
+    if starts is None or ends is None or axes is None or steps is None:
+        return None
+    if np.size(starts) != 1 or int(np.ravel(axes)[0]) not in (0, -1):
+        return None
+    return dims, positions[slice(*(int(np.ravel(b)[0]) for b in (starts, ends, steps)))]
 
 
 @functools.cache

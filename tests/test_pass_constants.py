@@ -168,20 +168,31 @@ X_SHAPE = ["batch", "seq", 4, 8]
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def _scaled_by_a_dimension(path: Path, index: list[int] | int, **shape_attrs: int) -> Path:
-    """y = x / Sqrt(Cast(Gather(Shape(x), index))): attention's 1 / sqrt(head size)."""
+def _scaled_by_a_dimension(
+    path: Path, index: list[int] | int, perm: list[int] | None = None, **shape_attrs: int
+) -> Path:
+    """y = x / Sqrt(Cast(Gather(Shape(x), index))): attention's 1 / sqrt(head size). With
+    ``perm``, the Shape is Gathered by it first, as onnxruntime's transpose optimizer writes
+    the head size read off Shape(Transpose(x, perm))."""
+    permuted = [helper.make_node("Gather", ["shape", "perm"], ["permuted"], name="permute")]
     return save_model(
         path,
         [
             helper.make_node("Shape", ["x"], ["shape"], name="shape", **shape_attrs),
-            helper.make_node("Gather", ["shape", "index"], ["dim"], name="gather"),
+            *(permuted if perm is not None else []),
+            helper.make_node(
+                "Gather", ["shape" if perm is None else "permuted", "index"], ["dim"], name="gather"
+            ),
             helper.make_node("Cast", ["dim"], ["dim_f"], name="cast", to=TensorProto.FLOAT),
             helper.make_node("Sqrt", ["dim_f"], ["root"], name="sqrt"),
             helper.make_node("Div", ["x", "root"], ["y"], name="div"),
         ],
         [value("x", X_SHAPE)],
         [value("y", X_SHAPE)],
-        [const("index", index, np.int64)],
+        [
+            const("index", index, np.int64),
+            *([const("perm", perm, np.int64)] if perm is not None else []),
+        ],
     )
 
 
@@ -208,6 +219,25 @@ def test_static_dimension_of_a_symbolic_shape_folds(
     np.testing.assert_allclose(
         onnx.numpy_helper.to_array(root), np.sqrt([8.0]).reshape(np.shape(index))
     )
+
+
+@pytest.mark.parametrize(("index", "size"), [(3, 8), (1, 4), (2, None)])
+def test_a_size_gathered_from_a_permuted_shape(
+    index: int, size: int | None, tmp_path: Path
+) -> None:
+    """Gather(Gather(Shape(x), [0, 2, 1, 3]), i) of x [batch, seq, 4, 8] is x's size perm[i]:
+    8 and 4 fold; at i = 2 it is the symbolic seq, which stays."""
+    model = _scaled_by_a_dimension(tmp_path / "permuted.onnx", index, perm=[0, 2, 1, 3])
+    run = optimize_checked(model, tmp_path)
+    if size is None:
+        assert run.counts(FOLD) == (0, 0)
+        assert run.op_counts()["Shape"] == 1 and run.op_counts()["Gather"] == 2
+        return
+    assert pattern_counts(run, FOLD)["Gather"] == (1, 1)  # the outer one; then Cast, Sqrt
+    assert run.op_counts() == Counter({"Div": 1})
+    graph = onnx.load(str(run.output)).graph
+    root = next(i for i in graph.initializer if i.name == "root")
+    np.testing.assert_allclose(onnx.numpy_helper.to_array(root), np.sqrt(float(size)))
 
 
 def _reshaped_by_a_slice(path: Path, bounds: list[list[int]], y_shape: list) -> Path:

@@ -60,6 +60,7 @@ from fusectl.rewrite.graph import (
     constant_value,
     new_constant,
     new_transpose,
+    new_unsqueeze,
     node_axes,
     producer_of,
     replace_subgraph,
@@ -1080,14 +1081,10 @@ def _widened(
     key = ("4-D bias", bias, tuple(leading))
     if key in shared:
         return shared[key][0], []
-    if ctx.opset >= 13:
-        graph = bias.graph
-        assert graph is not None
-        name = f"{ctx.spec.name}/unsqueeze_axes_{'_'.join(map(str, leading))}"
-        axes = new_constant(graph, name, np.array(leading))
-        unsqueeze = ir.node("Unsqueeze", [bias, axes])
-    else:
-        unsqueeze = ir.node("Unsqueeze", [bias], attributes={"axes": leading})
+    graph = bias.graph
+    assert graph is not None
+    name = f"{ctx.spec.name}/unsqueeze_axes_{'_'.join(map(str, leading))}"
+    unsqueeze = new_unsqueeze(ctx, graph, bias, leading, name)
     widened = list(shape)
     for axis in leading:
         widened.insert(axis, 1)
@@ -1373,9 +1370,8 @@ def _unfolded_biases(
             graph = match.root.graph
             assert graph is not None
             name = f"{ctx.spec.name}/unfold_{heads}"
-            axis = new_constant(graph, f"{name}/axis", np.array([1], np.int64))
+            widen = new_unsqueeze(ctx, graph, bias, [1], f"{name}/axis")
             target = new_constant(graph, f"{name}/target", np.array([-1, heads, 0, 0], np.int64))
-            widen = ir.node("Unsqueeze", [bias, axis])
             unfold = ir.node("Reshape", [widen.outputs[0], target])
             typed(widen.outputs[0], bias.dtype, ir.Shape([shape[0], 1, shape[1], shape[2]]))
             typed(unfold.outputs[0], bias.dtype, ir.Shape([None, heads, shape[1], shape[2]]))

@@ -58,6 +58,7 @@ from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
     constant_value,
     new_constant,
+    node_axes,
     producer_of,
     replace_subgraph,
     typed,
@@ -102,7 +103,9 @@ class _Rotary:
 def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
     """x from Unsqueeze(x, [axis]) whose rank-``rank`` output's last axis is the new one."""
     node = producer_of(value, "Unsqueeze")
-    axes = _ints(node.inputs[1]) if node is not None and len(node.inputs) > 1 else None
+    axes = (
+        node_axes(node) if node is not None else None
+    )  # an input, or before opset 13 an attribute
     if axes is None or len(axes) != 1:
         return None
     return node.inputs[0] if rank - 1 in [a % rank for a in axes] else None
@@ -374,8 +377,8 @@ def _same_tensor(a: ir.Value, b: ir.Value) -> bool:
     left, right = producer_of(a, "Unsqueeze"), producer_of(b, "Unsqueeze")
     if left is None or right is None or left.inputs[0] is not right.inputs[0]:
         return False
-    axes = _ints(left.inputs[1]) if len(left.inputs) > 1 else None
-    return axes is not None and len(right.inputs) > 1 and _ints(right.inputs[1]) == axes
+    axes = node_axes(left)
+    return axes is not None and node_axes(right) == axes
 
 
 def _flat(ctx: PassContext, value: ir.Value) -> bool:
@@ -393,8 +396,7 @@ def _keeps_last_axis(ctx: PassContext, node: ir.Node, rank: int) -> bool:
     if not data_shape:
         return False
     if op in ("Unsqueeze", "Squeeze"):  # their axes count in the larger rank
-        axes = _ints(node.inputs[1]) if len(node.inputs) > 1 else None
-        axes = node.attributes.get_ints("axes", None) if axes is None else axes
+        axes = node_axes(node)
         larger = max(rank, len(data_shape))
         return axes is not None and larger - 1 not in [a % larger for a in axes]
     if op == "Slice":

@@ -811,7 +811,9 @@ def test_symbolic_head_size_is_not_matched(tmp_path: Path) -> None:
 # [B, S, N*R], between two constant-target Reshapes.
 # ---------------------------------------------------------------------------------------------
 
-GPTJ = ["arch/gptj_ts17", "arch/gptj_dynamo"]
+# gptj_ts11: exported at opset 11 (make_arch_matrix.py --torchscript-opset 11), where the
+# Unsqueezes of rotate_every_two take their axes as an attribute
+GPTJ = ["arch/gptj_ts17", "arch/gptj_dynamo", "gptj_ts11"]
 
 
 def _four_rotaries(name: str, tmp_path: Path) -> tuple[Run, onnx.GraphProto, list[onnx.NodeProto]]:

@@ -429,6 +429,20 @@ def typed(value: ir.Value, dtype: ir.DataType | None, shape: ir.Shape | None) ->
     return value
 
 
+# From this opset Unsqueeze takes its axes as an input; before, as an attribute.
+_AXES_INPUT_OPSET = 13
+
+
+def new_unsqueeze(
+    ctx: PassContext, graph: ir.Graph, value: ir.Value, axes: list[int], name: str
+) -> ir.Node:
+    """A new Unsqueeze(value, axes) in the form of the model's opset: the axes a constant
+    named ``name`` from opset 13, an attribute before (a model exported at opset 11)."""
+    if ctx.opset < _AXES_INPUT_OPSET:
+        return ir.node("Unsqueeze", [value], attributes={"axes": axes})
+    return ir.node("Unsqueeze", [value, new_constant(graph, name, np.array(axes, np.int64))])
+
+
 def new_transpose(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[ir.Value, ir.Node]:
     """A new Transpose(value, perm), its output typed with the permuted shape where known."""
     swap = ir.node("Transpose", [value], attributes={"perm": perm})

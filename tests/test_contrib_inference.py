@@ -230,22 +230,34 @@ def test_a_schema_already_registered_is_left_alone() -> None:
         onnx.defs.deregister_schema("MatMulNBits", 1, MS)
 
 
-# 4-bit LLaMA and BERT: their MatMulNBits, and (pass, matched, effected) as in the float exports
-NBITS: dict[str, tuple[int, list[tuple[str, int, int]]]] = {
+# 4-bit models: their MatMulNBits, and (pass, matched, effected, effected without the contrib
+# schemas): what the float export fuses, and what fused when inference stopped at the first
+# MatMulNBits (the GELUs need no shape; GPT-Neo's first norm is in front of every projection).
+NBITS: dict[str, tuple[int, list[tuple[str, int, int, int]]]] = {
     "nbits_llama_tiny_ts17": (
         14,
         [
-            ("RotaryEmbeddingFusionPass", 4, 4),
-            ("GroupQueryAttentionFusionPass", 2, 2),
-            ("AddRmsNormFusionPass", 4, 4),
+            ("RotaryEmbeddingFusionPass", 4, 4, 0),
+            ("GroupQueryAttentionFusionPass", 2, 2, 0),
+            ("AddRmsNormFusionPass", 4, 4, 0),
         ],
     ),
     "nbits_bert_tiny_ts17": (
         12,
         [
-            ("MultiHeadAttentionFusionPass", 2, 2),
-            ("AddLayerNormFusionPass", 4, 4),
-            ("BiasGeluFusionPass", 2, 2),
+            ("MultiHeadAttentionFusionPass", 2, 2, 0),
+            ("AddLayerNormFusionPass", 4, 4, 0),
+            ("BiasGeluFusionPass", 2, 2, 2),
+        ],
+    ),
+    # GPT-Neo's residuals: the leading sizes of a MatMulNBits output are its input's
+    # (rewrite.axes), which proves that the residual Adds broadcast nothing
+    "nbits_gpt_neo_ts17": (
+        12,
+        [
+            ("MultiHeadAttentionFusionPass", 2, 2, 0),
+            ("AddLayerNormFusionPass", 5, 5, 1),
+            ("FastGeluFusionPass", 2, 2, 2),
         ],
     ),
 }
@@ -259,13 +271,11 @@ def test_four_bit_quantized_models_fuse(
     check_output(run)
     assert_same_outputs(fixture_path(name), run.output, atol=1e-3)
     quantized, fusions = NBITS[name]
-    for fusion, matched, effected in fusions:
+    for fusion, matched, effected, _ in fusions:
         assert run.counts(fusion) == (matched, effected), fusion
     assert run.op_counts()["MatMulNBits"] == quantized
-    # Without the contrib schemas, inference stops at the first MatMulNBits: the attention
-    # and the norms cannot prove their shapes (the GELU needs none).
     monkeypatch.setattr(shapes, "contrib_schemas", contextlib.nullcontext)
     (tmp_path / "off").mkdir()
     off = optimize(fixture_path(name), tmp_path / "off")
-    for fusion, _, _ in fusions:
-        assert off.counts(fusion)[1] == (2 if fusion == "BiasGeluFusionPass" else 0), fusion
+    for fusion, _, _, without in fusions:
+        assert off.counts(fusion)[1] == without, fusion

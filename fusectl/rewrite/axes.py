@@ -666,6 +666,8 @@ def _contrib_source(
     index = list(node.outputs).index(value)
     if index in _SHAPE_OF_INPUT.get(node.op_type, ()):
         return first, axis
+    if node.op_type == "MatMulNBits" and index == 0 and axis < rank - 1:
+        return first, axis  # A [..., K] times the dequantized [K, N]: every axis but the last
     if node.op_type in _QUERY_LED and index == 0 and rank == 3 and axis < 2:
         query = ctx.shape(first)
         return (first, axis) if query is not None and len(query) == 3 else None

@@ -371,38 +371,15 @@ def _initializer(
 
 
 _D = ir.DataType
+# What holds every uint8 exactly; bool (0 and 1) fits in int8 and uint8 too.
+_WIDER_THAN_UINT8 = frozenset(
+    {_D.INT16, _D.UINT16, _D.INT32, _D.UINT32, _D.INT64, _D.UINT64}
+    | {_D.FLOAT16, _D.BFLOAT16, _D.FLOAT, _D.DOUBLE}
+)
 # For each type, the types that hold every one of its values exactly.
 _LOSSLESS: dict[ir.DataType, frozenset[ir.DataType]] = {
-    _D.BOOL: frozenset(
-        {
-            _D.INT8,
-            _D.UINT8,
-            _D.INT16,
-            _D.UINT16,
-            _D.INT32,
-            _D.UINT32,
-            _D.INT64,
-            _D.UINT64,
-            _D.FLOAT16,
-            _D.BFLOAT16,
-            _D.FLOAT,
-            _D.DOUBLE,
-        }
-    ),
-    _D.UINT8: frozenset(
-        {
-            _D.INT16,
-            _D.UINT16,
-            _D.INT32,
-            _D.UINT32,
-            _D.INT64,
-            _D.UINT64,
-            _D.FLOAT16,
-            _D.BFLOAT16,
-            _D.FLOAT,
-            _D.DOUBLE,
-        }
-    ),
+    _D.BOOL: _WIDER_THAN_UINT8 | {_D.INT8, _D.UINT8},
+    _D.UINT8: _WIDER_THAN_UINT8,
     _D.INT8: frozenset(
         {_D.INT16, _D.INT32, _D.INT64, _D.FLOAT16, _D.BFLOAT16, _D.FLOAT, _D.DOUBLE}
     ),

@@ -1655,8 +1655,9 @@ class _AttentionFusion(FusionPass):
             keep.add(match.root.inputs[1])
         absorb_shape_arithmetic(ctx, nodes, keep)
         replaced_outputs = [match.output, *plan.presents]
-        # Shapes read from the scores (XLNet's key length): read from what stays instead.
-        reads = size_reads(ctx, nodes, replaced_outputs, keep) or {}
+        # Shapes read from the scores (XLNet's key length) or ahead of the op from the presents
+        # (GPT-2's mask its length): read from what stays instead.
+        reads = size_reads(ctx, nodes, replaced_outputs, keep, plan.presents) or {}
         read_outputs = [reader.outputs[0] for reader in reads]
         staying = _still_read(ctx, [*nodes, *reads], [*replaced_outputs, *read_outputs])
         if staying is None:

@@ -25,18 +25,21 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.evaluate import (
-    PROBE_SIZES,
     Unevaluable,
     dependencies,
     dimension_names,
     evaluate,
+    probe_shape,
+    probes,
 )
 from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite.shapes import is_arithmetic, named
 
 MS = "com.microsoft"
 # Per op: the index of its 2-D mask input and of its additive bias.
 _INPUTS = {"Attention": (3, 5), "MultiHeadAttention": (4, 5)}
+_PAST = {"Attention": 4, "MultiHeadAttention": 6}  # the index of the past (key) input
 _MASK_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
 
 
@@ -98,7 +101,49 @@ def _fill(bias: np.ndarray, mask: np.ndarray) -> float | str:
     return fill
 
 
-def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
+def _key_length(ctx: PassContext, attention: ir.Node, probe: dict[str, int]) -> int | None:
+    """How many keys the fused op attends over at the probe sizes: its new keys plus the past it
+    appends them to; None where a shape is unknown."""
+    inputs = list(attention.inputs)
+    if attention.op_type == "MultiHeadAttention":
+        key = inputs[1] if len(inputs) > 1 else None
+        rank = len(ctx.shape(key) or ()) if key is not None else 0
+        # [B, L, hidden] or packed [B, L, N, 2, H]; [B, N, L, H]; no key: packed QKV [B, S, ...]
+        source, axis = (inputs[0], 1) if key is None else (key, 2 if rank == 4 else 1)
+        past, past_axis = (inputs[6] if len(inputs) > 6 else None), 2  # [B, N, P, H]
+    else:  # Attention: input [B, S, hidden], past [2, B, N, P, H]
+        source, axis = inputs[0], 1
+        past, past_axis = (inputs[4] if len(inputs) > 4 else None), 3
+    try:
+        length = probe_shape(ctx, source, probe)[axis]  # type: ignore[arg-type]
+        if past is not None:
+            length += probe_shape(ctx, past, probe)[past_axis]
+    except (Unevaluable, IndexError):
+        return None
+    return length
+
+
+def _aligned(
+    ctx: PassContext, attention: ir.Node, mask: ir.Value, probe: dict[str, int]
+) -> tuple[int, int] | str:
+    """The mask's [rows, length] at the probe sizes, its length made the attention's key
+    length: a length named apart from the past and new lengths ("total_sequence") is probed
+    at their sum, as the model runs it. Why not, where the two cannot agree."""
+    shape = ctx.shape(mask)
+    assert shape is not None
+    keys = _key_length(ctx, attention, probe)
+    length = shape[1]
+    if keys is not None and named(length) and not is_arithmetic(length.value):  # type: ignore[union-attr]
+        probe[length.value] = keys  # type: ignore[union-attr]
+    dims = [d if isinstance(d, int) else probe.get(d.value) for d in shape]  # type: ignore[union-attr]
+    if None in dims:
+        return "the mask's dimensions are not named"
+    if keys is not None and dims[1] != keys:
+        return "the mask's length is not the attention's key length (past and new keys)"
+    return dims[0], dims[1]  # type: ignore[return-value]
+
+
+def _recognize(ctx: PassContext, attention: ir.Node, bias: ir.Value) -> _Mask | str | None:
     """The mask the bias is built from, why it is not a key padding mask, or None where the
     bias is no mask at all."""
     try:
@@ -107,16 +152,17 @@ def _recognize(ctx: PassContext, bias: ir.Value) -> _Mask | str | None:
         return f"the attention bias cannot be evaluated: {why}"
     if not isinstance(mask, ir.Value):
         return mask
-    shape, dtype = ctx.shape(mask), ctx.dtype(mask)
-    assert shape is not None and dtype is not None
-    names = dimension_names(ctx, bias, [mask])
+    dtype = ctx.dtype(mask)
+    assert dtype is not None
+    sized = probes(dimension_names(ctx, bias, [mask]))
+    if sized is None:
+        return "the mask's dimensions are not named"
     fills = set()
-    for sizes in PROBE_SIZES:
-        probe = dict(zip(names, sizes, strict=False))
-        dims = [d if isinstance(d, int) else probe.get(d.value) for d in shape]  # type: ignore[union-attr]
-        if None in dims or len(names) > len(sizes):
-            return "the mask's dimensions are not named"
-        masks = _probe_masks((dims[0], dims[1]), dtype)  # type: ignore[arg-type]
+    for probe in sized:
+        dims = _aligned(ctx, attention, mask, probe)
+        if isinstance(dims, str):
+            return dims
+        masks = _probe_masks(dims, dtype)
         try:
             computed = evaluate(ctx, bias, {mask: masks}, probe)
         except Unevaluable as why:
@@ -161,7 +207,7 @@ class KeyPaddingMaskFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("KeyPaddingMask")
-        found: dict[ir.Value, _Mask | str | None] = {}
+        found: dict[tuple[ir.Value, bool], _Mask | str | None] = {}
         masks: dict[ir.Value, ir.Value] = {}
         for op_type, (mask_index, bias_index) in _INPUTS.items():
             for attention in ctx.op_index.of_type(model.graph, op_type, (MS,)):
@@ -171,9 +217,12 @@ class KeyPaddingMaskFusionPass(FusionPass):
                     continue
                 if len(inputs) > mask_index and inputs[mask_index] is not None:
                     continue  # a mask already
-                if bias not in found:
-                    found[bias] = _recognize(ctx, bias)
-                recognized = found[bias]
+                # Per bias and key length: layers share a bias, a past changes the keys.
+                past = _PAST[op_type]
+                key = (bias, len(inputs) > past and inputs[past] is not None)
+                if key not in found:
+                    found[key] = _recognize(ctx, attention, bias)
+                recognized = found[key]
                 if recognized is None:
                     continue
                 if isinstance(recognized, str):

@@ -23,11 +23,11 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.evaluate import (
-    PROBE_SIZES,
     Unevaluable,
     dimension_names,
     evaluate,
     probe_shape,
+    probes,
     run_node,
 )
 from fusectl.rewrite.graph import (
@@ -110,12 +110,11 @@ def _assigned_range(
         names = dimension_names(ctx, indices, [data])
         for node in shapers:
             names += dimension_names(ctx, node.inputs[1], [node.inputs[0]])  # type: ignore[arg-type]
-        names = list(dict.fromkeys(names))
-        if len(names) > len(PROBE_SIZES[0]):
+        sized = probes(list(dict.fromkeys(names)))
+        if sized is None:
             return "the index grid depends on more named dimensions than there are probes"
         kept = len(shapers)
-        for sizes in PROBE_SIZES:
-            probe = dict(zip(names, sizes, strict=False))
+        for probe in sized:
             box = _box(evaluate(ctx, indices, {}, probe), probe_shape(ctx, data, probe))
             if box is None:
                 return "the indices are not every position of one constant range of one axis"

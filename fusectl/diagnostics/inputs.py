@@ -13,7 +13,9 @@ table) or compares nonsense (a mask of 7s), so integer inputs get values the mod
 
 Float inputs are seeded standard normal values, bool inputs all true. A symbolic dimension takes
 the size ``--input_shape`` gives it (and every other input sharing the dimension's name follows);
-otherwise ``DEFAULT_DIMS`` by name, else ``DEFAULT_DIM``.
+otherwise ``DEFAULT_DIMS`` by name, else ``DEFAULT_DIM``. A dimension named by arithmetic over
+other names (Optimum declares a KV-cache model's mask ``past_sequence_length + sequence_length``)
+takes the value of that arithmetic.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.errors import FusectlError
+from fusectl.rewrite.shapes import arithmetic_dim, is_arithmetic
 
 # Symbolic dimensions by name: batch 2 so batch-mixing bugs show, past keys/values 4 long and a
 # "total" length equal to past + new positions, as KV-cache exports declare it.
@@ -126,6 +129,9 @@ def resolve_dims(
     def default(symbol: str) -> int:
         if symbol in symbols:
             return symbols[symbol]
+        computed = arithmetic_dim(symbol, default)
+        if computed is not None:
+            return computed
         if _TOTAL.search(symbol):
             past = next((v for k, v in symbols.items() if re.search("past", k, re.I)), None)
             new = next(
@@ -145,10 +151,10 @@ def resolve_dims(
             return DEFAULT_PAST + DEFAULT_DIM
         return next((v for pattern, v in DEFAULT_DIMS if pattern.search(symbol)), DEFAULT_DIM)
 
-    # Fill non-"total" symbols first so that a total length can add up past + new.
+    # Fill plain symbols first so that a total length can add up past + new.
     for spec in specs:
         for d in spec.dims or ():
-            if isinstance(d, str) and not _TOTAL.search(d):
+            if isinstance(d, str) and not _TOTAL.search(d) and not is_arithmetic(d):
                 symbols[d] = default(d)
     resolved: dict[str, tuple[int, ...]] = {}
     for spec in specs:

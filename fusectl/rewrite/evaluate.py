@@ -19,12 +19,39 @@ from onnx.reference.ops import load_op
 from fusectl.rewrite.axes import Size, size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value
+from fusectl.rewrite.shapes import arithmetic_dim, arithmetic_names
 
 # Nodes a probe evaluation walks at most: a mask or a shape computation, not a network.
 _MAX_NODES = 256
 # Sizes the named dimensions take in two probes: distinct, so that a computation that mixes two
 # of them up (the batch for the length) does not pass.
 PROBE_SIZES = ((3, 5, 7, 11, 13, 17), (4, 6, 9, 10, 14, 15))
+
+
+def probes(names: Sequence[str]) -> list[dict[str, int]] | None:
+    """One size per named dimension for each row of PROBE_SIZES. A name that is arithmetic
+    over other names (Optimum's "past_sequence_length + sequence_length") is computed from
+    theirs: sizes probed apart would describe a model that cannot run (a mask shorter than the
+    past it covers). None where there are more names than probe sizes, or a computed size is
+    not positive."""
+    plain: list[str] = []
+    for name in names:
+        for part in arithmetic_names(name) or [name]:
+            if part not in plain:
+                plain.append(part)
+    if len(plain) > len(PROBE_SIZES[0]):
+        return None
+    found = []
+    for sizes in PROBE_SIZES:
+        probe = dict(zip(plain, sizes, strict=False))
+        for name in names:
+            if name not in probe:
+                computed = arithmetic_dim(name, probe.__getitem__)
+                if computed is None:
+                    return None
+                probe[name] = computed
+        found.append(probe)
+    return found
 
 
 def run_node(node: ir.Node, arrays: list[np.ndarray | None], opset: int) -> list[np.ndarray] | None:

@@ -233,6 +233,68 @@ def uses_outside(nodes: Sequence[ir.Node], kept: Sequence[ir.Value]) -> str | No
     return None
 
 
+def feedback(
+    root: ir.Node,
+    old_nodes: Sequence[ir.Node],
+    new_nodes: Sequence[ir.Node],
+    old_outputs: Sequence[ir.Value],
+    new_outputs: Sequence[ir.Value],
+) -> str | None:
+    """Why the new nodes cannot replace the old, if that would close a cycle: a new node reading,
+    through nodes outside the match, a value that a new node depending on it computes. Only a
+    value the match computes before its root can lead back into it (a KV-cache Concat whose
+    length a mask reads), as a pattern's inputs come before its root; so the walks start at
+    those values' readers outside the match, and most rewrites walk nothing."""
+    new = set(new_nodes)
+    members = set(old_nodes)
+    # The new nodes reading each node outside, and each new node's new producers.
+    readers: dict[ir.Node, set[ir.Node]] = {}
+    needs: dict[ir.Node, set[ir.Node]] = {node: set() for node in new_nodes}
+    maker = {
+        old: new_value.producer() for old, new_value in zip(old_outputs, new_outputs, strict=True)
+    }
+    for node in new_nodes:
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if value in maker:
+                needs[node].add(maker[value])  # type: ignore[index, arg-type]
+            elif producer in new:
+                needs[node].add(producer)  # type: ignore[arg-type]
+            elif producer is not None and producer not in members:
+                readers.setdefault(producer, set()).add(node)
+    for value, made_by in maker.items():
+        if value.producer() is root or not readers:
+            continue
+        pending = [user for user, _ in value.uses() if user not in members]
+        seen: set[ir.Node] = set()
+        while pending:
+            node = pending.pop()
+            if node in seen or node in members or node in new:
+                continue
+            seen.add(node)
+            for reader in readers.get(node, ()):
+                needs[reader].add(made_by)  # type: ignore[arg-type]
+            pending += [user for output in node.outputs for user, _ in output.uses()]
+    state: dict[ir.Node, bool] = {}  # False: on the walk's path, True: done
+
+    def closes(node: ir.Node) -> bool:
+        if node in state:
+            return not state[node]
+        state[node] = False
+        if any(closes(need) for need in needs[node]):
+            return True
+        state[node] = True
+        return False
+
+    looped = next((node for node in new_nodes if closes(node)), None)
+    if looped is None:
+        return None
+    return (
+        f"the new {looped.op_type} would read a value computed from its own output (a size "
+        "or mask read from a value it computes)"
+    )
+
+
 def attribute_reference(nodes: Sequence[ir.Node]) -> str | None:
     """Why ``nodes`` cannot be rewritten, if one of them takes an attribute from the function
     it is in (``pads = @pads``): the value is known only per call, so no pass can read it."""
@@ -269,7 +331,9 @@ def replace_subgraph(
     recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
-    referenced = attribute_reference(old_nodes)
+    referenced = attribute_reference(old_nodes) or feedback(
+        root, old_nodes, new_nodes, old_outputs, new_outputs
+    )
     if referenced is not None:
         ctx.pattern(pattern).decline(referenced, node_label(root))
         return referenced

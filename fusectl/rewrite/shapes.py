@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import logging
 import math
+import operator
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,54 @@ from fusectl.rewrite.contrib_inference import contrib_schemas
 from fusectl.rewrite.graph import attribute_graphs
 
 logger = logging.getLogger("fusectl")
+
+
+# A dimension named by arithmetic over other dimensions' names: Optimum declares a KV-cache
+# model's mask and presents "past_sequence_length + sequence_length".
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_OPERATOR = re.compile(r"[-+*]")
+
+
+def is_arithmetic(symbol: str) -> bool:
+    """Whether a dimension's name may be arithmetic over other names (arithmetic_dim)."""
+    return bool(_OPERATOR.search(symbol))
+
+
+def arithmetic_dim(symbol: str, size: Callable[[str], int]) -> int | None:
+    """The value of a dimension named ``a + b`` (``-``, ``*``, integer literals, parentheses),
+    ``size`` giving each name's; None where the name is no such expression or comes to under 1."""
+    if not is_arithmetic(symbol):
+        return None
+    try:
+        tree = ast.parse(symbol, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Name):
+            return size(node.id)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError(symbol)
+
+    try:
+        result = value(tree)
+    except ValueError:
+        return None
+    return result if result >= 1 else None
+
+
+def arithmetic_names(symbol: str) -> list[str]:
+    """The names an arithmetic dimension's name is computed from (none for a plain name)."""
+    if not is_arithmetic(symbol):
+        return []
+    try:
+        tree = ast.parse(symbol, mode="eval")
+    except SyntaxError:
+        return []
+    return [node.id for node in ast.walk(tree) if isinstance(node, ast.Name)]
 
 
 def parse_input_shape(text: str) -> dict[str, list[int]]:
@@ -178,7 +229,7 @@ class ShapeOracle:
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             with contrib_schemas():  # onnxruntime's ops, for this call
                 return onnx.shape_inference.infer_shapes(
-                    _inferable(proto), strict_mode=False, data_prop=True
+                    _inferable(proto), strict_mode=False, data_prop=not _names_repeat(proto.graph)
                 )
 
         # Shapes this oracle filled in earlier are left out of what inference reads: onnx
@@ -244,6 +295,33 @@ def _inferable(proto: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as error:  # the converter's adapters raise their own types
         logger.debug("opset %d kept for shape inference: %s", opset, error)
         return proto
+
+
+def _names_repeat(graph: onnx.GraphProto) -> bool:
+    """Whether a value name is computed in more than one graph (Optimum's merged decoder
+    computes the same names in both If branches). onnx's data propagation keys the values it
+    propagates by name alone, so there it gives a value another graph's contents (a
+    ConstantOfShape of a 4-element shape came out 2-D): inference then runs without it."""
+    seen: set[str] = set()
+
+    def repeats(current: onnx.GraphProto) -> bool:
+        own = {name for node in current.node for name in node.output if name}
+        if own & seen:
+            return True
+        seen.update(own)
+        return any(
+            repeats(body)
+            for node in current.node
+            for attribute in node.attribute
+            for body in ([attribute.g] if attribute.HasField("g") else list(attribute.graphs))
+        )
+
+    has_bodies = any(
+        attribute.HasField("g") or attribute.graphs
+        for node in graph.node
+        for attribute in node.attribute
+    )
+    return has_bodies and repeats(graph)
 
 
 # A subgraph's place in the model: for each enclosing graph attribute, the first output name

@@ -7,6 +7,11 @@ that computes them. But each size is copied from somewhere (size_sources: a MatM
 its first operand, element-wise ops from their inputs ...), and is read from there instead:
 each ``x.shape[i]`` (a Gather of the Shape) from its copy's Shape, a Shape read whole as a
 Concat of those sizes (constants where static).
+
+A value the fused op computes itself can be read ahead of it too: GPT-2's mask takes the key
+length from the KV cache's present (``present.shape[2]``), and the fused op that now computes
+the present reads the mask. Such a size along the cache's Concat axis is the sum of its parts'
+(the past's and the new keys'), read from those.
 """
 
 from __future__ import annotations
@@ -19,14 +24,14 @@ import onnx_ir as ir
 
 from fusectl.rewrite.axes import size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, new_constant, typed
+from fusectl.rewrite.graph import constant_value, new_constant, new_unsqueeze, typed
 from fusectl.rewrite.shapes import named
 
 # Shape's start and end attributes came with opset 15.
 _SHAPE_RANGE_OPSET = 15
 
-# A size: (value, axis) it is read from, or a static size.
-Part = tuple[ir.Value, int] | int
+# A size: (value, axis) it is read from, a static size, or a sum of sizes (a Concat's axis).
+Part = tuple[ir.Value, int] | int | list["Part"]
 
 
 def size_reads(
@@ -34,16 +39,19 @@ def size_reads(
     nodes: Sequence[ir.Node],
     outputs: Sequence[ir.Value],
     kept: Collection[ir.Value] = (),
+    taken: Collection[ir.Value] = (),
 ) -> dict[ir.Node, list[Part]] | None:
     """The Shapes outside ``nodes`` that read a value the nodes compute (other than the
-    ``outputs`` a fusion replaces), each with where its sizes can be read instead: static, or
-    copied from a value no matched node computes, one of the ``kept`` ones (the fused op's
-    inputs) first. None where some size has no such source."""
+    ``outputs`` a fusion replaces, except the ``taken`` ones: outputs computed before the root,
+    which a size read ahead of the fused op may need), each with where its sizes can be read
+    instead: static, copied from a value no matched node computes, one of the ``kept`` ones
+    (the fused op's inputs) first, or summed over a Concat's parts. None where some size has no
+    such source."""
     members = set(nodes)
     found: dict[ir.Node, list[Part]] = {}
     for node in nodes:
         for value in node.outputs:
-            if value in outputs:
+            if value in outputs and value not in taken:
                 continue
             for reader, _ in value.uses():
                 if reader in members or reader.op_type != "Shape" or reader in found:
@@ -85,10 +93,17 @@ def _source(
 ) -> Part | None:
     """A static size; else a copy of it that stays for sure: one the fused op reads, a graph
     input's axis of that one named size; else the farthest copy outside the fused nodes (the
-    nearer ones may live only for them, and a later fusion may take the farthest)."""
-    dim = ctx.shape(value)[axis]  # type: ignore[index]
+    nearer ones may live only for them, and a later fusion may take the farthest); else, along
+    a matched Concat's axis, the sum of its parts' sizes."""
+    shape = ctx.shape(value)
+    dim = shape[axis] if shape is not None else None
     if isinstance(dim, int):
         return dim
+    maker = value.producer()
+    if maker is None or maker not in members:
+        return value, axis  # stays: the graph's or computed outside the fused nodes
+    if dim is None:
+        return None
     copies = [
         (source, index)
         for source, index in size_sources(ctx, value, axis)[1:]
@@ -104,7 +119,19 @@ def _source(
             for index, input_dim in enumerate(given.shape or ()):
                 if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
                     return given, index
-    return copies[-1] if copies else None
+    if copies:
+        return copies[-1]
+    # A matched Concat's axis: the sum of its parts' sizes.
+    if maker.op_type != "Concat" or maker.domain not in ("", "ai.onnx") or None in maker.inputs:
+        return None
+    if maker.attributes.get_int("axis", 0) % len(shape) != axis:  # type: ignore[arg-type]
+        return None
+    parts = [_source(ctx, operand, axis, members, kept, inputs) for operand in maker.inputs]  # type: ignore[arg-type]
+    if None in parts:
+        return None
+    if all(isinstance(part, int) for part in parts):
+        return sum(parts)  # type: ignore[arg-type]
+    return parts  # type: ignore[return-value]
 
 
 class Reread(NamedTuple):
@@ -137,15 +164,34 @@ def read_again(
     reading: list[ir.Node] = []
     forwards: list[ir.Node] = []
     for index in picks:
-        part = parts[index]  # type: ignore[index]
-        if isinstance(part, int):
-            size = new_constant(graph, f"{name}/size", np.array(part, np.int64))
-        else:
-            size = _size_of(ctx, graph, name, *part, made, reading)
+        size = _scalar(ctx, graph, name, parts[index], made, reading)  # type: ignore[index]
         forwards.append(ir.node("Identity", [size]))  # bypassed once it replaces the Gather
         typed(forwards[-1].outputs[0], ir.DataType.INT64, ir.Shape([]))
     values = [node.outputs[0] for node in forwards]
     return Reread(made + forwards, users, [user.outputs[0] for user in users], values, reading)
+
+
+def _scalar(
+    ctx: PassContext,
+    graph: ir.Graph,
+    name: str,
+    part: Part,
+    made: list[ir.Node],
+    reading: list[ir.Node],
+) -> ir.Value:
+    """One size as an int64 scalar: a constant, a read (_size_of), or the Add of a sum's."""
+    if isinstance(part, int):
+        return new_constant(graph, f"{name}/size", np.array(part, np.int64))
+    if isinstance(part, tuple):
+        return _size_of(ctx, graph, name, *part, made, reading)
+    total = _scalar(ctx, graph, name, part[0], made, reading)
+    for term in part[1:]:
+        add = ir.node("Add", [total, _scalar(ctx, graph, name, term, made, reading)])
+        typed(add.outputs[0], ir.DataType.INT64, ir.Shape([]))
+        made.append(add)
+        reading.append(add)
+        total = add.outputs[0]
+    return total
 
 
 def _size_of(
@@ -219,6 +265,12 @@ def _joined(ctx: PassContext, graph: ir.Graph, name: str, parts: list[Part]) -> 
         if isinstance(first, int):
             sizes = np.array([first], np.int64)
             pieces.append(new_constant(graph, f"{name}/size_{index}", sizes))
+            continue
+        if isinstance(first, list):  # a sum: its scalar as a 1-element piece
+            total = _scalar(ctx, graph, f"{name}/sum_{index}", first, nodes, [])
+            nodes.append(new_unsqueeze(ctx, graph, total, [0], f"{name}/sum_axes_{index}"))
+            typed(nodes[-1].outputs[0], ir.DataType.INT64, ir.Shape([1]))
+            pieces.append(nodes[-1].outputs[0])
             continue
         source, axis = first  # type: ignore[misc]
         if ctx.opset >= _SHAPE_RANGE_OPSET:

@@ -1790,8 +1790,9 @@ class _AttentionFusion(FusionPass):
             result = reshape.outputs[0]
         graph = match.root.graph
         assert graph is not None
+        removed = {*nodes, *reads}
         rereads = [
-            read_again(ctx, graph, f"{ctx.spec.name}/{reader.name}", reader, parts)
+            read_again(ctx, graph, f"{ctx.spec.name}/{reader.name}", reader, parts, removed)
             for reader, parts in reads.items()
         ]
         sizes = [node for reread in rereads for node in reread.nodes]

@@ -446,7 +446,9 @@ class _Rows:
 
 
 def _position_axis(
-    table: list[int | ir.SymbolicDim], x: ir.Shape, candidates: tuple[int, ...]
+    table: list[int | ir.SymbolicDim],
+    x: list[int | ir.SymbolicDim],
+    candidates: tuple[int, ...],
 ) -> _Rows | str:
     """The rows of the cos / sin table in x [B, ., ., R], along the first of ``candidates``
     (2 for heads transposed to [B, N, S, R], 1 for [B, S, N, R]) along which alone, besides
@@ -595,6 +597,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
             kind, width = HALVES, head_size // 2
         # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
         split = _head_split(ctx, match.x)
+        x_dims = _dims(ctx, match.x)  # traced as the tables' are: the batch by its name
+        assert x_dims is not None
         placements = set()
         for angles in (match.cos, match.sin):
             if not match.once and not _repeats(ctx, angles, kind):
@@ -603,7 +607,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             if dims is None or not 2 <= len(dims) <= 4 or dims[-1] != width:
                 half = "half " if match.once else ""
                 return f"cos / sin do not have {half}the head size as their last axis"
-            found = _position_axis(dims, shape, (2,) if split is not None else (2, 1))
+            found = _position_axis(dims, x_dims, (2,) if split is not None else (2, 1))
             if isinstance(found, str):
                 return found
             placements.add((found.axis, found.per_batch))

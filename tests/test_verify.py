@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import helper, numpy_helper
 
 from fusectl.core.model_io import load_model
-from fusectl.diagnostics.inputs import generate_feeds
+from fusectl.diagnostics.inputs import InputSpec, generate_feeds, resolve_dims
 from fusectl.diagnostics.verify import TOLERANCES, default_tolerance
 from fusectl.rewrite.registry import Numerics
 from tests.conftest import FIXTURES, optimize, run_cli, run_model
@@ -185,6 +186,39 @@ def test_position_ids_are_in_range(tmp_path: Path) -> None:
     assert plans["tok"].high == 7 and feeds["tok"].max() < 7
     assert feeds["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
     assert plans["keep"].kind == "mask" and feeds["keep"].min() == 1
+
+
+def test_a_model_that_does_not_run_on_guessed_sizes_says_so(tmp_path: Path) -> None:
+    """Optimum declares an image's channels symbolic: generated 8 channels meet a 3-channel
+    Conv. The one-line error names the generated inputs and the option that sets the sizes."""
+    model = save_model(
+        tmp_path / "channels.onnx",
+        [helper.make_node("Conv", ["pixel_values", "W"], ["Y"])],
+        [value("pixel_values", ["batch", "channels", "height", "width"])],
+        [value("Y", ["batch", 4, "h", "w"])],
+        [const("W", np.ones((4, 3, 3, 3)))],
+    )
+    result = run_cli("verify", model, model)
+    assert result.exit_code == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"fusectl: error: {model}: onnxruntime cannot run it: ")
+    assert line.endswith(
+        "(on generated pixel_values float32[2,8,8,8] float; --input_shape sets the symbolic "
+        "sizes, --inputs the data)"
+    )
+    result = run_cli("verify", model, model, "--input_shape", "pixel_values:1,3,5,5")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_a_dimension_named_by_arithmetic_takes_its_value() -> None:
+    specs = [
+        InputSpec("ids", ir.DataType.INT64, ("batch", "sequence_length")),
+        InputSpec("past", ir.DataType.FLOAT, ("batch", 2, "past_sequence_length", 16)),
+        InputSpec("mask", ir.DataType.INT64, ("batch", "past_sequence_length + sequence_length")),
+        InputSpec("both", ir.DataType.INT64, ("2*sequence_length - 1",)),
+    ]
+    dims = resolve_dims(specs, {"ids": [1, 5]})
+    assert dims == {"ids": (1, 5), "past": (1, 2, 4, 16), "mask": (1, 9), "both": (9,)}
 
 
 def test_input_shape_resolves_symbolic_dims(optimized: dict[str, Path]) -> None:

@@ -28,7 +28,13 @@ from rich.table import Table
 
 from fusectl.core.model_io import load_model
 from fusectl.core.plugins import load_builtin_passes
-from fusectl.diagnostics.inputs import FeedPlan, describe_feeds, model_feeds, read_npz
+from fusectl.diagnostics.inputs import (
+    FeedPlan,
+    describe_feeds,
+    graph_inputs,
+    model_feeds,
+    read_npz,
+)
 from fusectl.errors import FusectlError
 from fusectl.rewrite.context import LINEAGE_PASSES
 from fusectl.rewrite.registry import Numerics
@@ -130,9 +136,15 @@ def parse_providers(text: str | None) -> list[str]:
 
 
 def run_model(
-    path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str], *, failure: type
+    path: Path,
+    feeds: dict[str, np.ndarray],
+    providers: Sequence[str],
+    *,
+    failure: type,
+    hint: str = "",
 ) -> dict[str, np.ndarray]:
-    """Outputs by name, in the model's order; onnxruntime's own graph optimizations off."""
+    """Outputs by name, in the model's order; onnxruntime's own graph optimizations off.
+    ``hint`` ends the message of a model that does not run."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4  # its errors come back as one line of ours
@@ -143,7 +155,7 @@ def run_model(
         values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
     except Exception as error:  # onnxruntime raises its own types for load and run errors
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise failure(f"onnxruntime cannot run it: {message}", path=path) from None
+        raise failure(f"onnxruntime cannot run it: {message}{hint}", path=path) from None
     return dict(zip(names, values, strict=True))
 
 
@@ -369,7 +381,17 @@ def verify_models(
         reference, reference_path = "golden", golden
     else:
         assert original is not None
-        expected = run_model(original, feeds, chosen, failure=FusectlError)
+        # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
+        guessed = inputs is None and any(
+            not isinstance(d, int) for spec in graph_inputs(source_model) for d in spec.dims or ()
+        )
+        hint = (
+            f" (on generated {describe_feeds(feeds, plans).removeprefix('inputs: ')}; "
+            "--input_shape sets the symbolic sizes, --inputs the data)"
+            if guessed
+            else ""
+        )
+        expected = run_model(original, feeds, chosen, failure=FusectlError, hint=hint)
         reference, reference_path = "original", original
     actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
     result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)

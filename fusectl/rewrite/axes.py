@@ -482,6 +482,16 @@ def _traced_size(
             if size is not None:
                 return size
         return None
+    if standard and node.op_type == "Split" and inputs and inputs[0] is not None:
+        part = _split_size(ctx, node, value, axis, len(shape), 1)  # a constant part, if one
+        if part is not None:
+            return part, ()
+    if standard and node.op_type == "Tile" and None not in inputs[:2] and len(inputs) == 2:
+        times = shape_element(ctx, inputs[1], axis)  # type: ignore[arg-type]
+        size = symbolic_size(ctx, inputs[0], axis, depth - 1) if times is not None else None  # type: ignore[arg-type]
+        return (size[0] * times, size[1]) if size is not None else None  # type: ignore[operator]
+    if standard and node.op_type == "GatherElements" and len(inputs) > 1 and inputs[1]:
+        return symbolic_size(ctx, inputs[1], axis, depth - 1)  # the indices' shape
     # Ops that copy the size: one path, followed at no cost in depth (a residual stream runs
     # through every layer before it reaches a named size), to the first size it is known by.
     chain = size_sources(ctx, value, axis)

@@ -258,6 +258,10 @@ def feedback(
             producer = value.producer() if value is not None else None
             if value in maker:
                 needs[node].add(maker[value])  # type: ignore[index, arg-type]
+            elif producer in members:  # a pass reusing a size read it also removes
+                return (
+                    f"the new {node.op_type} would read {value.name}, which a removed node computes"  # type: ignore[union-attr]
+                )
             elif producer in new:
                 needs[node].add(producer)  # type: ignore[arg-type]
             elif producer is not None and producer not in members:

@@ -17,6 +17,7 @@ the present reads the mask. Such a size along the cache's Concat axis is the sum
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -147,87 +148,146 @@ class Reread(NamedTuple):
 
 
 def read_again(
-    ctx: PassContext, graph: ir.Graph, name: str, reader: ir.Node, parts: list[Part]
+    ctx: PassContext,
+    graph: ir.Graph,
+    name: str,
+    reader: ir.Node,
+    parts: list[Part],
+    removed: Collection[ir.Node] = (),
 ) -> Reread:
     """The Shape ``reader`` read again from ``parts``. Where each of its readers takes one
     size (Gather of a constant scalar index, TorchScript's ``x.shape[i]``), that Gather reads
     it from its source's Shape (a static size: a constant), the Shape and Gather already in the
-    graph where there are such (a second run then finds nothing to merge); else the whole
-    shape is rebuilt (_joined)."""
+    graph where there are such and they are not among the ``removed`` nodes (a second run then
+    finds nothing to merge); else the whole shape is rebuilt (_joined)."""
     shape = reader.outputs[0]
     users = [user for user, _ in shape.uses()]
     picks = [_picked(user, len(parts)) for user in users]
+    build = _Sizes(ctx, graph, name, set(removed))
     if shape.is_graph_output() or not users or None in picks:
-        built = _joined(ctx, graph, name, parts)
-        return Reread(built, [], [shape], [built[-1].outputs[0]], built)
-    made: list[ir.Node] = []
-    reading: list[ir.Node] = []
+        built = build.joined(parts)
+        reading = list(dict.fromkeys([*build.reading, *built]))  # what a sum reused too
+        return Reread(built, [], [shape], [built[-1].outputs[0]], reading)
     forwards: list[ir.Node] = []
     for index in picks:
-        size = _scalar(ctx, graph, name, parts[index], made, reading)  # type: ignore[index]
+        size = build.scalar(parts[index])  # type: ignore[index]
         forwards.append(ir.node("Identity", [size]))  # bypassed once it replaces the Gather
         typed(forwards[-1].outputs[0], ir.DataType.INT64, ir.Shape([]))
     values = [node.outputs[0] for node in forwards]
-    return Reread(made + forwards, users, [user.outputs[0] for user in users], values, reading)
-
-
-def _scalar(
-    ctx: PassContext,
-    graph: ir.Graph,
-    name: str,
-    part: Part,
-    made: list[ir.Node],
-    reading: list[ir.Node],
-) -> ir.Value:
-    """One size as an int64 scalar: a constant, a read (_size_of), or the Add of a sum's."""
-    if isinstance(part, int):
-        return new_constant(graph, f"{name}/size", np.array(part, np.int64))
-    if isinstance(part, tuple):
-        return _size_of(ctx, graph, name, *part, made, reading)
-    total = _scalar(ctx, graph, name, part[0], made, reading)
-    for term in part[1:]:
-        add = ir.node("Add", [total, _scalar(ctx, graph, name, term, made, reading)])
-        typed(add.outputs[0], ir.DataType.INT64, ir.Shape([]))
-        made.append(add)
-        reading.append(add)
-        total = add.outputs[0]
-    return total
-
-
-def _size_of(
-    ctx: PassContext,
-    graph: ir.Graph,
-    name: str,
-    source: ir.Value,
-    axis: int,
-    made: list[ir.Node],
-    reading: list[ir.Node],
-) -> ir.Value:
-    """``source.shape[axis]`` as a scalar, read by the Shape and Gather of source already there
-    (made earlier by this pass too), else by new ones, appended to ``made``; both to
-    ``reading``, the Shape first."""
-    shape = next((u for u, _ in source.uses() if u.op_type == "Shape" and not u.attributes), None)
-    if shape is None:
-        shape = ir.node("Shape", [source])
-        rank = len(source_shape) if (source_shape := ctx.shape(source)) else None
-        typed(shape.outputs[0], ir.DataType.INT64, ir.Shape([rank]))
-        made.append(shape)
-    rank = shape.outputs[0].shape[0] if shape.outputs[0].shape else None
-    gather = next(
-        (
-            user
-            for user, index in shape.outputs[0].uses()
-            if index == 0 and _picked(user, rank if isinstance(rank, int) else axis + 1) == axis
-        ),
-        None,
+    return Reread(
+        build.made + forwards, users, [user.outputs[0] for user in users], values, build.reading
     )
-    if gather is None:
-        position = new_constant(graph, f"{name}/axis", np.array(axis, np.int64))
-        gather = ir.node("Gather", [shape.outputs[0], position], attributes={"axis": 0})
-        typed(gather.outputs[0], ir.DataType.INT64, ir.Shape([]))
-        made.append(gather)
-    reading += [node for node in (shape, gather) if node not in reading]
-    return gather.outputs[0]
+
+
+@dataclass
+class _Sizes:
+    """Builds sizes as nodes: ``made`` the new ones, ``reading`` those (new or already there)
+    that must come before the replaced values' readers, never reusing a ``removed`` node."""
+
+    ctx: PassContext
+    graph: ir.Graph
+    name: str
+    removed: set[ir.Node]
+    made: list[ir.Node] = field(default_factory=list)
+    reading: list[ir.Node] = field(default_factory=list)
+
+    def scalar(self, part: Part) -> ir.Value:
+        """One size as an int64 scalar: a constant, a read (size_of), or the Add of a sum's."""
+        if isinstance(part, int):
+            return new_constant(self.graph, f"{self.name}/size", np.array(part, np.int64))
+        if isinstance(part, tuple):
+            return self.size_of(*part)
+        total = self.scalar(part[0])
+        for term in part[1:]:
+            add = ir.node("Add", [total, self.scalar(term)])
+            typed(add.outputs[0], ir.DataType.INT64, ir.Shape([]))
+            self.made.append(add)
+            self.reading.append(add)
+            total = add.outputs[0]
+        return total
+
+    def size_of(self, source: ir.Value, axis: int) -> ir.Value:
+        """``source.shape[axis]`` as a scalar, read by the Shape and Gather of source already
+        there (made earlier by this pass too), else by new ones."""
+        shape = next(
+            (
+                user
+                for user, _ in source.uses()
+                if user.op_type == "Shape" and not user.attributes and user not in self.removed
+            ),
+            None,
+        )
+        if shape is None:
+            shape = ir.node("Shape", [source])
+            rank = len(source_shape) if (source_shape := self.ctx.shape(source)) else None
+            typed(shape.outputs[0], ir.DataType.INT64, ir.Shape([rank]))
+            self.made.append(shape)
+        rank = shape.outputs[0].shape[0] if shape.outputs[0].shape else None
+        length = rank if isinstance(rank, int) else axis + 1
+        gather = next(
+            (
+                user
+                for user, index in shape.outputs[0].uses()
+                if index == 0 and user not in self.removed and _picked(user, length) == axis
+            ),
+            None,
+        )
+        if gather is None:
+            position = new_constant(self.graph, f"{self.name}/axis", np.array(axis, np.int64))
+            gather = ir.node("Gather", [shape.outputs[0], position], attributes={"axis": 0})
+            typed(gather.outputs[0], ir.DataType.INT64, ir.Shape([]))
+            self.made.append(gather)
+        self.reading += [node for node in (shape, gather) if node not in self.reading]
+        return gather.outputs[0]
+
+    def joined(self, parts: list[Part]) -> list[ir.Node]:
+        """Nodes computing the 1-D shape ``parts`` describe, the last one giving it: runs of one
+        value's consecutive sizes read with one Shape (or Shape then Gather below opset 15),
+        the static sizes one constant each, a sum as its scalar, joined by a Concat."""
+        runs: list[list[Part]] = []
+        for part in parts:
+            last = runs[-1][-1] if runs else None
+            follows = (
+                isinstance(part, tuple)
+                and isinstance(last, tuple)
+                and part[0] is last[0]
+                and part[1] == last[1] + 1
+            )
+            if follows:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        ctx, graph, name = self.ctx, self.graph, self.name
+        pieces: list[ir.Value] = []
+        for index, run in enumerate(runs):
+            first = run[0]
+            if isinstance(first, int):
+                sizes = np.array([first], np.int64)
+                pieces.append(new_constant(graph, f"{name}/size_{index}", sizes))
+                continue
+            if isinstance(first, list):  # a sum: its scalar as a 1-element piece
+                total = self.scalar(first)
+                axes = f"{name}/sum_axes_{index}"
+                self.made.append(new_unsqueeze(ctx, graph, total, [0], axes))
+                typed(self.made[-1].outputs[0], ir.DataType.INT64, ir.Shape([1]))
+                pieces.append(self.made[-1].outputs[0])
+                continue
+            source, axis = first  # type: ignore[misc]
+            if ctx.opset >= _SHAPE_RANGE_OPSET:
+                end = axis + len(run)
+                read = [ir.node("Shape", [source], attributes={"start": axis, "end": end})]
+            else:
+                positions = np.arange(axis, axis + len(run), dtype=np.int64)
+                taken = new_constant(graph, f"{name}/axes_{index}", positions)
+                whole = ir.node("Shape", [source])
+                read = [whole, ir.node("Gather", [whole.outputs[0], taken], attributes={"axis": 0})]
+            typed(read[0].outputs[0], ir.DataType.INT64, None)
+            typed(read[-1].outputs[0], ir.DataType.INT64, ir.Shape([len(run)]))
+            self.made += read
+            pieces.append(read[-1].outputs[0])
+        joined = ir.node("Concat", pieces, attributes={"axis": 0})
+        typed(joined.outputs[0], ir.DataType.INT64, ir.Shape([len(parts)]))
+        return [*self.made, joined]
 
 
 def _picked(user: ir.Node, length: int) -> int | None:
@@ -239,54 +299,6 @@ def _picked(user: ir.Node, length: int) -> int | None:
         return None
     position = int(index)
     return position % length if -length <= position < length else None
-
-
-def _joined(ctx: PassContext, graph: ir.Graph, name: str, parts: list[Part]) -> list[ir.Node]:
-    """Nodes computing the 1-D shape ``parts`` describe, the last one giving it: runs of one
-    value's consecutive sizes read with one Shape (or Shape then Gather below opset 15), the
-    static sizes one constant each, joined by a Concat."""
-    runs: list[list[Part]] = []
-    for part in parts:
-        last = runs[-1][-1] if runs else None
-        follows = (
-            isinstance(part, tuple)
-            and isinstance(last, tuple)
-            and part[0] is last[0]
-            and part[1] == last[1] + 1
-        )
-        if follows:
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    nodes: list[ir.Node] = []
-    pieces: list[ir.Value] = []
-    for index, run in enumerate(runs):
-        first = run[0]
-        if isinstance(first, int):
-            sizes = np.array([first], np.int64)
-            pieces.append(new_constant(graph, f"{name}/size_{index}", sizes))
-            continue
-        if isinstance(first, list):  # a sum: its scalar as a 1-element piece
-            total = _scalar(ctx, graph, f"{name}/sum_{index}", first, nodes, [])
-            nodes.append(new_unsqueeze(ctx, graph, total, [0], f"{name}/sum_axes_{index}"))
-            typed(nodes[-1].outputs[0], ir.DataType.INT64, ir.Shape([1]))
-            pieces.append(nodes[-1].outputs[0])
-            continue
-        source, axis = first  # type: ignore[misc]
-        if ctx.opset >= _SHAPE_RANGE_OPSET:
-            read = [ir.node("Shape", [source], attributes={"start": axis, "end": axis + len(run)})]
-        else:
-            positions = np.arange(axis, axis + len(run), dtype=np.int64)
-            taken = new_constant(graph, f"{name}/axes_{index}", positions)
-            whole = ir.node("Shape", [source])
-            read = [whole, ir.node("Gather", [whole.outputs[0], taken], attributes={"axis": 0})]
-        typed(read[0].outputs[0], ir.DataType.INT64, None)
-        typed(read[-1].outputs[0], ir.DataType.INT64, ir.Shape([len(run)]))
-        nodes += read
-        pieces.append(read[-1].outputs[0])
-    joined = ir.node("Concat", pieces, attributes={"axis": 0})
-    typed(joined.outputs[0], ir.DataType.INT64, ir.Shape([len(parts)]))
-    return [*nodes, joined]
 
 
 def move_before_readers(graph: ir.Graph, nodes: list[ir.Node]) -> None:

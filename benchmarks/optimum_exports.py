@@ -85,7 +85,9 @@ def main() -> None:
     models = sorted(
         path for path in args.directory.rglob("*.onnx") if not only or path.parent.name in only
     )
-    trees = [("head", h.REPO_ROOT)] + ([("checkout", args.checkout)] if args.checkout else [])
+    trees = [("this", h.REPO_ROOT)]
+    if args.checkout is not None:
+        trees.append((args.checkout.name, args.checkout))
     headers = ["model", *(["tree"] if args.checkout else []), *CLASSES, "nodes", "verify"]
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -34,8 +34,9 @@ EXPECTED = {
     "opt_past": ({"attention": 2, "norm": 5, "skip_norm": 1, "gelu": 0, "rotary": 0}, 98),
     "llama_past": ({"attention": 2, "norm": 5, "skip_norm": 5, "gelu": 2, "rotary": 4}, 179),
     "gptj_past": ({"attention": 2, "norm": 3, "skip_norm": 2, "gelu": 2, "rotary": 4}, 163),
-    "bart_merged": ({"attention": 8, "norm": 14, "skip_norm": 12, "gelu": 4, "rotary": 0}, 337),
-    "marian_merged": ({"attention": 8, "norm": 12, "skip_norm": 12, "gelu": 4, "rotary": 0}, 331),
+    "bart_merged": ({"attention": 8, "norm": 14, "skip_norm": 12, "gelu": 4, "rotary": 0}, 333),
+    "marian_merged": ({"attention": 8, "norm": 12, "skip_norm": 12, "gelu": 4, "rotary": 0}, 327),
+    "whisper_merged": ({"attention": 8, "norm": 14, "skip_norm": 12, "gelu": 4, "rotary": 0}, 215),
 }
 
 

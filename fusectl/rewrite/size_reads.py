@@ -79,9 +79,20 @@ def _sources(
     start = reader.attributes.get_int("start", 0)
     end = reader.attributes.get_int("end", rank)
     graph = reader.graph
-    inputs = list(graph.inputs) if graph is not None else []
+    inputs = _inputs_read(graph) if graph is not None else []
     parts = [_source(ctx, value, axis, members, kept, inputs) for axis in range(rank)[start:end]]
     return None if None in parts else parts  # type: ignore[return-value]
+
+
+def _inputs_read(graph: ir.Graph) -> list[ir.Value]:
+    """The graph's inputs, and for an If branch or a loop body the enclosing graphs' inputs it
+    reads (Optimum's merged decoder reads input_ids from inside its branches)."""
+    found = dict.fromkeys(graph.inputs)
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and value.is_graph_input():
+                found.setdefault(value)
+    return list(found)
 
 
 def _source(
@@ -94,8 +105,8 @@ def _source(
 ) -> Part | None:
     """A static size; else a copy of it that stays for sure: one the fused op reads, a graph
     input's axis of that one named size; else the farthest copy outside the fused nodes (the
-    nearer ones may live only for them, and a later fusion may take the farthest); else, along
-    a matched Concat's axis, the sum of its parts' sizes."""
+    nearer ones may live only for them, and a later fusion may take the farthest); else, for a
+    matched Concat, a part's size (the sum of its parts' along its axis)."""
     shape = ctx.shape(value)
     dim = shape[axis] if shape is not None else None
     if isinstance(dim, int):
@@ -122,12 +133,12 @@ def _source(
                     return given, index
     if copies:
         return copies[-1]
-    # A matched Concat's axis: the sum of its parts' sizes.
+    # A matched Concat: along its axis the sum of its parts' sizes, off it any part's.
     if maker.op_type != "Concat" or maker.domain not in ("", "ai.onnx") or None in maker.inputs:
         return None
-    if maker.attributes.get_int("axis", 0) % len(shape) != axis:  # type: ignore[arg-type]
-        return None
     parts = [_source(ctx, operand, axis, members, kept, inputs) for operand in maker.inputs]  # type: ignore[arg-type]
+    if maker.attributes.get_int("axis", 0) % len(shape) != axis:  # type: ignore[arg-type]
+        return next((part for part in parts if part is not None), None)
     if None in parts:
         return None
     if all(isinstance(part, int) for part in parts):
@@ -208,12 +219,15 @@ class _Sizes:
 
     def size_of(self, source: ir.Value, axis: int) -> ir.Value:
         """``source.shape[axis]`` as a scalar, read by the Shape and Gather of source already
-        there (made earlier by this pass too), else by new ones."""
+        there in this graph (made earlier by this pass too), else by new ones."""
         shape = next(
             (
                 user
                 for user, _ in source.uses()
-                if user.op_type == "Shape" and not user.attributes and user not in self.removed
+                if user.op_type == "Shape"
+                and not user.attributes
+                and user.graph is self.graph  # an outer value's readers live elsewhere
+                and user not in self.removed
             ),
             None,
         )

@@ -255,16 +255,18 @@ def feedback(
     }
     for node in new_nodes:
         for value in node.inputs:
-            producer = value.producer() if value is not None else None
+            if value is None:
+                continue
+            producer = value.producer()
             if value in maker:
-                needs[node].add(maker[value])  # type: ignore[index, arg-type]
+                needs[node].add(maker[value])  # type: ignore[arg-type]
             elif producer in members:  # a pass reusing a size read it also removes
                 return (
-                    f"the new {node.op_type} would read {value.name}, which a removed node computes"  # type: ignore[union-attr]
+                    f"the new {node.op_type} would read {value.name}, which a removed node computes"
                 )
             elif producer in new:
                 needs[node].add(producer)  # type: ignore[arg-type]
-            elif producer is not None and producer not in members:
+            elif producer is not None:
                 readers.setdefault(producer, set()).add(node)
     for value, made_by in maker.items():
         if value.producer() is root or not readers:

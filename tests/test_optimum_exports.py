@@ -135,6 +135,23 @@ def test_opt_causal_mask_is_not_taken_for_a_padding_mask(tmp_path: Path) -> None
     assert all(n.input[4] == "" and n.input[5] for n in attention)
 
 
+def test_a_mask_length_named_apart_is_probed_as_the_key_length(tmp_path: Path) -> None:
+    """The same OPT with its mask declared over a plain "total_length" (as transformers 5's
+    exports name it): the name says nothing of past + new, so the probe sets it to the fused
+    op's key length, and the causal mask is seen again."""
+    model = onnx.load(str(OPTIMUM / "opt_past.onnx"))
+    mask = next(i for i in model.graph.input if i.name == "attention_mask")
+    mask.type.tensor_type.shape.dim[1].dim_param = "total_length"
+    edited = tmp_path / "opt_total.onnx"
+    onnx.save(model, str(edited))
+    run = optimize(edited, tmp_path)
+    misses = run.passed("KeyPaddingMaskFusionPass")["near_misses"]
+    assert [m["reason"] for m in misses] == [
+        "the attention bias varies with the query (a causal or windowed mask)"
+    ]
+    assert_same(edited, run.output, padded_feeds(edited))
+
+
 def test_probe_sizes_compute_arithmetic_dimension_names() -> None:
     names = ["batch_size", "past_sequence_length + sequence_length", "sequence_length"]
     found = probes(names)

@@ -182,9 +182,11 @@ def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] |
 
 
 def _frees_inputs(node: ir.Node) -> bool:
-    """Whether every constant the node reads is read by nothing else."""
+    """Whether every constant the node reads is read by nothing else; it may read one twice
+    (NF-ResNet's weight standardization squares the centered weight as Mul(d, d))."""
     return all(
-        value is None or (len(value.uses()) == 1 and not value.is_graph_output())
+        value is None
+        or (not value.is_graph_output() and all(user is node for user, _ in value.uses()))
         for value in node.inputs
     )
 

@@ -159,6 +159,29 @@ def test_large_results_fold_only_when_they_free_their_inputs(tmp_path: Path) -> 
     assert alone.op_counts() == Counter({"Add": 1})
 
 
+def test_a_large_constant_squared_folds(tmp_path: Path) -> None:
+    """NF-ResNet's weight standardization (timm's ScaledStdConv2d) squares the centered weight
+    as Mul(d, d): d is read twice, by that one node only, so folding frees it. It was left to
+    run at every inference when the square was over the growth limit (here 2 MB)."""
+    weight = np.random.default_rng(0).normal(size=(512, 1024)).astype(np.float32)
+    model = save_model(
+        tmp_path / "standardized.onnx",
+        [
+            helper.make_node("ReduceMean", ["w"], ["mean"], axes=[1], keepdims=1),
+            helper.make_node("Sub", ["w", "mean"], ["centered"]),
+            helper.make_node("Mul", ["centered", "centered"], ["squared"], name="square"),
+            helper.make_node("ReduceMean", ["squared"], ["variance"], axes=[1], keepdims=1),
+            helper.make_node("Add", ["x", "variance"], ["y"]),
+        ],
+        [value("x", [512, 1])],
+        [value("y", [512, 1])],
+        [const("w", weight)],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, FOLD) == {}
+    assert run.op_counts() == Counter({"Add": 1})
+
+
 # ---------------------------------------------------------------------------------------------
 # Gather / Slice of a Shape: the dimensions they select may be static though the shape is not
 # (the head size read back from a [B, S, N, H] tensor).

@@ -170,7 +170,7 @@ def read_again(
     size (Gather of a constant scalar index, TorchScript's ``x.shape[i]``), that Gather reads
     it from its source's Shape (a static size: a constant), the Shape and Gather already in the
     graph where there are such and they are not among the ``removed`` nodes (a second run then
-    finds nothing to merge); else the whole shape is rebuilt (_joined)."""
+    finds nothing to merge); else the whole shape is rebuilt (_Sizes.joined)."""
     shape = reader.outputs[0]
     users = [user for user, _ in shape.uses()]
     picks = [_picked(user, len(parts)) for user in users]

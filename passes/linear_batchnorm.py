@@ -60,6 +60,8 @@ def _affine(batchnorm: ir.Node, columns: int) -> tuple[np.ndarray, np.ndarray] |
     """The normalization as ``x * factor + offset`` per column (float64), or why not."""
     if batchnorm.attributes.get_int("training_mode", 0):
         return "BatchNormalization is in training mode"
+    if any(out.uses() or out.is_graph_output() for out in batchnorm.outputs[1:]):
+        return "the BatchNormalization's running statistics are read"
     params = [constant_value(value) for value in batchnorm.inputs[1:5]]
     if len(params) != 4 or any(p is None for p in params):
         return "the BatchNormalization parameters are not constants"
@@ -199,7 +201,8 @@ class LinearBatchnormFusionPass(FusionPass):
         reading it; the map's old output (read by Shape at most) becomes the new map's."""
         mapped = made[-1].outputs[0]
         old_map = (fold.add or fold.linear).outputs[0]
-        typed(mapped, ctx.dtype(old_map), ctx.shape(old_map))
+        for new, old_value in ((made[0], fold.linear.outputs[0]), (made[-1], old_map)):
+            typed(new.outputs[0], ctx.dtype(old_value), ctx.shape(old_value))
         current, views = mapped, []
         for view in fold.views:
             copy = ir.node(

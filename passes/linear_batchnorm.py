@@ -158,6 +158,59 @@ def _folded_map(graph: ir.Graph, fold: _Fold, name: str) -> list[ir.Node] | str:
     return [ir.node("Gemm", [linear.inputs[0], scaled, shifted], attributes=kept)]
 
 
+def _fold_before(
+    ctx: PassContext, graph: ir.Graph, batchnorm: ir.Node, name: str
+) -> tuple[ir.Node, list[ir.Node]] | str | None:
+    """The map that reads the normalization's [rows, C] output as its first operand, and its
+    replacement reading the normalization's input: ``(x * f + o) @ W = x @ (f W) + o @ W``
+    (timm LeViT's and RepViT's BatchNorm1d before the classifier's Linear); why not; or None
+    where no linear map reads it."""
+    output = batchnorm.outputs[0]
+    readers = [user for user, _ in output.uses()]
+    if len(readers) != 1 or output.is_graph_output():
+        return None
+    linear = readers[0]
+    if linear.op_type not in ("MatMul", "Gemm") or linear.domain not in ("", "ai.onnx"):
+        return None
+    if linear.inputs[0] is not output or linear.inputs[1] is output:
+        return None
+    weight = constant_value(linear.inputs[1])
+    if weight is None or weight.ndim != 2 or not np.issubdtype(weight.dtype, np.floating):
+        return None
+    attributes = linear.attributes
+    if linear.op_type == "Gemm" and attributes.get_int("transA", 0):
+        return "the Gemm reads the normalized [rows, channels] transposed"
+    shape = ctx.shape(batchnorm.inputs[0])  # type: ignore[arg-type]
+    transposed = linear.op_type == "Gemm" and attributes.get_int("transB", 0)
+    channels = int(weight.shape[1] if transposed else weight.shape[0])
+    if shape is None or len(shape) != 2 or shape[1] != channels:
+        return "the BatchNormalization's channels are not the map's input columns ([rows, columns])"
+    affine = _affine(batchnorm, channels)
+    if isinstance(affine, str):
+        return affine
+    factor, offset = affine
+    matrix = weight.T.astype(np.float64) if transposed else weight.astype(np.float64)  # [C, K]
+    alpha = attributes.get_float("alpha", 1.0) if linear.op_type == "Gemm" else 1.0
+    shift = alpha * (offset @ matrix)  # what o adds to every row of the product
+    rows = factor[None, :] if transposed else factor[:, None]
+    scaled = new_constant(graph, f"{name}/weight", (weight * rows).astype(weight.dtype))
+    x = batchnorm.inputs[0]
+    if linear.op_type == "MatMul":
+        product = ir.node("MatMul", [x, scaled])
+        shifted = new_constant(graph, f"{name}/bias", shift.astype(weight.dtype))
+        return linear, [product, ir.node("Add", [product.outputs[0], shifted])]
+    beta = attributes.get_float("beta", 1.0)
+    addend = shift
+    if len(linear.inputs) > 2 and linear.inputs[2] is not None and beta != 0:
+        per_column = _per_column(constant_value(linear.inputs[2]), len(shift))
+        if per_column is None:
+            return "the Gemm's C is not a constant with one value per column"
+        addend = beta * per_column + shift
+    shifted = new_constant(graph, f"{name}/bias", addend.astype(weight.dtype))
+    kept = {k: v for k, v in attributes.items() if k not in ("beta",)}
+    return linear, [ir.node("Gemm", [x, scaled, shifted], attributes=kept)]
+
+
 @register_pass
 class LinearBatchnormFusionPass(FusionPass):
     spec = PassSpec(
@@ -165,7 +218,8 @@ class LinearBatchnormFusionPass(FusionPass):
         category=Category.GRAPH,
         description="inference BatchNormalization over the output columns of a MatMul by a "
         "constant (with its bias Add) or a Gemm, directly or through a reshape to [rows, "
-        "columns] (BN1d embedding heads, timm LeViT's LinearNorm) -> the map with folded "
+        "columns] (BN1d embedding heads, timm LeViT's LinearNorm), or over the [rows, "
+        "columns] such a map reads (a classifier's BatchNorm1d) -> the map with folded "
         "weights and bias",
         aliases=("linear_bn_fusion",),
         numerics=Numerics.REASSOCIATING,
@@ -180,25 +234,51 @@ class LinearBatchnormFusionPass(FusionPass):
         for batchnorm in ctx.op_index.of_type(graph, "BatchNormalization"):
             if batchnorm.graph is not graph:
                 continue  # removed by an earlier fold
-            fold = _plan(ctx, batchnorm)
-            if fold is None:
-                continue
-            if isinstance(fold, str):
-                stats.decline(fold, node_label(batchnorm))
-                continue
             name = f"{ctx.spec.name}/{node_label(batchnorm)}"
-            made = _folded_map(graph, fold, name)
-            if isinstance(made, str):
-                stats.decline(made, node_label(batchnorm))
+            fold = _plan(ctx, batchnorm)
+            if isinstance(fold, _Fold):
+                made = _folded_map(graph, fold, name)
+                if isinstance(made, str):
+                    stats.decline(made, node_label(batchnorm))
+                else:
+                    self._replace(ctx, batchnorm, fold, made)
                 continue
-            self._replace(ctx, batchnorm, fold, made)
+            # Not into the map before it: into the one that reads it, if one does.
+            into = self._fold_into_reader(ctx, graph, batchnorm, name)
+            reason = fold if isinstance(fold, str) else into
+            if into is not True and isinstance(reason, str):
+                stats.decline(reason, node_label(batchnorm))
+
+    @staticmethod
+    def _fold_into_reader(
+        ctx: PassContext, graph: ir.Graph, batchnorm: ir.Node, name: str
+    ) -> bool | str | None:
+        """The normalization folded into the map that reads it (_fold_before): True where it
+        was, why not, or None where no linear map reads it."""
+        found = _fold_before(ctx, graph, batchnorm, name)
+        if found is None or isinstance(found, str):
+            return found
+        linear, made = found
+        output = linear.outputs[0]
+        typed(made[0].outputs[0], ctx.dtype(output), ctx.shape(output))
+        typed(made[-1].outputs[0], ctx.dtype(output), ctx.shape(output))
+        refused = replace_subgraph(
+            ctx,
+            "LinearBatchnorm",
+            linear,
+            [batchnorm, linear],
+            made,
+            [output],
+            [made[-1].outputs[0]],
+        )
+        return refused is None or refused
 
     @staticmethod
     def _replace(ctx: PassContext, batchnorm: ir.Node, fold: _Fold, made: list[ir.Node]) -> None:
-        batchnorm_graph = batchnorm.graph
-        assert batchnorm_graph is not None
         """Swap map, bias, reshapes and normalization for the folded map and the reshapes
         reading it; the map's old output (read by Shape at most) becomes the new map's."""
+        batchnorm_graph = batchnorm.graph
+        assert batchnorm_graph is not None
         mapped = made[-1].outputs[0]
         old_map = (fold.add or fold.linear).outputs[0]
         for new, old_value in ((made[0], fold.linear.outputs[0]), (made[-1], old_map)):

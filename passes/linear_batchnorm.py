@@ -192,22 +192,21 @@ def _fold_before(
     matrix = weight.T.astype(np.float64) if transposed else weight.astype(np.float64)  # [C, K]
     alpha = attributes.get_float("alpha", 1.0) if linear.op_type == "Gemm" else 1.0
     shift = alpha * (offset @ matrix)  # what o adds to every row of the product
-    rows = factor[None, :] if transposed else factor[:, None]
-    scaled = new_constant(graph, f"{name}/weight", (weight * rows).astype(weight.dtype))
-    x = batchnorm.inputs[0]
-    if linear.op_type == "MatMul":
-        product = ir.node("MatMul", [x, scaled])
-        shifted = new_constant(graph, f"{name}/bias", shift.astype(weight.dtype))
-        return linear, [product, ir.node("Add", [product.outputs[0], shifted])]
     beta = attributes.get_float("beta", 1.0)
-    addend = shift
-    if len(linear.inputs) > 2 and linear.inputs[2] is not None and beta != 0:
+    addend = shift  # the Gemm's C, scaled by its beta, joins the shift
+    if linear.op_type == "Gemm" and len(linear.inputs) > 2 and linear.inputs[2] and beta != 0:
         per_column = _per_column(constant_value(linear.inputs[2]), len(shift))
         if per_column is None:
             return "the Gemm's C is not a constant with one value per column"
         addend = beta * per_column + shift
+    rows = factor[None, :] if transposed else factor[:, None]
+    scaled = new_constant(graph, f"{name}/weight", (weight * rows).astype(weight.dtype))
     shifted = new_constant(graph, f"{name}/bias", addend.astype(weight.dtype))
-    kept = {k: v for k, v in attributes.items() if k not in ("beta",)}
+    x = batchnorm.inputs[0]
+    if linear.op_type == "MatMul":
+        product = ir.node("MatMul", [x, scaled])
+        return linear, [product, ir.node("Add", [product.outputs[0], shifted])]
+    kept = {k: v for k, v in attributes.items() if k != "beta"}
     return linear, [ir.node("Gemm", [x, scaled, shifted], attributes=kept)]
 
 

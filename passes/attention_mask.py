@@ -155,8 +155,8 @@ def _recognize(ctx: PassContext, attention: ir.Node, bias: ir.Value) -> _Mask | 
     dtype = ctx.dtype(mask)
     assert dtype is not None
     sized = probes(dimension_names(ctx, bias, [mask]))
-    if sized is None:
-        return "the mask's dimensions are not named"
+    if isinstance(sized, str):
+        return f"the mask's sizes cannot be probed: {sized}"
     fills = set()
     for probe in sized:
         dims = _aligned(ctx, attention, mask, probe)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite.batchnorm import affine, inference_refusal
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
@@ -44,12 +45,7 @@ def _fold_dtype(reference: np.ndarray) -> Any:
 
 
 def _check_batchnorm(site: Site, **_: Any) -> str | None:
-    batchnorm = site.node("BatchNormalization")
-    if batchnorm.attributes.get_int("training_mode", 0) != 0:
-        return "BatchNormalization is in training mode"
-    if batchnorm.attributes.get_int("spatial", 1) != 1:
-        return "BatchNormalization has spatial=0"
-    return None
+    return inference_refusal(site.node("BatchNormalization"))
 
 
 def _batchnorm_affine(
@@ -62,10 +58,7 @@ def _batchnorm_affine(
     ]
     if any(a.size != channels for a in arrays):
         raise Decline("BatchNormalization parameters do not match the output channels")
-    epsilon = site.node("BatchNormalization").attributes.get_float("epsilon", 1e-5)
-    g, beta, mu, sigma2 = (a.astype(dtype).reshape(-1) for a in arrays)
-    factor = g / np.sqrt(sigma2 + np.asarray(epsilon, dtype))
-    return factor, beta - mu * factor
+    return affine(site.node("BatchNormalization"), arrays, dtype)
 
 
 def _fold_batchnorm(

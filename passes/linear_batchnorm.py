@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite.batchnorm import affine, inference_refusal
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_value,
@@ -58,8 +59,9 @@ def _only_reader(value: ir.Value, reader: ir.Node, sizes: bool = False) -> bool:
 
 def _affine(batchnorm: ir.Node, columns: int) -> tuple[np.ndarray, np.ndarray] | str:
     """The normalization as ``x * factor + offset`` per column (float64), or why not."""
-    if batchnorm.attributes.get_int("training_mode", 0):
-        return "BatchNormalization is in training mode"
+    refusal = inference_refusal(batchnorm)
+    if refusal is not None:
+        return refusal
     if any(out.uses() or out.is_graph_output() for out in batchnorm.outputs[1:]):
         return "the BatchNormalization's running statistics are read"
     params = [constant_value(value) for value in batchnorm.inputs[1:5]]
@@ -67,10 +69,7 @@ def _affine(batchnorm: ir.Node, columns: int) -> tuple[np.ndarray, np.ndarray] |
         return "the BatchNormalization parameters are not constants"
     if any(p.size != columns for p in params):  # type: ignore[union-attr]
         return "the BatchNormalization parameters do not match the map's columns"
-    scale, shift, mean, variance = (p.astype(np.float64).reshape(-1) for p in params)  # type: ignore[union-attr]
-    epsilon = batchnorm.attributes.get_float("epsilon", 1e-5)
-    factor = scale / np.sqrt(variance + epsilon)
-    return factor, shift - mean * factor
+    return affine(batchnorm, params)  # type: ignore[arg-type]
 
 
 def _per_column(array: np.ndarray | None, columns: int) -> np.ndarray | None:

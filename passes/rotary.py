@@ -103,9 +103,7 @@ class _Rotary:
 def _last_axis_unsqueeze(value: ir.Value, rank: int) -> ir.Value | None:
     """x from Unsqueeze(x, [axis]) whose rank-``rank`` output's last axis is the new one."""
     node = producer_of(value, "Unsqueeze")
-    axes = (
-        node_axes(node) if node is not None else None
-    )  # an input, or before opset 13 an attribute
+    axes = node_axes(node) if node is not None else None  # an input, or an attribute < 13
     if axes is None or len(axes) != 1:
         return None
     return node.inputs[0] if rank - 1 in [a % rank for a in axes] else None

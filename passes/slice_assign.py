@@ -111,8 +111,8 @@ def _assigned_range(
         for node in shapers:
             names += dimension_names(ctx, node.inputs[1], [node.inputs[0]])  # type: ignore[arg-type]
         sized = probes(list(dict.fromkeys(names)))
-        if sized is None:
-            return "the index grid depends on more named dimensions than there are probes"
+        if isinstance(sized, str):
+            return f"the index grid's sizes cannot be probed: {sized}"
         kept = len(shapers)
         for probe in sized:
             box = _box(evaluate(ctx, indices, {}, probe), probe_shape(ctx, data, probe))

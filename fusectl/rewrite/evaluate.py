@@ -28,19 +28,19 @@ _MAX_NODES = 256
 PROBE_SIZES = ((3, 5, 7, 11, 13, 17), (4, 6, 9, 10, 14, 15))
 
 
-def probes(names: Sequence[str]) -> list[dict[str, int]] | None:
+def probes(names: Sequence[str]) -> list[dict[str, int]] | str:
     """One size per named dimension for each row of PROBE_SIZES. A name that is arithmetic
     over other names (Optimum's "past_sequence_length + sequence_length") is computed from
     theirs: sizes probed apart would describe a model that cannot run (a mask shorter than the
-    past it covers). None where there are more names than probe sizes, or a computed size is
-    not positive."""
+    past it covers). Why not, where there are more names than probe sizes or a computed size
+    is not positive."""
     plain: list[str] = []
     for name in names:
         for part in arithmetic_names(name) or [name]:
             if part not in plain:
                 plain.append(part)
     if len(plain) > len(PROBE_SIZES[0]):
-        return None
+        return f"{len(plain)} named dimensions, more than the {len(PROBE_SIZES[0])} probe sizes"
     found = []
     for sizes in PROBE_SIZES:
         probe = dict(zip(plain, sizes, strict=False))
@@ -48,7 +48,7 @@ def probes(names: Sequence[str]) -> list[dict[str, int]] | None:
             if name not in probe:
                 computed = arithmetic_dim(name, probe.__getitem__)
                 if computed is None:
-                    return None
+                    return f"the dimension '{name}' comes to no positive size at the probe sizes"
                 probe[name] = computed
         found.append(probe)
     return found

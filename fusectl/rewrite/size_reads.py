@@ -16,7 +16,7 @@ the present reads the mask. Such a size along the cache's Concat axis is the sum
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -79,7 +79,13 @@ def _sources(
     start = reader.attributes.get_int("start", 0)
     end = reader.attributes.get_int("end", rank)
     graph = reader.graph
-    inputs = _inputs_read(graph) if graph is not None else []
+    read: list[list[ir.Value]] = []
+
+    def inputs() -> list[ir.Value]:  # a walk of the graph: only for a size no copy gives
+        if not read:
+            read.append(_inputs_read(graph) if graph is not None else [])
+        return read[0]
+
     parts = [_source(ctx, value, axis, members, kept, inputs) for axis in range(rank)[start:end]]
     return None if None in parts else parts  # type: ignore[return-value]
 
@@ -101,7 +107,7 @@ def _source(
     axis: int,
     members: set[ir.Node],
     kept: Collection[ir.Value],
-    inputs: list[ir.Value],
+    inputs: Callable[[], list[ir.Value]],
 ) -> Part | None:
     """A static size; else a copy of it that stays for sure: one the fused op reads, a graph
     input's axis of that one named size; else the farthest copy outside the fused nodes (the
@@ -127,7 +133,7 @@ def _source(
         return read
     size = symbolic_size(ctx, value, axis)
     if size is not None and size[0] == 1 and len(size[1]) == 1:
-        for given in inputs:
+        for given in inputs():
             for index, input_dim in enumerate(given.shape or ()):
                 if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
                     return given, index

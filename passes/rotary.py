@@ -31,7 +31,9 @@ reads each angle once in cos / sin, whose last axis is the cache as it is.
 
 What is checked is what cos / sin hold, whatever spells it: each angle twice along the last axis
 (its two halves equal, or pairs), proven by propagation from a Concat(f, f), a merge of equal
-copies or a constant's values through element-wise and layout ops (``_repeats``); and which axis
+copies or a constant's values through element-wise and layout ops (``_repeats``), or, where no
+proof goes through (repeat_interleave lowered to NonZero + GatherND), read from the table
+evaluated on random positions at two probe sizes (``_repeats_on_samples``); and which axis
 of x their rows run along, from how they broadcast against it. Either rotation goes with either
 layout: heads transposed to [B, N, S, H] (RotaryEmbedding on the projection before their head
 split, or on the 4-D heads) or not, [B, S, N, H] (GPT-J: merged to [B, S, N*H] around it).
@@ -54,6 +56,7 @@ from fusectl.rewrite.axes import (
     symbolic_size,
 )
 from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.evaluate import sampled, sampled_dims
 from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
     constant_value,
@@ -65,6 +68,7 @@ from fusectl.rewrite.graph import (
     uses_outside,
 )
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
+from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
 _HEADS = [0, 2, 1, 3]
@@ -329,6 +333,30 @@ def _repeated_in(table: np.ndarray, kind: str) -> bool:
     return bool(np.array_equal(first, second))
 
 
+# A table's values at the probe sizes (evaluate.sampled), or why there are none, per table.
+_Samples = dict[ir.Value, "list[tuple[dict[str, int], np.ndarray]] | str"]
+
+
+def _sampled(ctx: PassContext, table: ir.Value, samples: _Samples) -> list | str:
+    if table not in samples:
+        samples[table] = sampled(ctx, table)
+    return samples[table]
+
+
+def _repeats_on_samples(ctx: PassContext, value: ir.Value, kind: str, samples: _Samples) -> bool:
+    """Whether ``value``, computed from random inputs at two probe sizes, holds each element
+    twice as ``kind`` says, and holds more than one angle: for the spellings _repeats has no
+    proof through (repeat_interleave lowered to NonZero + GatherND), the layout read from what
+    the computation gives. A table of angles is laid out the same whatever the positions."""
+    found = _sampled(ctx, value, samples)
+    if isinstance(found, str):
+        return False
+    return all(
+        table.dtype.kind == "f" and _repeated_in(table, kind) and np.unique(table).size > 1
+        for _, table in found
+    )
+
+
 def _merged_pairs(ctx: PassContext, data: ir.Value, size: Size | None) -> bool:
     """Whether a Reshape of ``data`` [..., R/2, 2] to a last axis of ``size`` R merges its last
     two axes, and the last axis of ``data`` holds two equal copies."""
@@ -432,6 +460,25 @@ def _dims(ctx: PassContext, value: ir.Value) -> list[int | ir.SymbolicDim] | Non
     return dims
 
 
+def _table_dims(
+    ctx: PassContext, table: ir.Value, samples: _Samples
+) -> list[int | ir.SymbolicDim] | None:
+    """A cos / sin table's sizes: traced (_dims), and where that leaves an axis unnamed (a
+    repeat_interleave's GatherND, whose output onnx cannot size), as evaluating the table at
+    the probe sizes shows them."""
+    dims = _dims(ctx, table)
+    if dims is None or all(isinstance(d, int) or named(d) for d in dims):
+        return dims
+    found = _sampled(ctx, table, samples)
+    shown = sampled_dims(found) if not isinstance(found, str) else None
+    if shown is None or len(shown) != len(dims):
+        return dims
+    return [
+        dim if isinstance(dim, int) or named(dim) or seen is None else seen
+        for dim, seen in zip(dims, shown, strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class _Rows:
     """Where the rows of a cos / sin table run in x [B, ., ., R]: x's position ``axis``, the
@@ -517,6 +564,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("RotaryEmbedding")
         caches: dict[tuple[ir.Value, ir.Value, bool], tuple[ir.Value, ir.Value, ir.Value]] = {}
+        samples: _Samples = {}  # one evaluation per table: q and k, every layer, read the same
         anchors = [
             *((add, _match) for add in ctx.op_index.of_type(model.graph, "Add")),
             *(
@@ -529,7 +577,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
                 continue
             found = matcher(root, ctx)
             if found is not None:
-                reason = self._fuse(ctx, found, caches)
+                reason = self._fuse(ctx, found, caches, samples)
                 if reason is not None:
                     stats.decline(reason, root.name or root.op_type)
 
@@ -585,6 +633,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         ctx: PassContext,
         match: _Rotary,
         caches: dict[tuple[ir.Value, ir.Value, bool], tuple[ir.Value, ir.Value, ir.Value]],
+        samples: _Samples,
     ) -> str | None:
         shape = ctx.shape(match.x)
         assert shape is not None
@@ -599,9 +648,11 @@ class RotaryEmbeddingFusionPass(FusionPass):
         assert x_dims is not None
         placements = set()
         for angles in (match.cos, match.sin):
-            if not match.once and not _repeats(ctx, angles, kind):
+            if not match.once and not (
+                _repeats(ctx, angles, kind) or _repeats_on_samples(ctx, angles, kind, samples)
+            ):
                 return _NOT_REPEATED[kind]
-            dims = _dims(ctx, angles)
+            dims = _table_dims(ctx, angles, samples)
             if dims is None or not 2 <= len(dims) <= 4 or dims[-1] != width:
                 half = "half " if match.once else ""
                 return f"cos / sin do not have {half}the head size as their last axis"

@@ -10,7 +10,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.evaluate import Unevaluable, evaluate, traced_sizes
+from fusectl.rewrite.evaluate import (
+    PROBE_SIZES,
+    Unevaluable,
+    evaluate,
+    sampled,
+    sampled_dims,
+    traced_sizes,
+)
 from fusectl.rewrite.registry import Category, PassSpec
 from tests.pass_helpers import const, value
 
@@ -76,3 +83,30 @@ def test_an_op_outside_the_standard_domain_is_refused() -> None:
     values = _values(model)
     with pytest.raises(Unevaluable, match="depends on FastGelu"):
         evaluate(ctx, values["out"], {values["mask"]: np.ones((2, 3), np.int64)}, {"B": 2, "S": 3})
+
+
+def test_sampled_feeds_random_inputs_at_each_probe_size() -> None:
+    """The graph inputs the bias reads (the mask; x only through a Shape) are fed random
+    values, and each axis's size is read back as a size or the name whose probe size it is."""
+    model, ctx = _model()
+    values = _values(model)
+    samples = sampled(ctx, values["bias"])
+    assert not isinstance(samples, str)
+    assert [probe for probe, _ in samples] == [{"B": row[0], "S": row[1]} for row in PROBE_SIZES]
+    for probe, bias in samples:
+        assert bias.shape == (probe["B"], 1, probe["S"], probe["S"])
+        assert set(np.unique(bias)) <= {0.0, -1e4}
+    assert sampled_dims(samples) == [
+        ir.SymbolicDim("B"),
+        1,
+        ir.SymbolicDim("S"),
+        ir.SymbolicDim("S"),
+    ]
+    doubled = [(probe, np.zeros((2 * probe["B"], 3))) for probe, _ in samples]
+    assert sampled_dims(doubled) == [None, 3]  # 2B is no name's probe size
+
+
+def test_sampled_says_why_it_cannot_evaluate() -> None:
+    extra = [helper.make_node("FastGelu", ["bias"], ["out"], domain="com.microsoft")]
+    model, ctx = _model(extra)
+    assert sampled(ctx, _values(model)["out"]) == "it depends on FastGelu (com.microsoft)"

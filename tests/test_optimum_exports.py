@@ -9,7 +9,10 @@ lost its causal mask (the key padding recognizer probed the mask at sizes that c
 together: a mask shorter than the past it covers). GPT-J's rotary did not fuse: its angles are
 gathered per batch row from a tiled table with GatherElements and interleaved with Tile and
 Reshape, where onnx's inference makes up every size; the size walk now reads Split parts,
-Tile repeats and GatherElements' indices.
+Tile repeats and GatherElements' indices. Cohere's did not either: its angles are repeated with
+repeat_interleave, which the TorchScript exporter lowers to NonZero + GatherND, where no
+structural proof of the pairs goes through and onnx cannot size the table; the pass now reads
+both from the table evaluated on random positions at the probe sizes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ EXPECTED = {
     "opt_past": ({"attention": 2, "norm": 5, "skip_norm": 1, "gelu": 0, "rotary": 0}, 98),
     "llama_past": ({"attention": 2, "norm": 5, "skip_norm": 5, "gelu": 2, "rotary": 4}, 179),
     "gptj_past": ({"attention": 2, "norm": 3, "skip_norm": 2, "gelu": 2, "rotary": 4}, 163),
+    "cohere_past": ({"attention": 2, "norm": 3, "skip_norm": 3, "gelu": 2, "rotary": 4}, 208),
     "bart_merged": ({"attention": 8, "norm": 14, "skip_norm": 12, "gelu": 4, "rotary": 0}, 333),
     "marian_merged": ({"attention": 8, "norm": 12, "skip_norm": 12, "gelu": 4, "rotary": 0}, 327),
     "whisper_merged": ({"attention": 8, "norm": 14, "skip_norm": 12, "gelu": 4, "rotary": 0}, 215),
@@ -173,3 +177,52 @@ def test_generated_feeds_follow_the_declared_sum(tmp_path: Path) -> None:
     assert feeds["input_ids"].shape == (1, 5)
     assert feeds["past_key_values.0.key"].shape == (1, 2, 4, 16)
     assert feeds["attention_mask"].shape == (1, 9)  # past 4 + 5 new
+
+
+def test_cohere_rotary_reads_its_repeat_interleave_from_the_evaluated_table(
+    tmp_path: Path,
+) -> None:
+    """Every RotaryEmbedding is interleaved and reads the model's own position ids, and the
+    output follows positions that are neither 0.. nor the same per row."""
+    model = OPTIMUM / "cohere_past.onnx"
+    run = optimize(model, tmp_path)
+    graph = onnx.load(str(run.output)).graph
+    rotary = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotary) == 4
+    assert all(
+        onnx.helper.get_attribute_value(a) == 1
+        for n in rotary
+        for a in n.attribute
+        if a.name == "interleaved"
+    )
+    assert {n.op_type for n in graph.node} >= {"NonZero", "GatherND"}  # the table stays
+    feeds = padded_feeds(model)
+    feeds["position_ids"] = np.random.default_rng(3).integers(0, 40, feeds["position_ids"].shape)
+    assert_same(model, run.output, feeds)
+
+
+def test_a_table_that_is_not_pairs_on_the_probes_is_declined(tmp_path: Path) -> None:
+    """Near miss: Cohere's cos scaled by [1, 1.5, 1, 1.5, ...] along the head axis is no longer
+    each angle twice in a row. Nothing proves it structurally and the evaluated table shows it
+    is not pairs, so all four sites decline with the reason (sin alone is not enough)."""
+    model = onnx.load(str(OPTIMUM / "cohere_past.onnx"))
+    graph = model.graph
+    cast = next(n for n in graph.node if n.name == "/model/rotary_emb/Cast_4")
+    head = 8  # hidden 32 over 4 heads
+    scale = onnx.numpy_helper.from_array(
+        np.tile(np.array([1.0, 1.5], np.float32), head // 2), "cos_scale"
+    )
+    graph.initializer.append(scale)
+    scaled = onnx.helper.make_node("Mul", [cast.output[0], "cos_scale"], ["cos_scaled"])
+    for node in graph.node:
+        node.input[:] = ["cos_scaled" if i == cast.output[0] else i for i in node.input]
+    graph.node.insert(list(graph.node).index(cast) + 1, scaled)
+    edited = tmp_path / "cohere_unpaired.onnx"
+    onnx.save(model, str(edited))
+    run = optimize(edited, tmp_path)
+    misses = run.passed("RotaryEmbeddingFusionPass")["near_misses"]
+    assert [(m["reason"], m["count"]) for m in misses] == [
+        ("cos / sin are not each angle repeated twice in a row (repeat_interleave)", 4)
+    ]
+    assert fused_op_classes(_ops(run.output))["rotary"] == 0
+    assert_same(edited, run.output, padded_feeds(edited))

@@ -229,3 +229,74 @@ def evaluate(
             outputs = computed
         known.update(zip(node.outputs, outputs, strict=False))
     return read(value)  # type: ignore[return-value]
+
+
+def sampled(
+    ctx: PassContext, value: ir.Value, *, seed: int = 0
+) -> list[tuple[dict[str, int], np.ndarray]] | str:
+    """``value`` computed at each probe size (with the probe) from random values of the graph
+    inputs it reads, or why it cannot be. A recognizer asks this of a subgraph whose structure
+    it cannot prove but whose answer does not depend on the input values (how a table of angles
+    is laid out, whatever positions it is computed from): random inputs make a coincidence
+    unlikely where a fixed one (all zeros) would not. Integer inputs take values in [0, 16), as
+    positions and small indices do; floating ones standard normal values."""
+    try:
+        cone = dependencies(value, set())
+    except Unevaluable as why:
+        return str(why)
+    inputs = list(
+        dict.fromkeys(
+            operand
+            for node in cone
+            if node.op_type not in ("Shape", "Size")
+            for operand in node.inputs
+            if operand is not None and operand.is_graph_input()
+        )
+    )
+    sized = probes(dimension_names(ctx, value, inputs))
+    if isinstance(sized, str):
+        return sized
+    rng = np.random.default_rng(seed)
+    found = []
+    for probe in sized:
+        feeds: dict[ir.Value, np.ndarray] = {}
+        try:
+            for operand in inputs:
+                dtype = ctx.dtype(operand)
+                if dtype is None or not (dtype.is_integer() or dtype.is_floating_point()):
+                    return f"{operand.name} is not a number tensor"
+                shape = probe_shape(ctx, operand, probe)
+                numbers = (
+                    rng.integers(0, 16, shape) if dtype.is_integer() else rng.standard_normal(shape)
+                )
+                feeds[operand] = numbers.astype(dtype.numpy())
+            found.append((probe, evaluate(ctx, value, feeds, probe)))
+        except Unevaluable as why:
+            return str(why)
+    return found
+
+
+def sampled_dims(
+    samples: Sequence[tuple[Mapping[str, int], np.ndarray]],
+) -> list[int | ir.SymbolicDim | None] | None:
+    """Each axis's size as the samples show it: a size where it is the same in every probe, a
+    named dimension where it is that name's probe size in every probe (no two names share a
+    probe size), None otherwise; None where the samples differ in rank."""
+    ranks = {array.ndim for _, array in samples}
+    if len(ranks) != 1:
+        return None
+    dims: list[int | ir.SymbolicDim | None] = []
+    for axis in range(ranks.pop()):
+        sizes = [array.shape[axis] for _, array in samples]
+        names = [
+            name
+            for name in samples[0][0]
+            if all(probe.get(name) == size for (probe, _), size in zip(samples, sizes, strict=True))
+        ]
+        if len(set(sizes)) == 1:
+            dims.append(sizes[0])
+        elif len(names) == 1:
+            dims.append(ir.SymbolicDim(names[0]))
+        else:
+            dims.append(None)
+    return dims

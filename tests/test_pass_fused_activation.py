@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import optimize
+from tests.conftest import optimize, run_cli
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -282,6 +282,38 @@ def test_conv_residual_relu_fires(
     assert list(fused.input) == ["x", "w", "b" if with_bias else "", "z"]
     assert _attributes(fused)["activation"] == b"Relu"
     assert lineage(run) == {f"{CONV}/relu": ([CONV], ["conv", "join", "relu"])}
+
+
+def test_conv_residual_relu_verifies_at_its_declared_tolerance(tmp_path: Path) -> None:
+    """FusedConv adds the residual in another order than Conv, then Add: on a residual block
+    whose outputs reach a few hundred (as a ResNet's do) a few elements move by more than the
+    exact tolerance, so the pass is declared reassociating, and `fusectl verify` (which picks
+    the tolerance from the passes that fired) passes the model fusectl wrote. Declared exact,
+    verify failed every torchvision ResNet backbone (FCN, RetinaNet, Keypoint R-CNN)."""
+    rng = np.random.default_rng(0)
+    channels = 64
+    model = save_model(
+        tmp_path / "residual_block.onnx",
+        [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+            helper.make_node("Add", ["c", "x"], ["s"], name="join"),
+            helper.make_node("Relu", ["s"], ["y"], name="relu"),
+        ],
+        [value("x", [1, channels, 16, 16])],
+        [value("y", [1, channels, 16, 16])],
+        [
+            const("w", rng.standard_normal((channels, channels, 3, 3)) * 0.5),
+            const("b", rng.standard_normal(channels) * 3),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.op_counts() == Counter({"FusedConv": 1})
+    assert run.passed(CONV)["numerics"] == "reassociating"
+    feeds = tmp_path / "feeds.npz"
+    np.savez(feeds, x=(rng.standard_normal((1, channels, 16, 16)) * 10).astype(np.float32))
+    verified = run_cli("verify", model, run.output, "--inputs", feeds)
+    assert verified.exit_code == 0, verified.output
+    assert "reassociating passes fired" in verified.output
 
 
 CONV_DECLINES = {

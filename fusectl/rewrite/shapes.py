@@ -156,6 +156,7 @@ class ShapeOracle:
         self.stale = False
         self._runs = 0
         self._filled: dict[ir.Value, None] = {}  # insertion-ordered: deterministic
+        self._loop_state: bool | None = None  # whether a Loop or Scan carries state
 
     def invalidate(self) -> None:
         """The graph changed in a way that may make more shapes inferable (a constant was
@@ -166,6 +167,10 @@ class ShapeOracle:
         self._proto = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
+        if self._loop_state is None:  # first read: declared loop state is not taken on trust
+            self._loop_state = _has_loop_state(self._model.graph)
+            if self._loop_state and not self.ran:
+                self._infer()
         if not self.ran and (value.shape is None or (self.stale and not _is_static(value.shape))):
             self._infer()
         return value.shape
@@ -250,6 +255,11 @@ class ShapeOracle:
             for value, shape in earlier:
                 value.shape = shape
         if inferred is None:
+            return
+        if _relax_loop_state(self._model.graph, _inferred_types(inferred.graph)):
+            self._proto = None  # the relaxed IR is what inference reads from now on
+            self._runs -= 1
+            self._infer()
             return
         found = _inferred_types(inferred.graph)
         for key, graph in _graphs(self._model.graph):
@@ -344,6 +354,101 @@ def _inferred_types(
             for index, body in enumerate(bodies):
                 found.update(_inferred_types(body, (*key, (anchor, attribute.name, index))))
     return found
+
+
+def _relax_loop_state(graph: ir.Graph, found: dict[_GraphKey, dict[str, onnx.TypeProto]]) -> bool:
+    """Forget the sizes a Loop or Scan body declares for its carried state where the body does
+    not keep them: the exporter writes the initial value's shape (TorchScript's
+    ``torch.cat`` accumulation declares its state [0, H, W], the empty start), true of the
+    first iteration only, and what inference derives from it inside the body is as wrong (a
+    Concat with that state taken for an empty operand). A size is kept where inference gives
+    the body's next state the same static size (a fixed point). The body's other recorded
+    shapes go too, to be inferred again from the relaxed state. Whether any was relaxed."""
+    bodies = dict(_graphs(graph))
+    relaxed = False
+    for key, owner in bodies.items():
+        for node in owner:
+            body_attr = node.attributes.get("body")
+            carried = _carried_state(node)
+            if body_attr is None or carried is None:
+                continue
+            anchor = (node.outputs[0].name or "") if node.outputs else (node.name or "")
+            body_key = (*key, (anchor, "body", 0))
+            body, types = bodies.get(body_key), found.get(body_key, {})
+            if body is None:
+                continue
+            changed = False
+            for state_in, state_out in carried(body):
+                shape = state_in.shape
+                next_type = types.get(state_out.name or "")
+                next_shape = (
+                    ir.serde.deserialize_type_proto_for_shape(next_type)
+                    if next_type is not None and next_type.HasField("tensor_type")
+                    else None
+                )
+                if shape is None:
+                    continue
+                kept = [
+                    dim
+                    if not isinstance(dim, int)
+                    or (
+                        next_shape is not None
+                        and len(next_shape) == len(shape)
+                        and next_shape[axis] == dim
+                    )
+                    else ir.SymbolicDim(None)
+                    for axis, dim in enumerate(shape)
+                ]
+                if kept != list(shape):
+                    state_in.shape = ir.Shape(kept)
+                    if state_out.shape is not None and len(state_out.shape) == len(kept):
+                        state_out.shape = ir.Shape(
+                            [
+                                o if isinstance(k, int) or not isinstance(o, int) else k
+                                for k, o in zip(kept, state_out.shape, strict=True)
+                            ]
+                        )
+                    changed = True
+            if changed:
+                for inner in body:
+                    for value in inner.outputs:
+                        if not value.is_graph_output():
+                            value.shape = None
+                relaxed = True
+    return relaxed
+
+
+def _has_loop_state(graph: ir.Graph) -> bool:
+    """Whether a Loop or Scan anywhere in the graph carries state whose declared shape
+    _relax_loop_state checks. Runs on every model: the attributes of a node are read only
+    where it may hold a graph (a control-flow op, or an op of another domain)."""
+    for node in graph:
+        op, standard = node.op_type, node.domain in ("", "ai.onnx")
+        if standard and op not in ("If", "Loop", "Scan", "SequenceMap"):
+            continue
+        carried = _carried_state(node)
+        body = node.attributes.get("body")
+        if carried is not None and body is not None and carried(body.as_graph()):
+            return True
+        for attribute in node.attributes.values():
+            if any(_has_loop_state(sub) for sub in attribute_graphs(attribute)):
+                return True
+    return False
+
+
+def _carried_state(
+    node: ir.Node,
+) -> Callable[[ir.Graph], list[tuple[ir.Value, ir.Value]]] | None:
+    """For a Loop or Scan, the (body input, body output) pairs of its carried state."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Loop":
+        return lambda body: list(zip(body.inputs[2:], body.outputs[1:], strict=False))
+    if node.op_type == "Scan":
+        scanned = node.attributes.get_int("num_scan_inputs", 0)
+        states = len(node.inputs) - scanned
+        return lambda body: list(zip(body.inputs[:states], body.outputs[:states], strict=False))
+    return None
 
 
 def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Graph]]:

@@ -84,8 +84,8 @@ def _fused_conv(
     if z is not None:
         if z is conv.outputs[0]:
             raise Decline("the residual is the Conv output itself")
-        conv_shape, sum_shape = site.shape(conv.outputs[0]), site.shape(z)
-        if conv_shape is None or sum_shape is None or conv_shape != sum_shape:
+        shapes = site.ctx.shapes
+        if shapes is None or not shapes.same_shape(conv.outputs[0], z):
             raise Decline("the residual is not known to have the Conv output's shape")
         inputs.append(z)
     while inputs and inputs[-1] is None:

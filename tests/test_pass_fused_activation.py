@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import optimize, run_cli
+from tests.conftest import optimize, run_cli, run_model
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -314,6 +314,59 @@ def test_conv_residual_relu_verifies_at_its_declared_tolerance(tmp_path: Path) -
     verified = run_cli("verify", model, run.output, "--inputs", feeds)
     assert verified.exit_code == 0, verified.output
     assert "reassociating passes fired" in verified.output
+
+
+def _downsample_block(path: Path, residual: str) -> Path:
+    """A ResNet downsampling block exported with symbolic height and width: a 3x3 Conv of
+    stride 2 (+ Relu) and a 3x3 Conv, added to the residual and Relu'd; the residual is a 1x1
+    Conv of stride 2 ("downsample") or a per-channel [N, C, 1, 1] mean ("pooled", which the
+    Add broadcasts). onnx names each Conv output's size afresh, so only their arithmetic,
+    floor((H - 1) / 2) + 1 for both strided Convs, shows the downsample's shape is the sum's."""
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["h1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["h1"], ["a1"]),
+        helper.make_node("Conv", ["a1", "w2"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Add", ["c", "z"], ["s"], name="join"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    if residual == "downsample":
+        nodes.insert(0, helper.make_node("Conv", ["x", "wd"], ["z"], strides=[2, 2]))
+    else:
+        nodes.insert(2, helper.make_node("ReduceMean", ["a1"], ["z"], axes=[2, 3]))
+    weights = {"w1": (8, 4, 3, 3), "w2": (8, 8, 3, 3), "wd": (8, 4, 1, 1)}
+    return save_model(
+        path,
+        nodes,
+        [value("x", ["N", 4, "H", "W"])],
+        [value("y", ["N", 8, "Y", "X"])],
+        [const(name, rng.standard_normal(shape) * 0.3) for name, shape in weights.items()],
+    )
+
+
+@pytest.mark.parametrize("size", [(15, 16), (16, 15)])
+def test_conv_residual_of_symbolic_size_is_proven_by_its_arithmetic(
+    size: tuple[int, int], tmp_path: Path
+) -> None:
+    """Both strided Convs' output sizes are floor((H - 1) / 2) + 1 in onnxruntime's symbolic
+    inference: the residual Add fuses into the second Conv (torchvision's ResNet-18 exported
+    with dynamic height and width: 9 of its 17 FusedConvs before, all 17 now)."""
+    model = _downsample_block(tmp_path / "downsample.onnx", "downsample")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert _patterns(run, CONV) == {"ConvAddRelu": (1, 1), "ConvRelu": (1, 1)}
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 4, *size)).astype(np.float32)}
+    [want], [got] = run_model(model, feeds), run_model(run.output, feeds)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_conv_residual_broadcast_by_the_add_is_declined(tmp_path: Path) -> None:
+    """Near miss: a [N, C, 1, 1] residual is broadcast by the Add; FusedConv's sum input
+    must be the Conv output's shape, so it stays an Add (the first Conv + Relu still fuses)."""
+    model = _downsample_block(tmp_path / "pooled.onnx", "pooled")
+    run = optimize_checked(model, tmp_path)
+    assert _patterns(run, CONV) == {"ConvAddRelu": (1, 0), "ConvRelu": (1, 1)}
+    (miss,) = run.passed(CONV)["near_misses"]
+    assert miss["reason"] == "the residual is not known to have the Conv output's shape"
 
 
 CONV_DECLINES = {

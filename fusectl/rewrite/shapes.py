@@ -201,6 +201,20 @@ class ShapeOracle:
                 self._symbolic_runs += 1
         return [self._symbolic.get(name) if name else None for name in names]
 
+    def same_shape(self, a: ir.Value, b: ir.Value) -> bool:
+        """Whether two values provably have one shape: their inferred shapes are equal and
+        fully known (sizes, or dimensions inference gave one symbol), or onnxruntime's symbolic
+        inference derives the same expression for every size (a strided Conv's output size
+        beside a 1x1 downsample's, where onnx gives each a fresh name)."""
+        shapes = [self.shape(a), self.shape(b)]
+        known = shapes[0] is not None and shapes[0] == shapes[1]
+        if known and all(isinstance(d, int) or d.value for d in shapes[0]):  # type: ignore[union-attr]
+            return True
+        if any(s is not None and len(s) != len(shapes[0] or s) for s in shapes):
+            return False
+        first, second = self.symbolic_dims([a, b])
+        return first is not None and first == second and None not in first
+
     def _infer_symbolic(
         self, targets: list[str] | None
     ) -> dict[str, list[int | str | None]] | None:

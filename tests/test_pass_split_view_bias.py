@@ -1,0 +1,99 @@
+"""SplitViewBiasCanonicalizationPass: Swin's shifted-window mask, added per group of windows in a
+5-D view of the scores and viewed back, becomes a bias on the scores themselves, so the
+attention fusions take it (torchvision's and timm's Swin-T: 7 of 12 attentions fused before,
+12 now, under either exporter).
+
+Fixtures: tests/fixtures/make_fixtures.py build_window_mask (ShiftedWindowAttention, the
+torchvision / timm spelling, static sizes as both exporters write them by default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from fusectl.passes.split_view_bias import _runs
+from tests.pass_helpers import fixture_path, optimize_checked
+
+PASS = "SplitViewBiasCanonicalizationPass"
+# Per exporter: nodes left, and the op types the attention became.
+EXPECTED = {"ts17": 13, "dynamo": 15}
+
+
+@pytest.mark.parametrize("exporter", sorted(EXPECTED))
+def test_the_window_mask_becomes_a_bias_and_the_attention_fuses(
+    exporter: str, tmp_path: Path
+) -> None:
+    run = optimize_checked(fixture_path(f"window_mask_{exporter}"), tmp_path)
+    assert run.counts(PASS) == (1, 1)
+    assert run.passed(PASS)["near_misses"] == []
+    assert run.counts("MultiHeadAttentionFusionPass") == (1, 1)
+    ops = run.op_counts()
+    assert ops["MultiHeadAttention"] == 1 and "Softmax" not in ops
+    assert sum(ops.values()) == EXPECTED[exporter]
+    # The mask [4, 16, 16] varies along the window axis, which merges with the batch of
+    # windows: it is expanded there (to 2 x 4) and broadcast over the heads.
+    graph = onnx.load(str(run.output)).graph
+    expand = [n for n in graph.node if n.op_type == "Expand"]
+    assert len(expand) <= 1  # folded into the bias where the mask is a constant
+
+
+def test_without_the_pass_the_attention_stays_written_out(tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path("window_mask_dynamo"), tmp_path, "--disable_pass", PASS)
+    assert run.counts("MultiHeadAttentionFusionPass") == (1, 0)
+    (miss,) = run.passed("MultiHeadAttentionFusionPass")["near_misses"]
+    assert miss["reason"] == (
+        "the scores are not MatMul(query, key^T) with additive biases and a constant scale "
+        "(they come from Reshape)"
+    )
+    assert "Softmax" in run.op_counts()
+
+
+def test_a_sum_read_elsewhere_is_declined(tmp_path: Path) -> None:
+    """Near miss: the 5-D sum is also a graph output; removing the view would lose it."""
+    model = onnx.load(str(fixture_path("window_mask_ts17")))
+    graph = model.graph
+    add = next(n for n in graph.node if n.op_type == "Add" and any("Reshape" in i for i in n.input))
+    graph.output.append(helper.make_tensor_value_info(add.output[0], onnx.TensorProto.FLOAT, None))
+    edited = tmp_path / "window_mask_sum_out.onnx"
+    onnx.save(model, str(edited))
+    run = optimize_checked(edited, tmp_path)
+    assert run.counts(PASS) == (1, 0)
+    (miss,) = run.passed(PASS)["near_misses"]
+    assert miss["reason"] == "the view or the sum is also read elsewhere"
+    assert run.counts("MultiHeadAttentionFusionPass") == (1, 0)
+
+
+def test_a_summand_of_the_views_own_shape_is_no_candidate(tmp_path: Path) -> None:
+    """Nothing broadcast, nothing to canonicalize: a residual added in a view (Swin's
+    ``x.view(B, H * W, C) + shortcut``) stays where it is, in the 3-D view the skip norms
+    read, and is not counted."""
+    model = onnx.load(str(fixture_path("window_mask_ts17")))
+    graph = model.graph
+    add = next(n for n in graph.node if n.op_type == "Add" and any("Reshape" in i for i in n.input))
+    full = np.random.default_rng(0).standard_normal((2, 4, 2, 16, 16)).astype(np.float32)
+    graph.initializer.append(onnx.numpy_helper.from_array(full, "full_bias"))
+    add.input[next(i for i, name in enumerate(add.input) if "Reshape" not in name)] = "full_bias"
+    edited = tmp_path / "window_mask_full.onnx"
+    onnx.save(model, str(edited))
+    run = optimize_checked(edited, tmp_path)
+    assert run.counts(PASS) == (0, 0)
+    assert run.counts("MultiHeadAttentionFusionPass") == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("view", "shape", "runs"),
+    [
+        ([2, 4, 2, 16, 16], [8, 2, 16, 16], [[0, 1], [2], [3], [4]]),
+        ([1, 8, 2, 16, 16], [8, 2, 16, 16], [[0, 1], [2], [3], [4]]),
+        ([8, 2, 4, 4, 1], [8, 2, 16], [[0], [1], [2, 3, 4]]),
+        ([16, 16, 16], [8, 2, 16, 16], None),  # 16 is no run of 8
+        ([2, 4, 3], [8, 2], None),  # 3 left over
+    ],
+)
+def test_runs_of_view_axes(view: list[int], shape: list[int], runs: list[list[int]] | None) -> None:
+    assert _runs(view, shape) == runs

@@ -1,10 +1,11 @@
 """SplitViewBiasCanonicalizationPass: Swin's shifted-window mask, added per group of windows in a
 5-D view of the scores and viewed back, becomes a bias on the scores themselves, so the
 attention fusions take it (torchvision's and timm's Swin-T: 7 of 12 attentions fused before,
-12 now, under either exporter).
+12 now, under either exporter); so do ViTDet's decomposed relative positions (0/2 -> 2/2).
 
 Fixtures: tests/fixtures/make_fixtures.py build_window_mask (ShiftedWindowAttention, the
-torchvision / timm spelling, static sizes as both exporters write them by default).
+torchvision / timm spelling, static sizes as both exporters write them by default) and
+build_relative_position (ViTDet's attention, batch dynamic).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import helper
 
 from fusectl.passes.split_view_bias import _runs
+from tests.conftest import random_feeds, run_model
 from tests.pass_helpers import fixture_path, optimize_checked
 
 PASS = "SplitViewBiasCanonicalizationPass"
+BATCH = ir.SymbolicDim("batch")
 # Per exporter: nodes left, and the op types the attention became.
 EXPECTED = {"ts17": 13, "dynamo": 15}
 
@@ -64,7 +68,7 @@ def test_a_sum_read_elsewhere_is_declined(tmp_path: Path) -> None:
     run = optimize_checked(edited, tmp_path)
     assert run.counts(PASS) == (1, 0)
     (miss,) = run.passed(PASS)["near_misses"]
-    assert miss["reason"] == "the view or the sum is also read elsewhere"
+    assert miss["reason"] == "the view or a partial sum is also read elsewhere"
     assert run.counts("MultiHeadAttentionFusionPass") == (1, 0)
 
 
@@ -85,6 +89,33 @@ def test_a_summand_of_the_views_own_shape_is_no_candidate(tmp_path: Path) -> Non
     assert run.counts("MultiHeadAttentionFusionPass") == (1, 0)
 
 
+def test_decomposed_relative_positions_become_biases_of_a_dynamic_batch(tmp_path: Path) -> None:
+    """ViTDet's two biases, ``rel_h[..., None]`` and ``rel_w[..., None, :]``, each added in the
+    [B*N, qh, qw, kh, kw] view: each is expanded along the key axis it lacks (that axis merges
+    with the other into the key length) and viewed as [B*N, S, S], the batch of heads read
+    from the bias itself (-1); the attention then fuses. Compared at batches 1 and 3."""
+    model = fixture_path("relative_position_dynamo")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(PASS) == (1, 1)
+    assert run.counts("MultiHeadAttentionFusionPass") == (1, 1)
+    graph = onnx.load(str(run.output)).graph
+    constants = {
+        t.name.rsplit("/", 1)[-1]: onnx.numpy_helper.to_array(t).tolist()
+        for t in graph.initializer
+        if t.name.rsplit("/", 1)[-1].startswith(("expanded", "merged"))
+    }
+    assert constants == {
+        "expanded_0": [1, 1, 1, 1, 4],
+        "merged_0": [-1, 16, 16],
+        "expanded_1": [1, 1, 1, 4, 1],
+        "merged_1": [-1, 16, 16],
+    }
+    for batch in (1, 3):
+        feeds = random_feeds(model, dims={"batch": batch})
+        for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("view", "shape", "runs"),
     [
@@ -93,7 +124,10 @@ def test_a_summand_of_the_views_own_shape_is_no_candidate(tmp_path: Path) -> Non
         ([8, 2, 4, 4, 1], [8, 2, 16], [[0], [1], [2, 3, 4]]),
         ([16, 16, 16], [8, 2, 16, 16], None),  # 16 is no run of 8
         ([2, 4, 3], [8, 2], None),  # 3 left over
+        ([BATCH, 4, 4, 4, 4], [BATCH, 16, 16], [[0], [1, 2], [3, 4]]),
+        ([BATCH, 4, 4], [ir.SymbolicDim("other"), 16], None),  # another name
+        ([ir.SymbolicDim(None), 4, 4], [ir.SymbolicDim(None), 16], None),  # no name
     ],
 )
-def test_runs_of_view_axes(view: list[int], shape: list[int], runs: list[list[int]] | None) -> None:
+def test_runs_of_view_axes(view: list, shape: list, runs: list[list[int]] | None) -> None:
     assert _runs(view, shape) == runs

@@ -738,13 +738,17 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
     value = _heads(ctx, values)
     extra = _producer_user(result, "Reshape")  # TorchScript: a no-op 4-D Reshape first
     if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
+        split = ctx.shape(extra.outputs[0])
         if not refolded and not (
             _same_sizes(ctx, result, extra.outputs[0]) or _keeps(ctx, extra, heads)
         ):
-            return (
-                "the context [batch, heads, sequence, head size] is not provably kept by the"
-                " Reshape before its Transpose"
-            )
+            if folds or split is None or len(split) == 4:
+                return (
+                    "the context [batch, heads, sequence, head size] is not provably kept by "
+                    "the Reshape before its Transpose"
+                )
+            extra = None  # the sequence split further (SAM's [B, N, H, W, D]): another layout
+    if extra is not None and _producer_user(extra.outputs[0], "Transpose") is not None:
         nodes.append(extra)
         result = extra.outputs[0]
         if refolded:  # the context unfolded from [B*N, S, H]

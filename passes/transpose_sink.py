@@ -15,10 +15,17 @@ no Transpose is left.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import producer_of, replace_subgraph, transpose_perm, typed
+from fusectl.rewrite.graph import (
+    new_constant,
+    producer_of,
+    replace_subgraph,
+    transpose_perm,
+    typed,
+)
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
@@ -84,3 +91,66 @@ class TransposeSinkFusionPass(FusionPass):
         alone = [t for t in transposes if t is not None and len(t.outputs[0].uses()) == 1]
         old = [after, node, *dict.fromkeys(alone)]
         replace_subgraph(ctx, "TransposeSink", after, old, [fused], after.outputs, fused.outputs)
+
+
+@register_pass
+class LeadingSplitTransposeCanonicalizationPass(FusionPass):
+    """Not a pattern: each Reshape of a Transpose is judged on the sizes around it."""
+
+    spec = PassSpec(
+        name="LeadingSplitTransposeCanonicalizationPass",
+        category=Category.GRAPH,
+        description="canonical: Reshape(Transpose(x, perm), [a, b, ...]) splitting only the "
+        "leading axis, which perm keeps -> Transpose(Reshape(x, [a, b, ...]), perm shifted): "
+        "a key transposed with its heads folded into the batch and split afterwards (SAM's "
+        "vision attention) becomes transposed heads, as the attention fusions read a key",
+        aliases=("leading_split_transpose_canonicalization",),
+        priority=3047,  # before the attention fusions read the key
+        emits=(),
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        for reshape in ctx.op_index.of_type(graph, "Reshape"):
+            if reshape.graph is graph:
+                self._commute(ctx, reshape)
+
+    @staticmethod
+    def _commute(ctx: PassContext, reshape: ir.Node) -> None:
+        transpose = producer_of(reshape.inputs[0], "Transpose")
+        if transpose is None or transpose.inputs[0] is None:
+            return
+        x = transpose.inputs[0]
+        shape, result = ctx.shape(x), ctx.shape(reshape.outputs[0])
+        if shape is None or result is None or len(result) != len(shape) + 1:
+            return
+        perm = transpose_perm(transpose, len(shape))
+        if perm is None or perm[0] != 0 or len(transpose.outputs[0].uses()) != 1:
+            return
+        split, rest = result[1], [shape[axis] for axis in perm[1:]]
+        static = [split, *shape[1:]]
+        if not all(isinstance(d, int) for d in static) or list(result[2:]) != rest:
+            return  # not a split of the leading axis alone, as far as the sizes tell
+        if isinstance(shape[0], int) and shape[0] % split:  # type: ignore[operator]
+            return
+        graph = reshape.graph
+        assert graph is not None
+        target = new_constant(
+            graph, f"{reshape.name or 'Reshape'}/heads", np.array([-1, *static], np.int64)
+        )
+        heads = ir.node("Reshape", [x, target])
+        typed(heads.outputs[0], ctx.dtype(x), ir.Shape([result[0], *static]))
+        moved = ir.node(
+            "Transpose", heads.outputs, attributes={"perm": [0, 1, *(p + 1 for p in perm[1:])]}
+        )
+        typed(moved.outputs[0], ctx.dtype(x), result)
+        replace_subgraph(
+            ctx,
+            "LeadingSplitTranspose",
+            reshape,
+            [reshape, transpose],
+            [heads, moved],
+            reshape.outputs,
+            moved.outputs,
+        )

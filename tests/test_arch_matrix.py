@@ -78,21 +78,17 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "gpt_neo_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neo_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "gpt_neox_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
-    "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_japanese_dynamo": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "gpt_neox_japanese_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
-    "imagegpt_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
-    "imagegpt_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
-    "moshi_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
-    "moshi_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
-    "openai_privacy_filter_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
-    "openai_privacy_filter_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "gpt_neox_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "gpt_oss_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gpt_oss_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "gptj_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "gptj_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "granite_swa_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "granite_swa_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "imagegpt_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "imagegpt_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "levit_dynamo": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "lfm2_dynamo": ((1, 7, 7, 2, 2), (1, 7, None, 2, 2)),
@@ -109,10 +105,14 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "mistral_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_dynamo": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
     "modernbert_ts17": ((2, 5, 4, 2, 4), (2, 5, None, 2, 4)),
+    "moshi_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "moshi_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "mpt_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "mpt_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "nanochat_dynamo": ((2, 10, 10, 0, 4), (2, 10, None, 0, 4)),
     "nanochat_ts17": ((2, 10, 10, 0, 4), (2, 10, None, 0, 4)),
+    "openai_privacy_filter_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "openai_privacy_filter_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi3_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi3_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
@@ -129,6 +129,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "roberta_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "roformer_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "roformer_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
+    "sam_vision_dynamo": ((2, 6, 0, 2, 0), (2, 6, None, 2, 0)),
+    "sam_vision_ts17": ((0, 6, 0, 2, 0), (2, 6, None, 2, 0)),
     "siglip_vision_dynamo": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "siglip_vision_ts17": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "squeezebert_dynamo": ((2, 5, 1, 2, 0), (2, 5, None, 2, 0)),
@@ -137,6 +139,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "swin_ts17": ((2, 7, 3, 2, 0), (2, 7, None, 2, 0)),
     "swinv2_dynamo": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
     "swinv2_ts17": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
+    "vitdet_dynamo": ((2, 4, 0, 2, 0), (2, 4, None, 2, 0)),
+    "vitdet_ts17": ((0, 4, 0, 2, 0), (2, 4, None, 2, 0)),
     "wav2vec2_dynamo": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "wav2vec2_ts17": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "whisper_dynamo": ((6, 12, 12, 6, 0), (6, 12, None, 6, 0)),
@@ -161,6 +165,22 @@ WHY: dict[tuple[str, str], str] = {
         " or differs; MultiHeadAttentionFusionPass: the Softmax has a sink per head (a "
         "logit joined to the scores and dropped after it), which MultiHeadAttention "
         "cannot take (GroupQueryAttention's head_sink)"
+    ),
+    ("sam_vision_ts17", "attention"): (
+        "AttentionFusionPass: the context's head size is unknown; "
+        "GroupQueryAttentionFusionPass: the context's head size is unknown; "
+        "QkvAttentionFusionPass: the context's head size is unknown; "
+        "MultiHeadAttentionFusionPass: the context's head size is unknown"
+    ),
+    ("vitdet_ts17", "attention"): (
+        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
+        "biases and a constant scale (they come from Reshape); "
+        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Reshape); "
+        "QkvAttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
+        "biases and a constant scale (they come from Reshape); "
+        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
+        "additive biases and a constant scale (they come from Reshape)"
     ),
 }  # fmt: skip
 

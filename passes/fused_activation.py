@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
+from fusectl.rewrite.shapes import equal_shapes
 
 MS = "com.microsoft"
 _FLOAT_MAX = float(np.finfo(np.float32).max)
@@ -85,7 +86,12 @@ def _fused_conv(
         if z is conv.outputs[0]:
             raise Decline("the residual is the Conv output itself")
         shapes = site.ctx.shapes
-        if shapes is None or not shapes.same_shape(conv.outputs[0], z):
+        same = (
+            shapes.same_shape(conv.outputs[0], z)
+            if shapes is not None
+            else equal_shapes(site.shape(conv.outputs[0]), site.shape(z))
+        )
+        if not same:
             raise Decline("the residual is not known to have the Conv output's shape")
         inputs.append(z)
     while inputs and inputs[-1] is None:

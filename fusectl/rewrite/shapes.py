@@ -207,8 +207,7 @@ class ShapeOracle:
         inference derives the same expression for every size (a strided Conv's output size
         beside a 1x1 downsample's, where onnx gives each a fresh name)."""
         shapes = [self.shape(a), self.shape(b)]
-        known = shapes[0] is not None and shapes[0] == shapes[1]
-        if known and all(isinstance(d, int) or d.value for d in shapes[0]):  # type: ignore[union-attr]
+        if equal_shapes(*shapes):
             return True
         if any(s is not None and len(s) != len(shapes[0] or s) for s in shapes):
             return False
@@ -382,9 +381,8 @@ def _relax_loop_state(graph: ir.Graph, found: dict[_GraphKey, dict[str, onnx.Typ
     relaxed = False
     for key, owner in bodies.items():
         for node in owner:
-            body_attr = node.attributes.get("body")
             carried = _carried_state(node)
-            if body_attr is None or carried is None:
+            if carried is None:
                 continue
             anchor = (node.outputs[0].name or "") if node.outputs else (node.name or "")
             body_key = (*key, (anchor, "body", 0))
@@ -518,6 +516,14 @@ def _upgraded(new: ir.Shape, old: ir.Shape) -> ir.Shape:
     where ``old`` had one made up. A made-up name stays the old one, which the values that
     kept their shapes share (a fused op's output keeps its query's batch and sequence)."""
     return ir.Shape([n if _rank_of(n) > _rank_of(o) else o for n, o in zip(new, old, strict=True)])
+
+
+def equal_shapes(a: ir.Shape | None, b: ir.Shape | None) -> bool:
+    """Whether two shapes are known and equal: sizes, or dimensions with one symbol (an
+    unnamed dimension equals nothing, not even another unnamed one)."""
+    if a is None or a != b:
+        return False
+    return all(isinstance(dim, int) or dim.value for dim in a)
 
 
 def named(dim: int | ir.SymbolicDim | None) -> bool:

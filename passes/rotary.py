@@ -338,6 +338,7 @@ _Samples = dict[ir.Value, "list[tuple[dict[str, int], np.ndarray]] | str"]
 
 
 def _sampled(ctx: PassContext, table: ir.Value, samples: _Samples) -> list | str:
+    """evaluate.sampled of ``table``, once per pass run."""
     if table not in samples:
         samples[table] = sampled(ctx, table)
     return samples[table]

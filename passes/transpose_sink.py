@@ -126,7 +126,8 @@ class LeadingSplitTransposeCanonicalizationPass(FusionPass):
         if shape is None or result is None or len(result) != len(shape) + 1:
             return
         perm = transpose_perm(transpose, len(shape))
-        if perm is None or perm[0] != 0 or len(transpose.outputs[0].uses()) != 1:
+        moving = transpose.outputs[0]
+        if perm is None or perm[0] != 0 or len(moving.uses()) != 1 or moving.is_graph_output():
             return
         split, rest = result[1], [shape[axis] for axis in perm[1:]]
         static = [split, *shape[1:]]

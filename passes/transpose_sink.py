@@ -112,29 +112,36 @@ class LeadingSplitTransposeCanonicalizationPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
+        stats = ctx.pattern("LeadingSplitTranspose")
         for reshape in ctx.op_index.of_type(graph, "Reshape"):
             if reshape.graph is graph:
-                self._commute(ctx, reshape)
+                reason = self._commute(ctx, reshape)
+                if reason is not None:
+                    stats.decline(reason, reshape.name or "Reshape")
 
     @staticmethod
-    def _commute(ctx: PassContext, reshape: ir.Node) -> None:
+    def _commute(ctx: PassContext, reshape: ir.Node) -> str | None:
+        """Rewrite at ``reshape`` if it splits the leading axis of a Transpose that keeps it;
+        why not where it does but cannot move; None where it is no candidate."""
         transpose = producer_of(reshape.inputs[0], "Transpose")
         if transpose is None or transpose.inputs[0] is None:
-            return
+            return None
         x = transpose.inputs[0]
         shape, result = ctx.shape(x), ctx.shape(reshape.outputs[0])
         if shape is None or result is None or len(result) != len(shape) + 1:
-            return
+            return None
         perm = transpose_perm(transpose, len(shape))
-        moving = transpose.outputs[0]
-        if perm is None or perm[0] != 0 or len(moving.uses()) != 1 or moving.is_graph_output():
-            return
+        if perm is None or perm[0] != 0:
+            return None
         split, rest = result[1], [shape[axis] for axis in perm[1:]]
         static = [split, *shape[1:]]
         if not all(isinstance(d, int) for d in static) or list(result[2:]) != rest:
-            return  # not a split of the leading axis alone, as far as the sizes tell
+            return None  # not a split of the leading axis alone, as far as the sizes tell
         if isinstance(shape[0], int) and shape[0] % split:  # type: ignore[operator]
-            return
+            return None
+        moving = transpose.outputs[0]
+        if len(moving.uses()) != 1 or moving.is_graph_output():
+            return "the transposed value is also read elsewhere"
         graph = reshape.graph
         assert graph is not None
         target = new_constant(
@@ -155,3 +162,4 @@ class LeadingSplitTransposeCanonicalizationPass(FusionPass):
             reshape.outputs,
             moved.outputs,
         )
+        return None

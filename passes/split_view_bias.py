@@ -27,8 +27,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import new_constant, producer_of, replace_subgraph, typed
-from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.graph import new_constant, node_label, producer_of, replace_subgraph, typed
+from fusectl.rewrite.registry import Category, NodeByNodePass, PassSpec, register_pass
 from fusectl.rewrite.shapes import named
 
 _Dim = int | ir.SymbolicDim
@@ -119,7 +119,7 @@ def _chain(back: ir.Node) -> tuple[ir.Node, list[ir.Node], list[ir.Value]] | Non
 
 
 @register_pass
-class SplitViewBiasCanonicalizationPass(FusionPass):
+class SplitViewBiasCanonicalizationPass(NodeByNodePass):
     """Not a pattern: each Reshape back of a sum is judged on the sizes around it."""
 
     spec = PassSpec(
@@ -134,19 +134,9 @@ class SplitViewBiasCanonicalizationPass(FusionPass):
         emits=(),
     )
     counts_changes = True
+    anchor, pattern = "Reshape", "SplitViewBias"
 
-    def run(self, model: ir.Model, ctx: PassContext) -> None:
-        graph = model.graph
-        stats = ctx.pattern("SplitViewBias")
-        for back in ctx.op_index.of_type(graph, "Reshape"):
-            if back.graph is not graph:
-                continue
-            reason = self._canonicalize(ctx, back)
-            if reason is not None:
-                stats.decline(reason, back.name or "Reshape")
-
-    @staticmethod
-    def _canonicalize(ctx: PassContext, back: ir.Node) -> str | None:
+    def judge(self, ctx: PassContext, back: ir.Node) -> str | None:
         """Rewrite at ``back`` if it ends such a round trip; why not where it nearly does;
         None where it is no candidate."""
         found = _chain(back)
@@ -180,7 +170,7 @@ class SplitViewBiasCanonicalizationPass(FusionPass):
             return "the view or a partial sum is also read elsewhere"
         graph = back.graph
         assert graph is not None
-        label = back.name or "Reshape"
+        label = node_label(back)
         nodes: list[ir.Node] = []
         total = source
         # The first bias added first, as in the view: the Adds nearest the split come last.

@@ -21,12 +21,13 @@ import onnx_ir as ir
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     new_constant,
+    node_label,
     producer_of,
     replace_subgraph,
     transpose_perm,
     typed,
 )
-from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.registry import Category, FusionPass, NodeByNodePass, PassSpec, register_pass
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
 
@@ -94,7 +95,7 @@ class TransposeSinkFusionPass(FusionPass):
 
 
 @register_pass
-class LeadingSplitTransposeCanonicalizationPass(FusionPass):
+class LeadingSplitTransposeCanonicalizationPass(NodeByNodePass):
     """Not a pattern: each Reshape of a Transpose is judged on the sizes around it."""
 
     spec = PassSpec(
@@ -109,18 +110,9 @@ class LeadingSplitTransposeCanonicalizationPass(FusionPass):
         emits=(),
     )
     counts_changes = True
+    anchor, pattern = "Reshape", "LeadingSplitTranspose"
 
-    def run(self, model: ir.Model, ctx: PassContext) -> None:
-        graph = model.graph
-        stats = ctx.pattern("LeadingSplitTranspose")
-        for reshape in ctx.op_index.of_type(graph, "Reshape"):
-            if reshape.graph is graph:
-                reason = self._commute(ctx, reshape)
-                if reason is not None:
-                    stats.decline(reason, reshape.name or "Reshape")
-
-    @staticmethod
-    def _commute(ctx: PassContext, reshape: ir.Node) -> str | None:
+    def judge(self, ctx: PassContext, reshape: ir.Node) -> str | None:
         """Rewrite at ``reshape`` if it splits the leading axis of a Transpose that keeps it;
         why not where it does but cannot move; None where it is no candidate."""
         transpose = producer_of(reshape.inputs[0], "Transpose")
@@ -145,7 +137,7 @@ class LeadingSplitTransposeCanonicalizationPass(FusionPass):
         graph = reshape.graph
         assert graph is not None
         target = new_constant(
-            graph, f"{reshape.name or 'Reshape'}/heads", np.array([-1, *static], np.int64)
+            graph, f"{node_label(reshape)}/heads", np.array([-1, *static], np.int64)
         )
         heads = ir.node("Reshape", [x, target])
         typed(heads.outputs[0], ctx.dtype(x), ir.Shape([result[0], *static]))

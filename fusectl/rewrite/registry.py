@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
+from fusectl.rewrite.graph import node_label
+
 if TYPE_CHECKING:
     import onnx_ir as ir
 
@@ -138,6 +140,27 @@ class FusionPass(abc.ABC):
         """Raise FusectlError for settings this pass cannot use: called when the plan is made,
         so a bad flag stops the run before any pass has run. Most passes read none."""
         return None
+
+
+class NodeByNodePass(FusionPass):
+    """A pass that judges each node of one op type alone: ``judge`` rewrites at it, or says
+    why not (a near miss under ``pattern``), or returns None where it is no candidate."""
+
+    anchor: ClassVar[str]
+    pattern: ClassVar[str]
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        stats = ctx.pattern(self.pattern)
+        for node in ctx.op_index.of_type(graph, self.anchor):
+            if node.graph is graph:  # not removed by an earlier rewrite of this run
+                reason = self.judge(ctx, node)
+                if reason is not None:
+                    stats.decline(reason, node_label(node))
+
+    @abc.abstractmethod
+    def judge(self, ctx: PassContext, node: ir.Node) -> str | None:
+        """Rewrite at ``node`` if it is a site; why not where it nearly is; else None."""
 
 
 @dataclass

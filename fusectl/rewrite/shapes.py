@@ -384,8 +384,7 @@ def _relax_loop_state(graph: ir.Graph, found: dict[_GraphKey, dict[str, onnx.Typ
             carried = _carried_state(node)
             if carried is None:
                 continue
-            anchor = (node.outputs[0].name or "") if node.outputs else (node.name or "")
-            body_key = (*key, (anchor, "body", 0))
+            body_key = (*key, (_anchor(node), "body", 0))
             body, types = bodies.get(body_key), found.get(body_key, {})
             if body is None:
                 continue
@@ -463,14 +462,18 @@ def _carried_state(
     return None
 
 
+def _anchor(node: ir.Node) -> str:
+    """What a node's subgraphs are keyed by: its first output's name, else its own."""
+    return (node.outputs[0].name or "") if node.outputs else (node.name or "")
+
+
 def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Graph]]:
     """The IR graph and its subgraphs, keyed as _inferred_types keys them."""
     found = [(key, graph)]
     for node in graph:
-        anchor = (node.outputs[0].name or "") if node.outputs else (node.name or "")
         for attribute in node.attributes.values():
             for index, body in enumerate(attribute_graphs(attribute)):
-                found += _graphs(body, (*key, (anchor, attribute.name, index)))
+                found += _graphs(body, (*key, (_anchor(node), attribute.name, index)))
     return found
 
 

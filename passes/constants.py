@@ -44,6 +44,11 @@ _NEVER = frozenset(
         "Constant",
     }
 )
+# Computable, but kept: a DequantizeLinear of a constant is how a quantized model stores its
+# weights; onnxruntime runs it with the MatMul or Conv reading it as one quantized kernel
+# (MatMulNBits, QLinearMatMul), and folding it would store the weights in float, up to eight
+# times larger, and compute in float what the model computes in integers.
+_KEEPS_QUANTIZED = "DequantizeLinear"
 # From this IR version on, an initializer need not be a graph input (a constant, not a default).
 _INITIALIZERS_NOT_INPUTS_IR = 4
 # A folded value bigger than this is only kept when it frees its inputs (no net growth).
@@ -238,6 +243,12 @@ class ConstantFoldingPass(FusionPass):
             if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER:
                 continue
             if not _yields_tensors(node.op_type, ctx.opset):
+                continue
+            if node.op_type == _KEEPS_QUANTIZED:
+                ctx.pattern(node.op_type).decline(
+                    "a DequantizeLinear keeps the weights it reads quantized",
+                    node.name or node.op_type,
+                )
                 continue
             if any(value.is_graph_output() for value in node.outputs):
                 continue

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import fusectl
 from fusectl.rewrite import shapes
 from fusectl.rewrite.contrib_inference import contrib_schemas
 from tests.conftest import assert_same_outputs, optimize
@@ -279,3 +280,28 @@ def test_four_bit_quantized_models_fuse(
     off = optimize(fixture_path(name), tmp_path / "off")
     for fusion, _, _, without in fusions:
         assert off.counts(fusion)[1] == without, fusion
+
+
+def test_contrib_ops_validate_after_the_schemas_were_removed() -> None:
+    """onnx keeps com.microsoft in its domain map once contrib_schemas has removed its
+    schemas; a later optimize() in the same process (a pipeline, or --verify after a run that
+    inferred through contrib ops) then rejected every contrib op of its input."""
+    weight = numpy_helper.from_array(np.full((4, 3), 0.5, np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("FusedMatMul", ["x", "w"], ["m"], domain=MS, alpha=0.5),
+            helper.make_node("Sigmoid", ["m"], ["s"]),
+            helper.make_node("Mul", ["m", "s"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", F, ["b", 4])],
+        [helper.make_tensor_value_info("y", F, ["b", 3])],
+        [weight],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]
+    )
+    with contrib_schemas():
+        pass
+    result = fusectl.optimize(model, verify=True)
+    assert [n.op_type for n in result.model.graph] == ["FusedMatMul", "QuickGelu"]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import optimize
+from tests.conftest import optimize, random_feeds
 from tests.pass_helpers import (
     assert_declined,
     const,
@@ -387,3 +388,63 @@ def test_constants_cast_to_strings_stay(tmp_path: Path) -> None:
     assert run.counts(FOLD) == (1, 1)
     assert pattern_counts(run, FOLD) == {"Cast": (1, 1)}
     assert run.op_counts() == Counter({"Add": 1})
+
+
+def _quantized_weights(path: Path) -> dict[str, int]:
+    """Initializer name -> element type, for the integer tensors a DequantizeLinear reads."""
+    model = onnx.load(str(path))
+    initializers = {tensor.name: tensor.data_type for tensor in model.graph.initializer}
+    return {
+        node.input[0]: initializers[node.input[0]]
+        for node in model.graph.node
+        if node.op_type == "DequantizeLinear" and node.input[0] in initializers
+    }
+
+
+def _ort_enable_all(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "dequantized", "weights"),
+    [
+        # quantize_static: int8 weights, biases in int32, Q of constants folded to int8
+        ("qdq_bert_tiny_ts17", 47, 39),
+        # MatMulNBitsQuantizer's QDQ format: 4-bit weights in blocks, each read by its MatMul
+        ("qdq4_llama_tiny_dynamo", 14, 14),
+    ],
+)
+def test_quantized_weights_stay_quantized(
+    fixture: str, dequantized: int, weights: int, tmp_path: Path
+) -> None:
+    """A DequantizeLinear of a constant is a quantized model's weight: folded, it was stored
+    in float (up to eight times larger) and onnxruntime computed in float what its quantized
+    kernels compute in integers (onnxruntime-genai's QDQ LLaMA generated other tokens)."""
+    source = fixture_path(fixture)
+    run = optimize_checked(source, tmp_path)
+    assert pattern_counts(run, FOLD)["DequantizeLinear"] == (dequantized, 0)
+    assert reasons(run, FOLD)["a DequantizeLinear keeps the weights it reads quantized"] == (
+        dequantized
+    )
+    before, after = _quantized_weights(source), _quantized_weights(run.output)
+    assert len(before) == weights
+    assert set(before.items()) <= set(after.items())
+    assert run.output.stat().st_size < 1.2 * source.stat().st_size
+    # Under onnxruntime's own optimizer, which runs the quantized kernels, the two agree too.
+    feeds = random_feeds(source)
+    for want, got in zip(
+        _ort_enable_all(source, feeds), _ort_enable_all(run.output, feeds), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_qdq_llama_fuses_around_its_quantized_weights(tmp_path: Path) -> None:
+    """The 4-bit QDQ LLaMA keeps its 14 DequantizeLinear -> MatMul projections and fuses what
+    lies between them as its float export does."""
+    counts = optimize_checked(fixture_path("qdq4_llama_tiny_dynamo"), tmp_path).op_counts()
+    assert counts["DequantizeLinear"] == 14 and counts["MatMul"] == 14
+    assert counts["GroupQueryAttention"] == 2 and counts["RotaryEmbedding"] == 4
+    assert counts["SkipSimplifiedLayerNormalization"] == 5

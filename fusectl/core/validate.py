@@ -92,10 +92,16 @@ class _Scope:
         return False
 
 
+# Read once, before fusectl registers schemas for a while (contrib_inference's): onnx keeps a
+# domain in this map after its last schema is removed, and a contrib domain in it would be
+# checked against schemas it no longer has.
+_ONNX_OPSETS = dict(onnx.defs.C.schema_version_map())
+
+
 def supported_opsets() -> dict[str, tuple[int, int]]:
     """Version range per operator domain that the installed onnx defines (and onnxruntime,
     built against it, loads)."""
-    return dict(onnx.defs.C.schema_version_map())
+    return dict(_ONNX_OPSETS)
 
 
 def _node_label(node: onnx.NodeProto, index: int) -> str:

@@ -133,6 +133,7 @@ def switch_plan(
     return resolve(load_passes([Path(p) for p in plugins]), request), request
 
 
+@logs.collecting_warnings
 def optimize(
     model: ModelSource,
     output: PathLike | None = None,
@@ -377,6 +378,8 @@ def _report(
         paths=paths,
         options=options,
     )
+    said = set(plan.warnings + plan.notes)
+    document["warnings"] = plan.warnings + [m for m in logs.heard() if m not in said]
     if checked is not None:
         document["verify"] = checked.to_json()
     if run.checker is not None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import ParamSpec, TypeVar
 
 from fusectl.core.switches import Decision
 from fusectl.rewrite.context import MAIN_GRAPH, PassContext
@@ -42,6 +47,60 @@ def configure(level: str) -> None:
     logger.addHandler(handler)
     logger.setLevel(LEVELS[level])
     logger.propagate = False
+
+
+class _Collector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+_HEARD: ContextVar[list[str] | None] = ContextVar("fusectl_warnings", default=None)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def heard() -> list[str]:
+    """The warnings logged so far inside the innermost ``collecting()``."""
+    return list(_HEARD.get() or ())
+
+
+def collecting_warnings(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``function`` inside ``collecting()``, so that its report can list them."""
+
+    @functools.wraps(function)
+    def collected(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with collecting():
+            return function(*args, **kwargs)
+
+    return collected
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[str]]:
+    """The warnings logged while open, for the report, whatever level the log shows: a quieter
+    log keeps its own handlers at that level."""
+    collector = _Collector()
+    token = _HEARD.set(collector.messages)
+    level = logger.level
+    shown = [(handler, handler.level) for handler in logger.handlers]
+    effective = logger.getEffectiveLevel()
+    if effective > logging.WARNING:
+        for handler, before in shown:
+            handler.setLevel(max(before, effective))
+        logger.setLevel(logging.WARNING)
+    logger.addHandler(collector)
+    try:
+        yield collector.messages
+    finally:
+        _HEARD.reset(token)
+        logger.removeHandler(collector)
+        logger.setLevel(level)
+        for handler, before in shown:
+            handler.setLevel(before)
 
 
 def skipped(decision: Decision) -> None:

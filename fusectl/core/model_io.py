@@ -17,7 +17,13 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from fusectl.core.paths import StagedOutputs
-from fusectl.core.validate import check_input, check_output, check_text, validate_model
+from fusectl.core.validate import (
+    check_input,
+    check_output,
+    check_text,
+    validate_model,
+    warn_unread_weights,
+)
 from fusectl.errors import FusectlError
 from fusectl.rewrite import runtime
 
@@ -467,6 +473,7 @@ def _build(
     if not keep:
         held.clear()
     check_text(model, Path(where))
+    warn_unread_weights(model, Path(where))
     external_files: set[Path] = set()
     if external:  # onnx-ir resolves external tensors' paths from here (a walk of every node)
         assert model_path is not None

@@ -569,6 +569,70 @@ def check_text(model: ir.Model, path: Path) -> None:
             raise FusectlError(f"text {text!r} in the model is not valid UTF-8", path=path)
 
 
+# A weight at least this large read only by nodes no output needs is worth a warning.
+_WEIGHT_ELEMENTS = 1024
+
+
+def _live_nodes(graph: ir.Graph) -> set[ir.Node]:
+    """The nodes of ``graph`` some graph output depends on; a value read inside a subgraph
+    (its enclosing node's) counts as read."""
+    stack = [value.producer() for value in graph.outputs]
+    for node in graph:
+        if node.attributes:
+            for attribute in node.attributes.values():
+                for subgraph in attribute_graphs(attribute):
+                    stack.extend(
+                        value.producer()
+                        for inner in ir.traversal.RecursiveGraphIterator(subgraph)
+                        for value in inner.inputs
+                        if value is not None
+                    )
+    live: set[ir.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in live or node.graph is not graph:
+            continue
+        live.add(node)
+        stack.extend(value.producer() for value in node.inputs if value is not None)
+    return live
+
+
+def warn_unread_weights(model: ir.Model, path: Path) -> None:
+    """Warn when computation that reads weights feeds no graph output: the dead-node pass
+    removes it, silently, and a miswired export (an output dropped, a head reading the wrong
+    layer) looks exactly like that."""
+    graph = model.graph
+    weights = [
+        value
+        for value in graph.initializers.values()
+        if value.const_value is not None and value.const_value.size >= _WEIGHT_ELEMENTS
+    ]
+    if not weights:
+        return
+    live = _live_nodes(graph)
+    unread = [
+        value
+        for value in weights
+        if value.uses()
+        and all(user.graph is graph and user not in live for user, _ in value.uses())
+    ]
+    if not unread:
+        return
+    readers = [user for user, _ in unread[0].uses()]
+    megabytes = sum(value.const_value.nbytes for value in unread) / 2**20
+    logger.warning(
+        "%s: %d weight(s) (%.1f MB, the first '%s', read by %s '%s') feed no graph output; "
+        "the nodes computing with them are removed. If the model should compute with them, "
+        "an output may be missing from its export",
+        path,
+        len(unread),
+        megabytes,
+        unread[0].name,
+        readers[0].op_type,
+        readers[0].name,
+    )
+
+
 def check_output(
     staged: Path, source: Path, *, external: bool, conflict: str | None = None
 ) -> None:

@@ -116,6 +116,36 @@ def _total(decision: Decision, parts: list[PassRun]) -> PassRun:
     )
 
 
+def _keep_declared_shapes(graph: ir.Graph, declared: dict[str | None, ir.Shape | None]) -> None:
+    """The graph outputs keep the dimension names the model declares, where inference has
+    only renamed them (``batch`` -> ``unk__20``): a name ties an output to the inputs, and
+    callers size buffers by it. A size inference proves static stays (an exporter's made-up
+    name for it said nothing), as does a name the graph inputs use."""
+    inputs = {
+        dim.value
+        for value in graph.inputs
+        if value.shape is not None
+        for dim in value.shape
+        if isinstance(dim, ir.SymbolicDim) and dim.value is not None
+    }
+    for value in graph.outputs:
+        shape, now = declared.get(value.name), value.shape
+        if shape is None or now is None or len(now) != len(shape):
+            if shape is not None:
+                value.shape = shape
+            continue
+        value.shape = ir.Shape(
+            [_kept(old, new, inputs) for old, new in zip(shape, now, strict=True)]
+        )
+
+
+def _kept(old: int | ir.SymbolicDim, new: int | ir.SymbolicDim, inputs: set[str]) -> object:
+    """One output dimension: a static size, else an input's name, else the declared one."""
+    if isinstance(new, int) or isinstance(old, int):
+        return new if isinstance(new, int) else old
+    return new if new.value in inputs or old.value is None else old
+
+
 def run_plan(
     model: ir.Model,
     plan: Plan,
@@ -151,6 +181,7 @@ def run_plan(
         {v for g in graphs for v in defined_values(g.scope.graph)} if len(graphs) > 1 else set()
     )
     rewrites = rewrites if rewrites is not None else Rewrites()
+    declared = {value.name: value.shape for value in model.graph.outputs}
 
     def run_on(graph: GraphRun, index: int, decision: Decision) -> bool:
         """Run one pass on one graph; a canonical pass run again keeps counting on its first
@@ -252,6 +283,7 @@ def run_plan(
         graph.nodes_after = 0 if graph.removed else len(graph.scope.graph)
     live = [graph for graph in graphs if not graph.removed]
     unshadow([graph.scope for graph in live], original)
+    _keep_declared_shapes(model.graph, declared)
     totals = [
         _total(decision, [graph.runs[index] for graph in graphs])
         for index, decision in enumerate(decisions)

@@ -1467,15 +1467,16 @@ def test_attention_promoted_to_float32_from_half_precision(tmp_path: Path) -> No
 
 
 def test_attention_promoted_but_its_value_not_is_declined(tmp_path: Path) -> None:
-    """The same export with layer 0's value cast to float32 and then multiplied by 1: the
-    context's value is no longer the promoted value heads, so that layer stays written out."""
+    """The same export with layer 0's value cast to float32 and then doubled: the context's
+    value is no longer the promoted value heads, so that layer stays written out. (Not by 1: a
+    Mul by 1 is no Mul, NeutralOperandEliminationPass.)"""
 
     def unpromote_value(model: onnx.ModelProto) -> None:
         context = node_named(model, "/inner/layers.0/self_attn/MatMul_1")
-        model.graph.initializer.append(const("one_f32", np.array(1.0, np.float32)))
-        times_one = helper.make_node("Mul", [context.input[1], "one_f32"], ["value_times_one"])
-        model.graph.node.insert(list(model.graph.node).index(context), times_one)
-        context.input[1] = "value_times_one"
+        model.graph.initializer.append(const("two_f32", np.array(2.0, np.float32)))
+        doubled = helper.make_node("Mul", [context.input[1], "two_f32"], ["value_doubled"])
+        model.graph.node.insert(list(model.graph.node).index(context), doubled)
+        context.input[1] = "value_doubled"
 
     path = edited_fixture("fp16_llama_tiny_ts17", tmp_path, unpromote_value, "fp16_value_mul")
     run = optimize(path, tmp_path)

@@ -110,7 +110,6 @@ def test_shared_scaled_input_and_missing_kernel_decline(tmp_path: Path) -> None:
         "gpt2_tiny_ts17",
         "llama_tiny_dynamo",
         "vit_tiny_ts14",
-        "t5_tiny_ts14",
     ],
 )
 def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) -> None:
@@ -128,8 +127,18 @@ def test_attention_scores_in_exported_transformers(name: str, tmp_path: Path) ->
         if n.op_type == "FusedMatMul"
     }
     head = 16 if name.startswith(("gpt2", "llama")) else 8
-    expected = 1.0 if name.startswith("t5") else 1 / math.sqrt(head)
-    assert alphas == {round(expected, 6)}
+    assert alphas == {round(1 / math.sqrt(head), 6)}
+
+
+def test_t5_scores_scaled_by_one_need_no_fused_matmul(tmp_path: Path) -> None:
+    """T5 does not scale its scores; its TorchScript export still multiplies q and k by 1.0
+    in both layers (and adds a zero mask to the position bias). Those go
+    (NeutralOperandEliminationPass), and the plain MatMuls need no FusedMatMul."""
+    attention = "MultiHeadAttentionFusionPass,GroupQueryAttentionFusionPass,QkvAttentionFusionPass"
+    run = optimize_checked(fixture_path("t5_tiny_ts14"), tmp_path, "--disable_pass", attention)
+    assert run.counts(SCALE) == (0, 0)
+    assert run.counts("NeutralOperandEliminationPass") == (5, 5)
+    assert Counter(n.op_type for n in onnx.load(str(run.output)).graph.node)["FusedMatMul"] == 0
 
 
 def test_attention_fusion_runs_first(tmp_path: Path) -> None:

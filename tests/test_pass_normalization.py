@@ -598,11 +598,11 @@ def test_negative_epsilon_keeps_the_norm_written_out(tmp_path: Path) -> None:
 def test_residual_add_of_a_scalar_is_a_skip_norm_near_miss(tmp_path: Path) -> None:
     """MPT's first residual Add with its attention output replaced by a scalar constant (a
     rank-0 summand: no hidden axis to compare) is declined with its reason; it crashed the
-    shape proof before."""
+    shape proof before. (Not 0: an Add of 0 is no Add, NeutralOperandEliminationPass.)"""
     path = edited_fixture(
         "arch/mpt_ts17",
         tmp_path,
-        lambda model: feed_scalar(model, "/inner/blocks.0/Add", 0, 0.0),
+        lambda model: feed_scalar(model, "/inner/blocks.0/Add", 0, 0.5),
         "mpt_scalar_residual",
     )
     run = optimize_checked(path, tmp_path)

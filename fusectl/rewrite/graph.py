@@ -499,17 +499,17 @@ def new_transpose(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[i
     return swap.outputs[0], swap
 
 
-def bypass(node: ir.Node) -> str | None:
-    """Remove a pass-through node (Identity, inference Dropout) by wiring its input to its
-    consumers; None when done, else why it stays. A graph output keeps its name, type and
-    shape: the producer of the input takes them over, unless the input is itself a graph
-    input, initializer or another graph output."""
-    reason = bypass_refusal(node)
+def bypass(node: ir.Node, index: int = 0) -> str | None:
+    """Remove a pass-through node (Identity, inference Dropout, ``x * 1``) by wiring its input
+    ``index`` to its consumers; None when done, else why it stays. A graph output keeps its
+    name, type and shape: the producer of the input takes them over, unless the input is
+    itself a graph input, initializer or another graph output."""
+    reason = bypass_refusal(node, index)
     if reason is not None:
         return reason
     graph = node.graph
     assert graph is not None
-    source, result = node.inputs[0], node.outputs[0]
+    source, result = node.inputs[index], node.outputs[0]
     assert source is not None
     if result.is_graph_output():
         ir.convenience.replace_all_uses_with(result, source, replace_graph_outputs=True)
@@ -523,9 +523,9 @@ def bypass(node: ir.Node) -> str | None:
     return None
 
 
-def bypass_refusal(node: ir.Node) -> str | None:
-    """Why bypass(node) would leave the node in place, without touching the graph."""
-    source, result = node.inputs[0], node.outputs[0]
+def bypass_refusal(node: ir.Node, index: int = 0) -> str | None:
+    """Why bypass(node, index) would leave the node in place, without touching the graph."""
+    source, result = node.inputs[index], node.outputs[0]
     if source is None:
         return "it has no input"
     if result.is_graph_output():

@@ -243,6 +243,9 @@ class PassContext:
     sizes: dict[tuple[ir.Value, int], tuple[tuple[int, tuple[str, ...]] | None, int]] = field(
         default_factory=dict
     )
+    # What a pass found out about values whose meaning no rewrite changes (an initializer's
+    # contents), kept across the rounds a canonical pass runs in.
+    facts: dict[object, object] = field(default_factory=dict)
     _granted: int | None = None
 
     @classmethod

@@ -146,18 +146,17 @@ class NodeByNodePass(FusionPass):
     """A pass that judges each node of one op type alone: ``judge`` rewrites at it, or says
     why not (a near miss under ``pattern``), or returns None where it is no candidate."""
 
-    anchor: ClassVar[str | tuple[str, ...]]
+    anchor: ClassVar[str]
     pattern: ClassVar[str]
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
         stats = ctx.pattern(self.pattern)
-        for op_type in (self.anchor,) if isinstance(self.anchor, str) else self.anchor:
-            for node in ctx.op_index.of_type(graph, op_type):
-                if node.graph is graph:  # not removed by an earlier rewrite of this run
-                    reason = self.judge(ctx, node)
-                    if reason is not None:
-                        stats.decline(reason, node_label(node))
+        for node in ctx.op_index.of_type(graph, self.anchor):
+            if node.graph is graph:  # not removed by an earlier rewrite of this run
+                reason = self.judge(ctx, node)
+                if reason is not None:
+                    stats.decline(reason, node_label(node))
 
     @abc.abstractmethod
     def judge(self, ctx: PassContext, node: ir.Node) -> str | None:

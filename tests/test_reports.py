@@ -15,7 +15,7 @@ from onnx import helper
 from fusectl.core import reports
 from fusectl.rewrite.context import LINEAGE_NAMES, LINEAGE_PASSES, LINEAGE_TYPES, _json_strings
 from tests.conftest import Run, optimize
-from tests.pass_helpers import const, optimize_checked, save_model, value
+from tests.pass_helpers import const, fixture_path, optimize_checked, save_model, value
 
 GELU = "BiasGeluFusionPass"  # erf GELU -> com.microsoft Gelu below opset 20
 SHAPE = [2, 3, 8]
@@ -185,3 +185,19 @@ def test_lineage_is_what_json_writes(tmp_path: Path) -> None:
                 assert prop.value == json.dumps(json.loads(prop.value))
     for texts in ([], ["a"], ["é", '"quoted"\n', "\u2028", "\x00", "😀", "back\\slash"]):
         assert _json_strings(texts) == json.dumps(texts)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_ts17", "sd_block_classic_ts17"])
+def test_each_pass_counts_the_nodes_its_own_runs_changed(name: str, tmp_path: Path) -> None:
+    """A pass that runs in rounds (the canonical ones, those that run again after the fusions)
+    reported the nodes before its first run and after its last, so the other passes' work in
+    between showed as its own (onnxruntime-genai's LLaMA: Reshape/Transpose passes "removing"
+    the two nodes QuickGelu fused). Each pass's difference is its own now: over a model without
+    subgraphs they add up to the model's."""
+    run = optimize(fixture_path(name), tmp_path)
+    passes = [p for p in run.report["passes"] if p.get("nodes_before") is not None]
+    moved = sum(p["nodes_after"] - p["nodes_before"] for p in passes)
+    model = run.report["model"]
+    assert moved == model["after"]["nodes"] - model["before"]["nodes"]
+    unchanged = [p for p in passes if p["effected"] == 0 and p["name"] != "ConstantFoldingPass"]
+    assert unchanged and all(p["nodes_after"] == p["nodes_before"] for p in unchanged)

@@ -36,6 +36,8 @@ class PassRun:
     decision: Decision
     ctx: PassContext | None = None
     seconds: float = 0.0
+    # The graph's nodes before the pass first ran, and that count moved by what its own runs
+    # added or removed (other passes run between the rounds of a canonical pass).
     nodes_before: int = 0
     nodes_after: int = 0
 
@@ -203,7 +205,7 @@ def run_plan(
                 op_index=graph.op_index,
                 graph_id=scope.graph_id,
             )
-            run.nodes_before = len(scope.graph)
+            run.nodes_before = run.nodes_after = len(scope.graph)
         ctx.changed = False
         nodes = len(scope.graph)
         began = time.perf_counter()
@@ -211,14 +213,17 @@ def run_plan(
         if scope.kind == "function":
             initializers_to_constants(scope.graph)
         run.seconds += time.perf_counter() - began
-        run.nodes_after = len(scope.graph)
+        # A pass that runs in rounds (canonical, again after the fusions) counts what its own
+        # runs added or removed, not what other passes did between them.
+        now = len(scope.graph)
+        run.nodes_after += now - nodes
         # Only a pass that counts its changes and changed nothing leaves the index as it
         # found it; others may reorder or retype nodes without counting a rewrite.
-        changed = ctx.changed or run.nodes_after != nodes
+        changed = ctx.changed or now != nodes
         if changed or not decision.fusion_pass.counts_changes:
             graph.op_index.invalidate()
         release(ctx.removed)
-        logs.pass_finished(ctx, run.seconds, run.nodes_before, run.nodes_after)
+        logs.pass_finished(ctx, run.seconds, nodes, now)
         return changed
 
     def run_one(index: int, decision: Decision) -> bool:

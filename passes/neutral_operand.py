@@ -144,7 +144,10 @@ def _zeros_or_ones(tensor: ir.TensorProtocol | None) -> bool:
             return (
                 not remainder and first in _neutral_bytes(proto.data_type) and raw == first * size
             )
-    array = tensor.numpy() if tensor is not None else None
+    try:
+        array = tensor.numpy() if tensor is not None else None
+    except Exception:  # stored data that does not match its type (a fuzzed or broken input)
+        return False
     return (
         array is not None
         and 0 < array.size <= _SEED_ELEMENTS

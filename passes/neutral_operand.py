@@ -19,7 +19,6 @@ becomes a positive one.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from fusectl.rewrite.graph import (
     bypass,
     bypass_refusal,
     constant_value,
+    element_count,
     node_label,
     remove_dead,
 )
@@ -132,11 +132,11 @@ def _seeds(ctx: PassContext, initializer: ir.Value) -> bool:
 
 
 def _zeros_or_ones(tensor: ir.TensorProtocol | None) -> bool:
-    if isinstance(tensor, ir.TensorProtoTensor):
-        proto = tensor.raw
-        size = math.prod(proto.dims)
-        if not 0 < size <= _SEED_ELEMENTS:
-            return False
+    """Whether the tensor is small and all zeros or all ones."""
+    if tensor is None or not 0 < element_count(tensor) <= _SEED_ELEMENTS:
+        return False
+    if isinstance(tensor, ir.serde.TensorProtoTensor):
+        proto, size = tensor.raw, element_count(tensor)
         raw = proto.raw_data
         if raw:  # each element's bytes alike, and those of a 0 or a 1
             width, remainder = divmod(len(raw), size)
@@ -145,13 +145,11 @@ def _zeros_or_ones(tensor: ir.TensorProtocol | None) -> bool:
                 not remainder and first in _neutral_bytes(proto.data_type) and raw == first * size
             )
     try:
-        array = tensor.numpy() if tensor is not None else None
+        array = tensor.numpy()
     except Exception:  # stored data that does not match its type (a fuzzed or broken input)
         return False
     return (
-        array is not None
-        and 0 < array.size <= _SEED_ELEMENTS
-        and array.dtype.kind in "fiub"
+        array.dtype.kind in "fiub"
         and (array.flat[0] == 0 or array.flat[0] == 1)
         and bool((array == array.flat[0]).all())
     )

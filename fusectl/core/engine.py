@@ -141,7 +141,9 @@ def _keep_declared_shapes(graph: ir.Graph, declared: dict[str | None, ir.Shape |
         )
 
 
-def _kept(old: int | ir.SymbolicDim, new: int | ir.SymbolicDim, inputs: set[str]) -> object:
+def _kept(
+    old: int | ir.SymbolicDim, new: int | ir.SymbolicDim, inputs: set[str]
+) -> int | ir.SymbolicDim:
     """One output dimension: a static size, else an input's name, else the declared one."""
     if isinstance(new, int) or isinstance(old, int):
         return new if isinstance(new, int) else old

@@ -23,7 +23,7 @@ from onnx import TensorProto, TypeProto
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite import runtime
-from fusectl.rewrite.graph import attribute_graphs
+from fusectl.rewrite.graph import attribute_graphs, element_count
 
 logger = logging.getLogger("fusectl")
 
@@ -605,7 +605,7 @@ def warn_unread_weights(model: ir.Model, path: Path) -> None:
     weights = [
         value
         for value in graph.initializers.values()
-        if value.const_value is not None and value.const_value.size >= _WEIGHT_ELEMENTS
+        if value.const_value is not None and element_count(value.const_value) >= _WEIGHT_ELEMENTS
     ]
     if not weights:
         return

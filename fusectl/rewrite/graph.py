@@ -10,6 +10,7 @@ than match patterns (constant folding, concatenation, attention) use them as wel
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,15 @@ _CONSTANT_DTYPES = {
     "value_int": np.int64,
     "value_ints": np.int64,
 }
+
+
+def element_count(tensor: ir.TensorProtocol) -> int:
+    """How many elements a tensor holds, from the stored dimensions where it is still a
+    protobuf (onnx-ir's ``size`` builds the shape first: 8 µs a tensor, 0.2 s over the 23k
+    initializers of a 100k-node graph)."""
+    if isinstance(tensor, ir.serde.TensorProtoTensor):
+        return math.prod(tensor.raw.dims)
+    return tensor.size
 
 
 def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:

@@ -20,7 +20,13 @@ import onnx_ir as ir
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite.context import PassContext, PatternStats
-from fusectl.rewrite.graph import attribute_reference, constant_tensor, replace_subgraph
+from fusectl.rewrite.graph import (
+    attribute_reference,
+    constant_tensor,
+    live_nodes,
+    producers,
+    replace_subgraph,
+)
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 
 DOMAIN = "fusectl.eltwise"
@@ -233,25 +239,6 @@ def _clusterable(node: ir.Node, config: ClusterConfig, composites: _Composites) 
     if _is_onnx(node):
         return node.op_type in config.ops and not _has_subgraph(node)
     return composites.function(node) is not None
-
-
-def _producers(node: ir.Node, graph: ir.Graph) -> list[ir.Node]:
-    """The main-graph nodes ``node`` reads from, values its subgraphs capture included."""
-    found: dict[ir.Node, None] = {}
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        for value in current.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is not None and producer.graph is graph:
-                found[producer] = None
-        for attr in current.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                pending.extend(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for subgraph in attr.as_graphs():
-                    pending.extend(subgraph)
-    return list(found)
 
 
 class _Clusters:
@@ -492,24 +479,11 @@ def _topological(graph: ir.Graph) -> list[ir.Node]:
     unsorted (nodes are only reordered; TopologicalSortPass would do the same at the end)."""
     seen: set[ir.Node] = set()
     for node in graph:
-        if any(p not in seen for p in _producers(node, graph)):
+        if any(p not in seen for p in producers(node, graph)):
             graph.sort()
             break
         seen.add(node)
     return list(graph)
-
-
-def _live(graph: ir.Graph) -> set[ir.Node]:
-    """The nodes some graph output depends on: an earlier pass's leftovers, which
-    DeadNodeEliminationPass removes at the end, are not worth a function."""
-    live: set[ir.Node] = set()
-    pending = [producer for value in graph.outputs if (producer := value.producer()) is not None]
-    while pending:
-        node = pending.pop()
-        if node not in live:
-            live.add(node)
-            pending.extend(_producers(node, graph))
-    return live
 
 
 def _called(model: ir.Model) -> set[ir.OperatorIdentifier]:
@@ -546,11 +520,11 @@ class TbeEltwiseFusionPass(FusionPass):
         graph = model.graph
         order = _topological(graph)
         position = {node: index for index, node in enumerate(order)}
-        live = _live(graph)
+        live = live_nodes(graph)
         clusters = _Clusters(ctx.pattern(PATTERN))
         for node in order:
             clusterable = node in live and _clusterable(node, config, composites)
-            clusters.add(node, _producers(node, graph), clusterable)
+            clusters.add(node, producers(node, graph), clusterable)
         groups = sorted(
             (sorted(members, key=position.__getitem__) for members in clusters.groups()),
             key=lambda members: position[members[-1]],

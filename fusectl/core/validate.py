@@ -23,7 +23,7 @@ from onnx import TensorProto, TypeProto
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite import runtime
-from fusectl.rewrite.graph import attribute_graphs, element_count
+from fusectl.rewrite.graph import attribute_graphs, element_count, live_nodes
 
 logger = logging.getLogger("fusectl")
 
@@ -573,30 +573,6 @@ def check_text(model: ir.Model, path: Path) -> None:
 _WEIGHT_ELEMENTS = 1024
 
 
-def _live_nodes(graph: ir.Graph) -> set[ir.Node]:
-    """The nodes of ``graph`` some graph output depends on; a value read inside a subgraph
-    (its enclosing node's) counts as read."""
-    stack = [value.producer() for value in graph.outputs]
-    for node in graph:
-        if node.attributes:
-            for attribute in node.attributes.values():
-                for subgraph in attribute_graphs(attribute):
-                    stack.extend(
-                        value.producer()
-                        for inner in ir.traversal.RecursiveGraphIterator(subgraph)
-                        for value in inner.inputs
-                        if value is not None
-                    )
-    live: set[ir.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in live or node.graph is not graph:
-            continue
-        live.add(node)
-        stack.extend(value.producer() for value in node.inputs if value is not None)
-    return live
-
-
 def warn_unread_weights(model: ir.Model, path: Path) -> None:
     """Warn when computation that reads weights feeds no graph output: the dead-node pass
     removes it, silently, and a miswired export (an output dropped, a head reading the wrong
@@ -609,7 +585,7 @@ def warn_unread_weights(model: ir.Model, path: Path) -> None:
     ]
     if not weights:
         return
-    live = _live_nodes(graph)
+    live = live_nodes(graph)
     unread = [
         value
         for value in weights

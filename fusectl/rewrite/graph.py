@@ -388,6 +388,37 @@ def replace_subgraph(
     return None
 
 
+def producers(node: ir.Node, graph: ir.Graph) -> list[ir.Node]:
+    """The nodes of ``graph`` that ``node`` reads from, values its subgraphs capture included."""
+    found: dict[ir.Node, None] = {}
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        for value in current.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and producer.graph is graph:
+                found[producer] = None
+        for attr in current.attributes.values() if current.attributes else ():
+            if attr.type == ir.AttributeType.GRAPH:
+                pending.extend(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for subgraph in attr.as_graphs():
+                    pending.extend(subgraph)
+    return list(found)
+
+
+def live_nodes(graph: ir.Graph) -> set[ir.Node]:
+    """The nodes of ``graph`` some graph output depends on (what DeadNodeEliminationPass keeps)."""
+    live: set[ir.Node] = set()
+    pending = [producer for value in graph.outputs if (producer := value.producer()) is not None]
+    while pending:
+        node = pending.pop()
+        if node not in live:
+            live.add(node)
+            pending.extend(producers(node, graph))
+    return live
+
+
 def remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
     """Remove the nodes left without readers by a rewrite (the Shape a folded Gather read), and
     what only they read: later passes then see the graph as it will be saved."""

@@ -97,6 +97,47 @@ def test_a_fused_op_cuda_cannot_run_is_recorded_and_declined(tmp_path: Path) -> 
     assert session.get_providers()[0] == CUDA
 
 
+GQA = "com.microsoft.GroupQueryAttention"
+NO_KERNEL = (
+    f"no {CUDA} kernel for {GQA} with these types: onnxruntime runs it on CPUExecutionProvider"
+)
+
+
+def _tuned_gqa(model: Path, repository: Path) -> list[dict[str, Any]]:
+    tuned = run_cli(
+        "tune", model, "--providers", "cuda", "--repository", repository, "--budget", "0.3"
+    )
+    assert tuned.exit_code == 0, tuned.stderr + tuned.stdout
+    section, _ = load_repository(repository).section(CUDA)
+    assert section is not None
+    return [e for e in section.sites.values() if e["fused"][-1] == GQA]
+
+
+def test_a_fused_op_cuda_leaves_to_the_cpu_is_recorded_and_declined(tmp_path: Path) -> None:
+    # CUDA has GroupQueryAttention kernels for float16 and bfloat16 only: a float32 one loads,
+    # onnxruntime places it on the CPU provider with copies around it, and a timing would
+    # measure the CPU's kernel. tune records the placement as unsupported instead.
+    repository = tmp_path / "repository.json"
+    entries = _tuned_gqa(FIXTURES / "llama_tiny_ts17.onnx", repository)
+    assert entries and all(e["decision"] == UNSUPPORTED for e in entries)
+    assert all(e["error"] == NO_KERNEL for e in entries)
+    # The placement decides another export of another layout alike: no GroupQueryAttention.
+    run = optimize(
+        FIXTURES / "llama_tiny_dynamo.onnx", tmp_path, "--providers", "cuda",
+        "--repository", repository,
+    )  # fmt: skip
+    assert run.op_counts()["GroupQueryAttention"] == 0
+    reasons = [
+        miss["reason"] for entry in run.report["passes"] for miss in entry.get("near_misses", [])
+    ]
+    assert f"does not run on {CUDA}: {NO_KERNEL}" in reasons
+
+
+def test_a_float16_fused_op_with_a_cuda_kernel_is_timed(tmp_path: Path) -> None:
+    entries = _tuned_gqa(FIXTURES / "fp16_llama_tiny_ts17.onnx", tmp_path / "repository.json")
+    assert entries and all(e["decision"] != UNSUPPORTED and e["fused_ms"] > 0 for e in entries)
+
+
 def _cuda_outputs(model: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The model's outputs on CUDA in true float32 (TF32 matrix products off: with them on,
     two spellings of one product differ by TF32's rounding, not by the fusion)."""

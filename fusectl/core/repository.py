@@ -322,13 +322,14 @@ def _refusal(
     pass_name: Any, pattern: Any, fused: Any, attributes: Any, inputs: Any
 ) -> tuple | None:
     """What a provider's refusal of a fused op depends on: the fusion, its text attributes and
-    the element types of its inputs (not their sizes: kernels are refused at session creation
-    for what they compute)."""
+    the element types its inputs come in. Not their sizes, nor how many inputs the matched
+    nodes had, nor which were constant: a provider registers a kernel for type constraints and
+    refuses one at session creation for what it computes."""
     if not all(isinstance(v, str) for v in (pass_name, pattern)):
         return None
     if not isinstance(fused, list) or not isinstance(inputs, list):
         return None
-    types = tuple(str(signature).partition("[")[0] for signature in inputs)
+    types = frozenset(str(s).partition("[")[0].removeprefix("const ") for s in inputs)
     return pass_name, pattern, tuple(fused), _text_attributes(attributes), types
 
 

@@ -10,7 +10,8 @@ run on the provider with onnxruntime's own graph optimizations off, interleaved:
 batch of runs of each, in alternating order, until a sign test over the rounds separates them
 and the medians differ by more than the noise margin, or the round or time budget runs out
 (then they are the same). A class whose fused kernel is slower is recorded ``unfused``; one
-whose fused op the provider refuses to load while it runs the unfused nodes, ``unsupported``.
+whose fused op the provider refuses to load while it runs the unfused nodes, or loads but leaves
+to another provider (it has no kernel for those types), ``unsupported``.
 On a GPU provider both models read their inputs from device memory and leave their outputs there
 (diagnostics.device), so the times are the kernels' and not the copies'.
 """
@@ -51,7 +52,7 @@ from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
 from fusectl.diagnostics.sitecheck import Uncut, cut_site
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes
-from fusectl.rewrite.sites import SiteClass, site_class
+from fusectl.rewrite.sites import SiteClass, op_name, site_class
 from fusectl.version import __version__
 
 if TYPE_CHECKING:
@@ -282,13 +283,40 @@ class _SiteCutter:
         return None
 
 
+# onnxruntime 1.30 and later say which provider each node was placed on.
+_RECORDS_PLACEMENT = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
+
+
 def _session(model: onnx.ModelProto, provider: str, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = threads
     options.log_severity_level = 4
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if _RECORDS_PLACEMENT:
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     return ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+
+
+def placed_elsewhere(session: ort.InferenceSession, ops: Sequence[str]) -> dict[str, str]:
+    """The ops of ``ops`` (as site classes name them) that onnxruntime placed on another
+    provider than the session's first, with that provider.
+
+    A provider without a kernel for an op's types leaves the node to the CPU provider, with
+    copies to and from its device around it: the session loads, and a timing would compare the
+    CPU kernel, not the provider's (CUDA has no float32 GroupQueryAttention)."""
+    if not _RECORDS_PLACEMENT:
+        return {}
+    wanted = session.get_providers()[0]
+    elsewhere = {}
+    for subgraph in session.get_provider_graph_assignment_info():
+        if subgraph.ep_name == wanted:
+            continue
+        for node in subgraph.get_nodes():
+            name = op_name(node.domain, node.op_type)
+            if name in ops:
+                elsewhere[name] = subgraph.ep_name
+    return elsewhere
 
 
 def _sign_test(slower: int, rounds: int) -> float:
@@ -449,6 +477,14 @@ def _measure(
         # The unfused ops load where the fused one does not: the provider has no kernel for it
         # with these types or attributes (a fact of the provider, not of the generated inputs).
         record.verdict, record.error = UNSUPPORTED, _first_line(error)
+        return
+    elsewhere = placed_elsewhere(fused, record.site_class.fused)
+    if elsewhere:
+        record.verdict = UNSUPPORTED
+        record.error = "; ".join(
+            f"no {provider} kernel for {op} with these types: onnxruntime runs it on {other}"
+            for op, other in sorted(elsewhere.items())
+        )
         return
     try:
         timing = time_pair(fused, unfused, feeds, budget_s=budget_s)

@@ -48,8 +48,9 @@ class SiteClass:
         }
 
 
-def _op_name(node: ir.Node) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+def op_name(domain: str, op_type: str) -> str:
+    """An op as site classes name it: its domain first, unless it is onnx's."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
 
 
 def _signature(ctx: PassContext, value: ir.Value) -> str | None:
@@ -111,7 +112,7 @@ def site_class(
     return SiteClass(
         ctx.spec.name,
         pattern,
-        tuple(_op_name(node) for node in new_nodes),
+        tuple(op_name(node.domain, node.op_type) for node in new_nodes),
         tuple(signatures),
         json.dumps(attributes[0] if len(attributes) == 1 else attributes, sort_keys=True)
         if attributes

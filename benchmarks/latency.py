@@ -213,14 +213,27 @@ def bench_outputs(
         bench += ["--providers", args.providers]
         bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
         timed = h.measure(bench, timeout=args.timeout)
+        if timed.ok:
+            return timed
         error = one_line(timed.stderr)
-        failed = [o for o in outputs[2:] if str(o[1]) in error] if not timed.ok else []
+        failed = [o for o in outputs[2:] if str(o[1]) in error]
+        if not failed and timed.rc < 0:  # the runtime crashed: find whose run it was
+            failed = [o for o in outputs[2:] if _crashes(o[1], outputs[0][1], name, args)]
+            error = f"onnxruntime crashed running it (signal {-timed.rc})"
         if not failed:
             return timed
-        label, _ = failed[0]
-        result["tools"][label] = {"error": f"does not load: {error}"}
-        print(f"  {name} {label}: {error}", flush=True)
-        outputs.remove(failed[0])
+        for output in failed:
+            result["tools"][output[0]] = {"error": f"does not run: {error}"}
+            print(f"  {name} {output[0]}: {error}", flush=True)
+            outputs.remove(output)
+
+
+def _crashes(model: Path, original: Path, name: str, args: argparse.Namespace) -> bool:
+    """Whether one short bench of ``model`` beside the original kills the process."""
+    bench = [sys.executable, "-m", "fusectl", "bench", str(original), str(model), "--runs", "1"]
+    bench += ["--warmup", "0", "--session_runs", "1", "--providers", args.providers]
+    bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
+    return h.measure(bench, timeout=args.timeout).rc < 0
 
 
 def results_file(providers: str) -> Path:

@@ -49,7 +49,8 @@ def test_tune_measures_every_class_on_the_gpu(tuned: tuple[Path, Any]) -> None:
     assert measured == set(TUNED_SITES) - {"EmbedLayerNormFusionPass"}
     for entry in section.sites.values():
         assert entry["decision"] in DECISIONS
-        assert entry["fused_ms"] > 0 and entry["unfused_ms"] > 0
+        if entry["decision"] != UNSUPPORTED:
+            assert entry["fused_ms"] > 0 and entry["unfused_ms"] > 0
 
 
 def test_optimize_for_cuda_applies_its_verdicts(tuned: tuple[Path, Any], tmp_path: Path) -> None:

@@ -478,7 +478,11 @@ def _measure(
         # with these types or attributes (a fact of the provider, not of the generated inputs).
         record.verdict, record.error = UNSUPPORTED, _first_line(error)
         return
-    elsewhere = placed_elsewhere(fused, record.site_class.fused)
+    # Only the ops the rewrite brought in: onnxruntime keeps shape arithmetic (Shape, Gather of
+    # sizes) on the CPU for any provider, in the unfused nodes as in the fused ones.
+    unfused_ops = {op_name(node.domain, node.op_type) for node in original.graph.node}
+    brought_in = [op for op in record.site_class.fused if op not in unfused_ops]
+    elsewhere = placed_elsewhere(fused, brought_in)
     if elsewhere:
         record.verdict = UNSUPPORTED
         record.error = "; ".join(

@@ -18,7 +18,12 @@ import pytest
 import fusectl
 from fusectl.core.repository import DECISIONS, UNSUPPORTED, device_identity, load_repository
 from tests.conftest import FIXTURES, optimize, random_feeds, run_cli
-from tests.test_tune import BERT, SHAPES, TUNED_SITES  # the tiny BERT's tuned sites
+from tests.test_tune import (  # the tiny BERT's tuned sites, the shipped section's refusals
+    BERT,
+    CUDA_GQA_REFUSALS,
+    SHAPES,
+    TUNED_SITES,
+)
 
 CUDA = "CUDAExecutionProvider"
 pytestmark = pytest.mark.skipif(
@@ -99,9 +104,7 @@ def test_a_fused_op_cuda_cannot_run_is_recorded_and_declined(tmp_path: Path) -> 
 
 
 GQA = "com.microsoft.GroupQueryAttention"
-NO_KERNEL = (
-    f"no {CUDA} kernel for {GQA} with these types: onnxruntime runs it on CPUExecutionProvider"
-)
+NO_KERNEL = CUDA_GQA_REFUSALS["llama_tiny_ts17"]
 
 
 def _tuned_gqa(model: Path, repository: Path) -> list[dict[str, Any]]:
@@ -134,9 +137,15 @@ def test_a_fused_op_cuda_leaves_to_the_cpu_is_recorded_and_declined(tmp_path: Pa
     assert f"does not run on {CUDA}: {NO_KERNEL}" in reasons
 
 
-def test_a_float16_fused_op_with_a_cuda_kernel_is_timed(tmp_path: Path) -> None:
-    entries = _tuned_gqa(FIXTURES / "fp16_llama_tiny_ts17.onnx", tmp_path / "repository.json")
-    assert entries and all(e["decision"] != UNSUPPORTED and e["fused_ms"] > 0 for e in entries)
+def test_a_fused_op_cuda_refuses_when_it_runs_is_recorded_and_declined(tmp_path: Path) -> None:
+    # CUDA's float16 GroupQueryAttention loads and then refuses to run without present_key /
+    # present_value outputs, on the inputs the unfused attention computes with: a refusal of
+    # the op as written, recorded as such, which declines it in every export.
+    repository = tmp_path / "repository.json"
+    entries = _tuned_gqa(FIXTURES / "fp16_llama_tiny_dynamo.onnx", repository)
+    assert entries and all(e["decision"] == UNSUPPORTED for e in entries)
+    assert all(e["error"].endswith(CUDA_GQA_REFUSALS["fp16_llama_tiny_dynamo"]) for e in entries)
+    assert all(e["kernel_types"] == ["float16"] for e in entries)
 
 
 def _cuda_outputs(model: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

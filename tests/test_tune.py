@@ -343,6 +343,76 @@ def test_tune_records_a_fused_op_the_provider_refuses(tmp_path: Path) -> None:
         assert_same_outputs(source, run.output)
 
 
+def _residual_norm(path: Path, size: int) -> Path:
+    """x [1, size, 8] + a constant [8] row -> LayerNormalization: a residual broadcast."""
+    rng = np.random.default_rng(0)
+    weights = [
+        onnx.numpy_helper.from_array(rng.normal(size=8).astype(np.float32), name)
+        for name in ("row", "gamma", "beta")
+    ]
+    nodes = [
+        helper.make_node("Add", ["x", "row"], ["sum"]),
+        helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "residual_norm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, size, 8])],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.usefixtures("restore_registry")
+def test_tune_records_a_fused_op_the_provider_refuses_at_run_time(tmp_path: Path) -> None:
+    # A custom pass hands SkipLayerNormalization a one-dimensional skip: the session loads, and
+    # the kernel refuses it when it runs ("skip is expected to have 3 or 2 dimensions"), on the
+    # inputs the unfused Add and LayerNormalization compute with. That is the provider's
+    # refusal, recorded as such (as CUDA's of GroupQueryAttention without present outputs).
+    load_builtin_passes()
+    register_replacement(
+        "OneDimensionalSkipPass",
+        lambda op, x, row, g, b: op.LayerNormalization(op.Add(x, row), g, b, axis=-1),
+        lambda op, x, row, g, b: op.SkipLayerNormalization(x, row, g, b, _domain=MS),
+        emits=("SkipLayerNormalization",),
+        emits_domain=MS,
+        targets=("ort",),
+    )
+    model = _residual_norm(tmp_path / "residual_norm.onnx", 4)
+    repository = tmp_path / "repository.json"
+    switches = ("--disable_pass", SKIP_LN)
+    tuned = run_cli("tune", model, "--repository", repository, "--budget", "0.2", *switches)
+    assert tuned.exit_code == 0, tuned.stderr
+    assert "1 not run by the provider fused" in tuned.stderr
+    (section,) = load_repository(repository).sections
+    (entry,) = section.sites.values()
+    assert entry["decision"] == UNSUPPORTED and "fused_ms" not in entry
+    assert entry["error"].endswith("skip is expected to have 3 or 2 dimensions, got 1")
+    for size in (4, 6):
+        source = _residual_norm(tmp_path / f"residual_norm_{size}.onnx", size)
+        run = optimize(source, subdir(tmp_path, str(size)), "--repository", repository, *switches)
+        assert run.op_counts()["SkipLayerNormalization"] == 0
+        reasons = [m["reason"] for m in run.passed("OneDimensionalSkipPass")["near_misses"]]
+        assert reasons == [f"does not run on CPUExecutionProvider: {entry['error']}"]
+        assert_same_outputs(source, run.output)
+
+
+def test_a_fused_op_failing_on_a_value_only_it_reads_is_not_measured(tmp_path: Path) -> None:
+    # Near miss: the tiny LLaMA's later GroupQueryAttention sites read the total length the
+    # first one computes. Cut out alone, that value is generated and the kernel rejects it:
+    # the inputs', not the provider's, so the class is left unmeasured, not refused.
+    repository = tmp_path / "repository.json"
+    model = FIXTURES / "llama_tiny_ts17.onnx"
+    tuned = run_cli("tune", model, "--repository", repository, "--budget", "0.2")
+    assert tuned.exit_code == 0, tuned.stderr
+    assert "1 not measured" in tuned.stderr and "0 not run by the provider" in tuned.stderr
+    assert "total_sequence_length must be at least kv_sequence_length" in tuned.stderr
+    (section,) = load_repository(repository).sections
+    assert all(entry["decision"] != UNSUPPORTED for entry in section.sites.values())
+
+
 def test_a_class_measured_with_symbolic_sizes_covers_fixed_ones(
     tuned: tuple[Path, Any], tmp_path: Path
 ) -> None:
@@ -472,6 +542,46 @@ def test_the_shipped_repository_and_its_provenance() -> None:
     (skip,) = (entry for entry in catalogue if entry["name"] == SKIP_LN)
     assert skip["repository"][0]["provenance"] == section.provenance
     assert skip["repository"][0]["unfused"]
+
+
+CUDA_GQA_REFUSALS = {
+    # CUDA has no float32 GroupQueryAttention: onnxruntime places it on the CPU (measured).
+    "llama_tiny_ts17": "no CUDAExecutionProvider kernel for com.microsoft.GroupQueryAttention "
+    "with these types: onnxruntime runs it on CPUExecutionProvider",
+    "llama_tiny_dynamo": "no CUDAExecutionProvider kernel for com.microsoft.GroupQueryAttention "
+    "with these types: onnxruntime runs it on CPUExecutionProvider",
+    # This float16 export runs its attention in float32 (Casts before it): the same.
+    "fp16_llama_tiny_ts17": "no CUDAExecutionProvider kernel for "
+    "com.microsoft.GroupQueryAttention with these types: onnxruntime runs it on "
+    "CPUExecutionProvider",
+    # The float16 kernel loads and refuses to run without present_key / present_value.
+    "fp16_llama_tiny_dynamo": "present_key and present_value are required unless borrowing a "
+    "non-quantized KV cache",
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(CUDA_GQA_REFUSALS))
+def test_the_shipped_cuda_section_declines_the_attention_cuda_cannot_run(
+    fixture: str, tmp_path: Path
+) -> None:
+    # Measured on the shipped section's LLaMA (hidden 2048, 16/4 heads); refusals decide every
+    # size and export of the same kernel and types. MultiHeadAttention takes the attention.
+    model = FIXTURES / f"{fixture}.onnx"
+    run = optimize(model, tmp_path, "--providers", "cuda")
+    ops = run.op_counts()
+    assert ops["GroupQueryAttention"] == 0 and ops["MultiHeadAttention"] == 2
+    reasons = {m["reason"] for m in run.passed("GroupQueryAttentionFusionPass")["near_misses"]}
+    (reason,) = reasons
+    assert reason.startswith("does not run on CUDAExecutionProvider: ")
+    assert reason.endswith(CUDA_GQA_REFUSALS[fixture])
+    # The declined sites leave nothing behind (the constants their replacement would read).
+    written = onnx.load(str(run.output))
+    read = {name for node in written.graph.node for name in node.input}
+    assert [i.name for i in written.graph.initializer if i.name not in read] == []
+    tolerance = 1e-2 if fixture.startswith("fp16") else 1e-4
+    assert_same_outputs(model, run.output, atol=tolerance, rtol=tolerance)
+    # For the CPU provider (the default) the same model keeps its GroupQueryAttention.
+    assert optimize(model, subdir(tmp_path, "cpu")).op_counts()["GroupQueryAttention"] == 2
 
 
 def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> ort.InferenceSession:

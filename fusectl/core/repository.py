@@ -57,7 +57,7 @@ DECISIONS = (UNFUSED, FUSED, SAME, UNSUPPORTED)
 KEPT_UNFUSED = (UNFUSED, UNSUPPORTED)
 SHIPPED = "repository.json"
 # The fields of a repository entry that name its site class, in _refusal's order.
-_CLASS_FIELDS = ("pass", "pattern", "fused", "attributes", "inputs")
+_CLASS_FIELDS = ("pass", "pattern", "fused", "attributes", "inputs", "kernel_types")
 NONE = "none"
 
 
@@ -308,29 +308,39 @@ def _family(pass_name: Any, pattern: Any, fused: Any, attributes: Any) -> tuple 
     return pass_name, pattern, tuple(fused), json.dumps(attributes, sort_keys=True)
 
 
-def _text_attributes(attributes: Any) -> tuple:
+def _text_attributes(attributes: Any) -> frozenset:
     """The attributes a kernel picks its computation by (an activation's or a mode's name):
-    the text-valued ones, per fused op."""
+    the text-valued ones, of any fused op."""
     if isinstance(attributes, list):
-        return tuple(_text_attributes(item) for item in attributes)
+        return frozenset().union(*(_text_attributes(item) for item in attributes))
     if isinstance(attributes, Mapping):
-        return tuple(sorted((k, v) for k, v in attributes.items() if isinstance(v, str)))
-    return ()
+        return frozenset((k, v) for k, v in attributes.items() if isinstance(v, str))
+    return frozenset()
+
+
+_FLOATING = frozenset({"float", "float16", "bfloat16", "double"})
 
 
 def _refusal(
-    pass_name: Any, pattern: Any, fused: Any, attributes: Any, inputs: Any
+    pass_name: Any, pattern: Any, fused: Any, attributes: Any, inputs: Any, kernel_types: Any
 ) -> tuple | None:
-    """What a provider's refusal of a fused op depends on: the fusion, its text attributes and
-    the element types its inputs come in. Not their sizes, nor how many inputs the matched
-    nodes had, nor which were constant: a provider registers a kernel for type constraints and
-    refuses one at session creation for what it computes."""
-    if not all(isinstance(v, str) for v in (pass_name, pattern)):
+    """What a provider's refusal of a fused op depends on: the fusion's kernels (its fused ops
+    outside onnx's domain), their text attributes and the floating-point types they compute
+    on (recorded with the class; for an entry written before, the types of the site's inputs
+    that are not constants). Not the sizes, nor the pattern, the other ops it matched or their
+    constants, which vary from one exporter to another: a provider registers a kernel for type
+    constraints and refuses it for what it computes."""
+    del pattern  # the same pass emits the same kernel from every pattern
+    if not isinstance(pass_name, str) or not isinstance(fused, list):
         return None
-    if not isinstance(fused, list) or not isinstance(inputs, list):
+    if not isinstance(inputs, list):
         return None
-    types = frozenset(str(s).partition("[")[0].removeprefix("const ") for s in inputs)
-    return pass_name, pattern, tuple(fused), _text_attributes(attributes), types
+    kernels = tuple(sorted({str(op) for op in fused if "." in str(op)})) or tuple(fused)
+    if isinstance(kernel_types, list | tuple) and kernel_types:
+        types = ("kernels", frozenset(map(str, kernel_types)))
+    else:
+        types = ("inputs", frozenset({str(s).partition("[")[0] for s in inputs} & _FLOATING))
+    return pass_name, kernels, _text_attributes(attributes), types
 
 
 def _fits(measured: str, site: str) -> bool:
@@ -430,16 +440,21 @@ class RepositoryGate:
             if _covers(inputs, found.inputs)
         ]
         if not covering:
-            refused = self._refusals.get(
-                _refusal(
-                    found.pass_name,
-                    found.pattern,
-                    list(found.fused),
-                    json.loads(found.attributes),
-                    list(found.inputs),
+            # By the types the kernels compute on, else as an entry without them reads.
+            for types in (list(found.kernel_types), []):
+                refused = self._refusals.get(
+                    _refusal(
+                        found.pass_name,
+                        found.pattern,
+                        list(found.fused),
+                        json.loads(found.attributes),
+                        list(found.inputs),
+                        types,
+                    )
                 )
-            )
-            return (refused, self.section.sites[refused]) if refused is not None else None
+                if refused is not None:
+                    return refused, self.section.sites[refused]
+            return None
         key = min(covering)[1]
         return key, self.section.sites[key]
 

@@ -10,8 +10,9 @@ run on the provider with onnxruntime's own graph optimizations off, interleaved:
 batch of runs of each, in alternating order, until a sign test over the rounds separates them
 and the medians differ by more than the noise margin, or the round or time budget runs out
 (then they are the same). A class whose fused kernel is slower is recorded ``unfused``; one
-whose fused op the provider refuses to load while it runs the unfused nodes, or loads but leaves
-to another provider (it has no kernel for those types), ``unsupported``.
+whose fused op the provider refuses while it runs the unfused nodes (at session creation, by
+placing it on another provider for want of a kernel for its types, or at run time on inputs the
+unfused nodes compute with), ``unsupported``.
 On a GPU provider both models read their inputs from device memory and leave their outputs there
 (diagnostics.device), so the times are the kernels' and not the copies'.
 """
@@ -492,13 +493,37 @@ def _measure(
         return
     try:
         timing = time_pair(fused, unfused, feeds, budget_s=budget_s)
-    except Exception as error:  # generated inputs a fused kernel checks more strictly
-        record.note = f"does not run on its own: {_first_line(error)}"
+    except Exception as error:
+        if _refuses_what_the_original_runs(original, replacement, unfused, feeds):
+            record.verdict, record.error = UNSUPPORTED, _first_line(error)
+        else:  # generated numbers for a value another site computes, checked more strictly
+            record.note = f"does not run on its own: {_first_line(error)}"
         return
     record.shapes = {name: list(array.shape) for name, array in feeds.items()}
     record.fused_ms, record.unfused_ms = timing.fused_ms, timing.unfused_ms
     record.rounds, record.runs_per_round = timing.rounds, timing.runs_per_round
     record.verdict = timing.verdict
+
+
+def _refuses_what_the_original_runs(
+    original: onnx.ModelProto,
+    replacement: onnx.ModelProto,
+    unfused: ort.InferenceSession,
+    feeds: dict[str, np.ndarray],
+) -> bool:
+    """Whether the fused side failed where the unfused nodes compute: it reads no input they
+    do not read (a value another site computes, here generated numbers), and they run on the
+    same feeds. The provider then refuses the fused op as written, at run time (CUDA's
+    GroupQueryAttention without present outputs), not the generated inputs."""
+    read = {name for node in original.graph.node for name in node.input}
+    own = {name for node in replacement.graph.node for name in node.input} - read
+    if own & {value.name for value in replacement.graph.input}:
+        return False
+    try:
+        runner(unfused, feeds)()
+    except Exception:  # onnxruntime's own types: the inputs, not the fusion
+        return False
+    return True
 
 
 # onnxruntime's status prefix, repeated once per layer the error passed through.

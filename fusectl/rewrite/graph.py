@@ -352,17 +352,17 @@ def replace_subgraph(
     )
     if referenced is not None:
         ctx.pattern(pattern).decline(referenced, node_label(root))
-        return referenced
+        return _discarded(new_nodes, referenced)
     for gate in ctx.site_gates:
         declined = gate.review(
             ctx, pattern, node_label(root), old_nodes, new_nodes, old_outputs, new_outputs
         )
         if declined is not None:
             ctx.pattern(pattern).decline(declined, node_label(root))
-            return declined
+            return _discarded(new_nodes, declined)
     refused = ctx.refusal(pattern, node_label(root))
     if refused is not None:
-        return refused
+        return _discarded(new_nodes, refused)
     produced = {value for node in new_nodes for value in node.outputs}
     if any(value not in produced for value in new_outputs):
         raise ValueError(f"{ctx.spec.name}: a replacement output must come from a new node")
@@ -386,6 +386,14 @@ def replace_subgraph(
         if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
             bypass(node)  # when it cannot go, the Identity stays: correct, just not minimal
     return None
+
+
+def _discarded(new_nodes: Sequence[ir.Node], reason: str) -> str:
+    """Drops a declined replacement's reads: a value it read (a constant the pass added for
+    it) is then read by no node, and the dead-node pass removes it."""
+    for node in new_nodes:
+        node.resize_inputs(0)
+    return reason
 
 
 def producers(node: ir.Node, graph: ir.Graph) -> list[ir.Node]:

@@ -29,6 +29,9 @@ class SiteClass:
     fused: tuple[str, ...]
     inputs: tuple[str, ...]
     attributes: str
+    # The floating-point types the fused kernels compute on: what a provider registers a
+    # kernel for (not part of the key: the inputs' types already set the class apart).
+    kernel_types: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -45,6 +48,7 @@ class SiteClass:
             "fused": list(self.fused),
             "inputs": list(self.inputs),
             "attributes": json.loads(self.attributes),
+            "kernel_types": list(self.kernel_types),
         }
 
 
@@ -79,6 +83,44 @@ def _attribute(attr: ir.Attr) -> Any:
         return attr.type.name.lower()
     value = attr.value
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+
+
+# Ops that hand their first input's element type on unchanged.
+_TYPE_KEEPING = frozenset(
+    {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice", "Concat"}
+)
+_FLOATING = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+)
+
+
+def kernel_types(ctx: PassContext, new_nodes: Sequence[ir.Node]) -> tuple[str, ...]:
+    """The floating-point types the fused kernels (the new ops outside onnx's domain) compute
+    on: those of their inputs that are not constants, through the Casts and reshapes the
+    rewrite put before them (a float32 model may run its attention in float16)."""
+    made = {value: node for node in new_nodes for value in node.outputs}
+
+    def element_type(value: ir.Value) -> ir.DataType | None:
+        node = made.get(value)
+        if node is None:
+            return value.dtype or ctx.dtype(value)
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+            return ir.DataType(node.attributes.get_int("to", 0))
+        if node.op_type in _TYPE_KEEPING and node.inputs and node.inputs[0] is not None:
+            return element_type(node.inputs[0])
+        return value.dtype
+
+    types = set()
+    for node in new_nodes:
+        if node.domain in ("", "ai.onnx"):
+            continue
+        for value in node.inputs:
+            if value is None or (value.const_value is not None and not value.is_graph_input()):
+                continue
+            dtype = element_type(value)
+            if dtype in _FLOATING:
+                types.add(dtype.name.lower())
+    return tuple(sorted(types))
 
 
 def site_inputs(nodes: Sequence[ir.Node]) -> list[ir.Value]:
@@ -117,4 +159,5 @@ def site_class(
         json.dumps(attributes[0] if len(attributes) == 1 else attributes, sort_keys=True)
         if attributes
         else "{}",
+        kernel_types(ctx, new_nodes),
     )

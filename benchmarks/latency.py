@@ -22,7 +22,8 @@ Outputs per model (each tool once, in a fresh process, as transformers_peers.py 
                   its weights inline: ViT and the CNNs)
     onnxscript    onnxscript.rewriter.ort_fusions.optimize_for_ort
     ORT           python -m onnxruntime.transformers.optimizer --model_type bert|gpt2|vit
-                  (none for the CNNs: onnxruntime's optimizer has no CNN model type)
+                  (none for the CNNs: onnxruntime's optimizer has no CNN model type; for a GPU
+                  provider in its GPU mode, --use_gpu --provider cuda, on that machine)
 
 Then one ``fusectl bench`` per model over the original and every output, in a fresh process:
 the same feeds for all, ORT_ENABLE_ALL and ORT_DISABLE_ALL, 1 intra-op thread, --runs timed runs
@@ -43,8 +44,9 @@ ORT_ENABLE_ALL.
 With ``--providers cuda`` the fusectl outputs are made for CUDA (``--providers cuda``, the
 repository's CUDA section or ``--repository``) and bench keeps every input and output in GPU
 memory, so the times are the models' and not the host copies'. ``--reuse`` keeps tool outputs
-already in benchmarks/out/latency/<model>/ (made on another machine, say: the peers' outputs do
-not depend on the provider) and makes only the missing ones.
+already in benchmarks/out/latency/<model>/ (made on another machine, say: onnxscript's output
+does not depend on the provider) and makes only the missing ones. An output the provider cannot
+load, or whose run kills onnxruntime, is recorded as that tool's error and left out of the bench.
 
 Results: benchmarks/out/latency/results.json (results_cuda.json for CUDA, and so on).
 """

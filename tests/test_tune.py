@@ -118,6 +118,10 @@ def test_tune_records_every_class_with_provenance(tuned: tuple[Path, Any]) -> No
         assert entry["decision"] in DECISIONS
         assert entry["fused_ms"] > 0 and entry["unfused_ms"] > 0 and entry["rounds"] >= 7
         assert entry["measured_shapes"] and entry["model"] == BERT.name
+        # What the fused kernels compute on: float32 here, but for the embedding kernel, whose
+        # only inputs that are not weights are integer ids.
+        embedding = entry["pass"] == "EmbedLayerNormFusionPass"
+        assert entry["kernel_types"] == ([] if embedding else ["float"])
         counted[entry["pass"]] += entry["sites_in_model"]
     # Every tuned site is in a measured class. The embedding layer norm too: at the tuning
     # shapes its position Gather folds to a constant and another pattern of the pass (position

@@ -56,8 +56,8 @@ UNFUSED, FUSED, SAME, UNSUPPORTED = "unfused", "fused", "same", "unsupported"
 DECISIONS = (UNFUSED, FUSED, SAME, UNSUPPORTED)
 KEPT_UNFUSED = (UNFUSED, UNSUPPORTED)
 SHIPPED = "repository.json"
-# The fields of a repository entry that name its site class, in _refusal's order.
-_CLASS_FIELDS = ("pass", "pattern", "fused", "attributes", "inputs", "kernel_types")
+# The fields of a repository entry that a provider's refusal depends on, in _refusal's order.
+_REFUSAL_FIELDS = ("pass", "fused", "attributes", "inputs", "kernel_types")
 NONE = "none"
 
 
@@ -322,7 +322,7 @@ _FLOATING = frozenset({"float", "float16", "bfloat16", "double"})
 
 
 def _refusal(
-    pass_name: Any, pattern: Any, fused: Any, attributes: Any, inputs: Any, kernel_types: Any
+    pass_name: Any, fused: Any, attributes: Any, inputs: Any, kernel_types: Any
 ) -> tuple | None:
     """What a provider's refusal of a fused op depends on: the fusion's kernels (its fused ops
     outside onnx's domain), their text attributes and the floating-point types they compute
@@ -330,10 +330,9 @@ def _refusal(
     that are not constants). Not the sizes, nor the pattern, the other ops it matched or their
     constants, which vary from one exporter to another: a provider registers a kernel for type
     constraints and refuses it for what it computes."""
-    del pattern  # the same pass emits the same kernel from every pattern
-    if not isinstance(pass_name, str) or not isinstance(fused, list):
+    if not isinstance(pass_name, str) or not isinstance(fused, list | tuple):
         return None
-    if not isinstance(inputs, list):
+    if not isinstance(inputs, list | tuple):
         return None
     kernels = tuple(sorted({str(op) for op in fused if "." in str(op)})) or tuple(fused)
     if isinstance(kernel_types, list | tuple) and kernel_types:
@@ -413,7 +412,7 @@ class RepositoryGate:
             if family is not None and isinstance(entry.get("inputs"), list):
                 self._families.setdefault(family, []).append((entry["inputs"], key))
             if entry["decision"] == UNSUPPORTED:
-                refusal = _refusal(*(entry.get(k) for k in _CLASS_FIELDS))
+                refusal = _refusal(*(entry.get(k) for k in _REFUSAL_FIELDS))
                 if refusal is not None:
                     self._refusals.setdefault(refusal, key)
 
@@ -441,14 +440,13 @@ class RepositoryGate:
         ]
         if not covering:
             # By the types the kernels compute on, else as an entry without them reads.
-            for types in (list(found.kernel_types), []):
+            for types in (found.kernel_types, ()):
                 refused = self._refusals.get(
                     _refusal(
                         found.pass_name,
-                        found.pattern,
-                        list(found.fused),
+                        found.fused,
                         json.loads(found.attributes),
-                        list(found.inputs),
+                        found.inputs,
                         types,
                     )
                 )

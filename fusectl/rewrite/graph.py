@@ -389,10 +389,16 @@ def replace_subgraph(
 
 
 def _discarded(new_nodes: Sequence[ir.Node], reason: str) -> str:
-    """Drops a declined replacement's reads: a value it read (a constant the pass added for
-    it) is then read by no node, and the dead-node pass removes it."""
+    """Drops a declined replacement's reads of the constants only it reads (those the pass
+    added for it), which the dead-node pass then removes. Its reads of other values stay as
+    they were: other passes' matches see them as before."""
+    own = set(new_nodes)
     for node in new_nodes:
-        node.resize_inputs(0)
+        for index, value in enumerate(node.inputs):
+            if value is None or not value.is_initializer():
+                continue
+            if all(use.node in own for use in value.uses()):
+                node.replace_input_with(index, None)
     return reason
 
 

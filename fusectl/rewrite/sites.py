@@ -97,7 +97,7 @@ _FLOATING = frozenset(
 def kernel_types(ctx: PassContext, new_nodes: Sequence[ir.Node]) -> tuple[str, ...]:
     """The floating-point types the fused kernels (the new ops outside onnx's domain) compute
     on: those of their inputs that are not constants, through the Casts and reshapes the
-    rewrite put before them (a float32 model may run its attention in float16)."""
+    rewrite put before them (a float16 model may run its attention in float32)."""
     made = {value: node for node in new_nodes for value in node.outputs}
 
     def element_type(value: ir.Value) -> ir.DataType | None:

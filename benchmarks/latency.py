@@ -203,17 +203,24 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def _bench_command(
+    name: str, paths: list[Path], args: argparse.Namespace, runs: int, warmup: int, sessions: int
+) -> list[str]:
+    bench = [sys.executable, "-m", "fusectl", "bench", *map(str, paths), "--threads", "1"]
+    bench += ["--runs", str(runs), "--warmup", str(warmup), "--session_runs", str(sessions)]
+    bench += ["--json", "--providers", args.providers]
+    return bench + (["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else [])
+
+
 def bench_outputs(
     name: str, outputs: list[tuple[str, Path]], result: dict, args: argparse.Namespace
 ) -> h.Measurement:
     """One fusectl bench over ``outputs``. A tool's output the provider cannot load (bench
-    names the file) is recorded as that tool's error and benched without."""
+    names the file), or whose run kills onnxruntime, is recorded as that tool's error and
+    benched without."""
     while True:
-        bench = [sys.executable, "-m", "fusectl", "bench", *(str(p) for _, p in outputs)]
-        bench += ["--runs", str(args.runs), "--warmup", str(args.warmup), "--threads", "1"]
-        bench += ["--session_runs", str(args.session_runs), "--json"]
-        bench += ["--providers", args.providers]
-        bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
+        paths = [path for _, path in outputs]
+        bench = _bench_command(name, paths, args, args.runs, args.warmup, args.session_runs)
         timed = h.measure(bench, timeout=args.timeout)
         if timed.ok:
             return timed
@@ -232,9 +239,7 @@ def bench_outputs(
 
 def _crashes(model: Path, original: Path, name: str, args: argparse.Namespace) -> bool:
     """Whether one short bench of ``model`` beside the original kills the process."""
-    bench = [sys.executable, "-m", "fusectl", "bench", str(original), str(model), "--runs", "1"]
-    bench += ["--warmup", "0", "--session_runs", "1", "--providers", args.providers]
-    bench += ["--input_shape", MODELS[name]["shape"]] if "shape" in MODELS[name] else []
+    bench = _bench_command(name, [original, model], args, runs=1, warmup=0, sessions=1)
     return h.measure(bench, timeout=args.timeout).rc < 0
 
 

@@ -40,7 +40,7 @@ import onnxruntime as ort
 
 from fusectl.core import logs
 from fusectl.errors import FusectlError
-from fusectl.rewrite.sites import SiteClass, site_class
+from fusectl.rewrite.sites import FLOATING_NAMES, SiteClass, is_kernel, site_class
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -318,9 +318,6 @@ def _text_attributes(attributes: Any) -> frozenset:
     return frozenset()
 
 
-_FLOATING = frozenset({"float", "float16", "bfloat16", "double"})
-
-
 def _refusal(
     pass_name: Any, fused: Any, attributes: Any, inputs: Any, kernel_types: Any
 ) -> tuple | None:
@@ -334,11 +331,11 @@ def _refusal(
         return None
     if not isinstance(inputs, list | tuple):
         return None
-    kernels = tuple(sorted({str(op) for op in fused if "." in str(op)})) or tuple(fused)
+    kernels = tuple(sorted({str(op) for op in fused if is_kernel(str(op))})) or tuple(fused)
     if isinstance(kernel_types, list | tuple) and kernel_types:
         types = ("kernels", frozenset(map(str, kernel_types)))
     else:
-        types = ("inputs", frozenset({str(s).partition("[")[0] for s in inputs} & _FLOATING))
+        types = ("inputs", frozenset({str(s).partition("[")[0] for s in inputs} & FLOATING_NAMES))
     return pass_name, kernels, _text_attributes(attributes), types
 
 

@@ -53,7 +53,7 @@ from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
 from fusectl.diagnostics.sitecheck import Uncut, cut_site
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes
-from fusectl.rewrite.sites import SiteClass, op_name, site_class
+from fusectl.rewrite.sites import SiteClass, is_kernel, op_name, site_class
 from fusectl.version import __version__
 
 if TYPE_CHECKING:
@@ -482,7 +482,7 @@ def _measure(
     # Only the fused kernels (ops outside onnx's domain): onnxruntime places onnx's own ops on
     # the CPU by choice where they compute sizes an op reads in host memory (the Cast and Sub
     # of GroupQueryAttention's total_sequence_length), though every provider has kernels.
-    kernels = [op for op in record.site_class.fused if "." in op]
+    kernels = [op for op in record.site_class.fused if is_kernel(op)]
     elsewhere = placed_elsewhere(fused, kernels)
     if elsewhere:
         record.verdict = UNSUPPORTED

@@ -57,6 +57,11 @@ def op_name(domain: str, op_type: str) -> str:
     return op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
 
 
+def is_kernel(name: str) -> bool:
+    """Whether an op named as site classes name it is a fused kernel (outside onnx's domain)."""
+    return "." in name
+
+
 def _signature(ctx: PassContext, value: ir.Value) -> str | None:
     dtype, shape = ctx.dtype(value), ctx.shape(value)
     if dtype is None or shape is None:
@@ -92,6 +97,8 @@ _TYPE_KEEPING = frozenset(
 _FLOATING = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 )
+# The same, as input signatures and kernel_types write them.
+FLOATING_NAMES = frozenset(dtype.name.lower() for dtype in _FLOATING)
 
 
 def kernel_types(ctx: PassContext, new_nodes: Sequence[ir.Node]) -> tuple[str, ...]:
@@ -112,7 +119,7 @@ def kernel_types(ctx: PassContext, new_nodes: Sequence[ir.Node]) -> tuple[str, .
 
     types = set()
     for node in new_nodes:
-        if node.domain in ("", "ai.onnx"):
+        if not is_kernel(op_name(node.domain, node.op_type)):
             continue
         for value in node.inputs:
             if value is None or (value.const_value is not None and not value.is_graph_input()):

@@ -28,7 +28,7 @@ from fusectl.core.model_io import (
     stage_model,
 )
 from fusectl.core.paths import StagedOutputs, check_outputs, write_text_atomic
-from fusectl.core.plugins import load_passes
+from fusectl.core.plugins import load_passes, load_plugin_file
 from fusectl.core.repository import RepositoryGate, parse_provider_list, repository_gate
 from fusectl.core.switches import (
     Plan,
@@ -130,7 +130,16 @@ def switch_plan(
             {"graph_kernel_flags": graph_kernel_flags} if graph_kernel_flags.strip() else {}
         ),
     )
-    return resolve(load_passes([Path(p) for p in plugins]), request), request
+    registry = load_passes()
+    saved = registry.snapshot()
+    try:
+        for path in plugins:
+            load_plugin_file(Path(path))
+        return resolve(registry, request), request
+    finally:
+        # A call's plugins are that call's: the plan holds their passes, and the next call in
+        # this process (a pipeline optimizing several models) starts without them.
+        registry.restore(saved)
 
 
 @logs.collecting_warnings

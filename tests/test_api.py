@@ -116,6 +116,22 @@ def test_bad_input_raises_fusectl_error(tmp_path: Path) -> None:
         fusectl.optimize(3)  # type: ignore[arg-type]
 
 
+def test_a_plugin_given_to_one_call_runs_in_that_call_only() -> None:
+    """A pipeline optimizing several models in one process: the second call, without the
+    plugin, does not run the first one's pass; a third call with it runs it again."""
+    plugin = Path(__file__).resolve().parents[1] / "samples" / "plugins" / "hardswish_fusion.py"
+    model = Path(__file__).resolve().parent / "fixtures" / "hardswish_cnn_torchscript.onnx"
+
+    def hard_swishes(result: fusectl.OptimizeResult) -> list[tuple[str, int]]:
+        passes = result.report["passes"]
+        return [(p["name"], p["effected"]) for p in passes if p["name"] == "HardSwishFusionPass"]
+
+    assert hard_swishes(fusectl.optimize(model, plugins=[plugin])) == [("HardSwishFusionPass", 3)]
+    assert hard_swishes(fusectl.optimize(model)) == []
+    assert fusectl.REGISTRY.canonical("HardSwishFusionPass") is None
+    assert hard_swishes(fusectl.optimize(model, plugins=[plugin])) == [("HardSwishFusionPass", 3)]
+
+
 def test_fusectl_pass_composes_in_an_onnx_ir_sequential(sample: Path, tmp_path: Path) -> None:
     model = ir.load(sample)
     pipeline = ir.passes.Sequential(

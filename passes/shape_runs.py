@@ -64,7 +64,10 @@ def _shape_run(ctx: PassContext, concat: ir.Node) -> tuple[ir.Value, int, int] |
 
 def _sizes(value: ir.Value | None) -> bool:
     """Whether every element of ``value`` is a size (never negative): a Shape, or a Concat of
-    copied sizes and constants that are not negative."""
+    copied sizes and constants that are not negative, or a view of one (TorchScript flattens
+    the Concat with a Reshape to [-1]: the same elements)."""
+    while (view := producer_of(value, "Reshape") or producer_of(value, "Flatten")) is not None:
+        value = view.inputs[0]
     if value is None:
         return False
     if producer_of(value, "Shape") is not None or copied_dimensions(value) is not None:

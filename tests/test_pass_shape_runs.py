@@ -1,11 +1,13 @@
 """ShapeRunCanonicalizationPass: x's sizes taken apart and joined in order are Shape(x),
-TorchScript's expand test of sizes against -1 is the sizes, an Expand to the data's own shape
-is the data. Real exports (RoBERTa's token types, DeepSeek-V3's expands), the Concats it must
+TorchScript's expand test of sizes against -1 is the sizes (also when a Reshape to [-1] flattens
+them first: repeat_kv on a KV cache), an Expand to the data's own shape is the data. Real
+exports (RoBERTa's token types, DeepSeek-V3's expands, cached Qwen2 and LLaMA), the Concats it must
 leave (sizes out of order, of two tensors, a part of the shape before opset 15) and numerics
 on onnxruntime."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tests.conftest import named_dim_feeds
 from tests.pass_helpers import (
     ARCH_FIXTURES,
     compare_on_feeds,
@@ -29,13 +32,21 @@ SHAPES = "ShapeRunCanonicalizationPass"
 @pytest.mark.parametrize(
     ("model", "effects"),
     [
-        ("roberta_ts17", {"ShapeRun": (1, 1)}),  # torch.zeros(input_ids.size()) token types
+        # torch.zeros(input_ids.size()) token types; the expand of the buffered token types,
+        # whose sizes a Reshape to [-1] flattens before the -1 test
+        ("roberta_ts17", {"ShapeRun": (1, 1), "ExpandSizes": (1, 1)}),
         ("deepseek_v3_ts17", {"ShapeRun": (3, 3), "ExpandSizes": (16, 16)}),  # expand(sizes)
+        # repeat_kv on a KV cache, its sizes flattened likewise
+        ("qwen2_past_ts17", {"ExpandSizes": (4, 4)}),
+        ("llama_past_positions_ts17", {"ExpandSizes": (4, 4)}),
     ],
 )
 def test_fires_on_torchscript_exports(tmp_path: Path, model: str, effects: dict) -> None:
-    run = optimize_checked(ARCH_FIXTURES / f"{model}.onnx", tmp_path)
+    source = ARCH_FIXTURES / f"{model}.onnx"
+    run = optimize_checked(source, tmp_path, compare=False)
     assert pattern_counts(run, SHAPES) == effects
+    dims = json.loads((ARCH_FIXTURES / "manifest.json").read_text())["dims"]
+    compare_on_feeds(source, run.output, named_dim_feeds(source, dims))
 
 
 def _sizes_model(path: Path, order: list[tuple[str, int]], opset: int = 17) -> Path:

@@ -103,9 +103,24 @@ def _source(node: ir.Node) -> ir.Value:
     return second if constant_value(first) is not None else first  # type: ignore[return-value]
 
 
-def _chain(start: ir.Value, channels: int, rank: int) -> tuple[ir.Value, list[_Step]]:
-    """The affine steps that compute ``start``, nearest first, each read only by the next; and
-    the value the first of them reads."""
+def _unbroadcast(ctx: PassContext, source: ir.Value, value: ir.Value, rank: int) -> bool:
+    """Whether the step's activation ``source`` provably has the shape of its result
+    ``value`` (the constant does not broadcast it up: [N, 1, H, W] times [1, C, 1, 1] has C
+    channels where the activation has one): by the inferred shapes, else by onnxruntime's
+    symbolic inference (GroupNorm's Reshape back to Shape(x) leaves onnx's dims unknown)."""
+    shape, result = ctx.shape(source), ctx.shape(value)
+    if shape is None or len(shape) != rank:
+        return False
+    if result is not None and isinstance(shape[1], int) and shape[1] == result[1]:
+        return True
+    return ctx.shapes is not None and ctx.shapes.same_shape(source, value)
+
+
+def _chain(
+    ctx: PassContext, start: ir.Value, channels: int, rank: int
+) -> tuple[ir.Value, list[_Step]]:
+    """The affine steps that compute ``start``, nearest first, each read only by the next and
+    reading an activation of its result's shape; and the value the first of them reads."""
     steps: list[_Step] = []
     value = start
     while (node := value.producer()) is not None:
@@ -114,8 +129,11 @@ def _chain(start: ir.Value, channels: int, rank: int) -> tuple[ir.Value, list[_S
             break
         if steps and not _only_read_by(value, steps[-1].node):
             break
+        source = _source(node)
+        if node.op_type != "BatchNormalization" and not _unbroadcast(ctx, source, value, rank):
+            break
         steps.append(step)
-        value = _source(node)
+        value = source
     return value, steps
 
 
@@ -227,7 +245,7 @@ class ChannelAffineConvFusionPass(FusionPass):
             layout = _layout(ctx, conv, value)
             if layout is None:
                 continue
-            source, steps = _chain(value, *layout)
+            source, steps = _chain(ctx, value, *layout)
             if not steps:
                 continue
             readers = list(dict.fromkeys(user for user, _ in value.uses()))

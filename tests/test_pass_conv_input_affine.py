@@ -189,3 +189,27 @@ def test_what_is_no_per_channel_affine_map_is_no_candidate(tmp_path: Path, step:
     run = optimize_checked(_affine_conv(tmp_path / "other.onnx", [step]), tmp_path)
     assert run.counts(PASS) == (0, 0)
     assert run.op_counts()[step[0]] == 1
+
+
+def test_a_constant_that_broadcasts_the_activation_up_is_no_candidate(tmp_path: Path) -> None:
+    """x [2, 1, 6, 6] * c [1, 4, 1, 1] has 4 channels where x has one: the Conv cannot read x."""
+    rng = np.random.default_rng(0)
+    model = save_model(
+        tmp_path / "broadcast.onnx",
+        [
+            helper.make_node("Mul", ["x", "c"], ["scaled"], name="mul"),
+            helper.make_node(
+                "Conv", ["scaled", "w", "b"], ["y"], name="conv0", kernel_shape=[1, 1]
+            ),
+        ],
+        [value("x", [2, 1, 6, 6])],
+        [value("y", [2, 6, 6, 6])],
+        [
+            const("c", SCALE.reshape(1, 4, 1, 1)),
+            const("w", rng.normal(size=(6, 4, 1, 1))),
+            const("b", rng.normal(size=6)),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(PASS) == (0, 0)
+    assert run.op_counts() == Counter({"Mul": 1, "Conv": 1})

@@ -62,19 +62,28 @@ def _shape_run(ctx: PassContext, concat: ir.Node) -> tuple[ir.Value, int, int] |
     return data, start, end
 
 
-def _sizes(value: ir.Value | None) -> bool:
-    """Whether every element of ``value`` is a size (never negative): a Shape, or a Concat of
-    copied sizes and constants that are not negative, or a view of one (TorchScript flattens
-    the Concat with a Reshape to [-1]: the same elements)."""
-    while (view := producer_of(value, "Reshape") or producer_of(value, "Flatten")) is not None:
-        value = view.inputs[0]
-    if value is None:
+# Ops whose output elements are elements of their first input: views and picks.
+_ELEMENTS_OF_FIRST = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather"})
+
+
+def _sizes(value: ir.Value | None, depth: int = 8) -> bool:
+    """Whether every element of ``value`` is a size (never negative): a Shape or Size, a view
+    or pick of sizes (TorchScript flattens a Concat of sizes with a Reshape to [-1], and
+    writes one size as Unsqueeze(Squeeze(Slice(Shape)))), a Concat of sizes, a constant that
+    is not negative."""
+    if value is None or depth == 0:
         return False
-    if producer_of(value, "Shape") is not None or copied_dimensions(value) is not None:
+    array = constant_value(value)
+    if array is not None:
+        return bool(np.issubdtype(array.dtype, np.integer) and np.all(array >= 0))
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type in ("Shape", "Size"):
         return True
-    concat = producer_of(value, "Concat")
-    parts = _size_parts(concat) if concat is not None else None
-    return parts is not None and all(isinstance(p, tuple) or p >= 0 for p in parts)
+    if node.op_type in _ELEMENTS_OF_FIRST:
+        return _sizes(node.inputs[0], depth - 1)
+    return node.op_type == "Concat" and all(_sizes(part, depth - 1) for part in node.inputs)
 
 
 def _kept_sizes(where: ir.Node) -> ir.Value | None:

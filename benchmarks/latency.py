@@ -12,7 +12,11 @@ benchmarks/out/latency/models):
   models exported in float16 (``_export.py --half``); ``vit-fp16``, ``resnet50-fp16`` and
   ``mobilenetv2-fp16``, the float32 exports converted with onnxruntime's
   ``float16.convert_float_to_float16`` (inputs and outputs float16 too), as GPU deployments
-  of exported vision models are usually made.
+  of exported vision models are usually made;
+* opt-in, a decode step: ``llama-decode``, the same 4-layer LLaMA exported with its KV cache
+  (``_export.py --past``: past_key_<i> / past_value_<i> in, presents out, batch, new tokens and
+  past all dynamic), timed at one new token on a past of 128 (batch 1), which is what a
+  generation loop runs for every token after the prompt.
 
 Outputs per model (each tool once, in a fresh process, as transformers_peers.py runs them):
 
@@ -20,6 +24,9 @@ Outputs per model (each tool once, in a fresh process, as transformers_peers.py 
     fusectl-none  fusectl optimize MODEL -o OUT --repository none
     fusectl-ext   fusectl optimize MODEL -o OUT --external_data  (only where the original keeps
                   its weights inline: ViT and the CNNs)
+    fusectl-fixed fusectl optimize MODEL -o OUT --input_shape SHAPE, the shape it is timed at
+                  (only for llama-decode: one new token, where GroupQueryAttention takes the
+                  cache)
     onnxscript    onnxscript.rewriter.ort_fusions.optimize_for_ort
     ORT           python -m onnxruntime.transformers.optimizer --model_type bert|gpt2|vit
                   (none for the CNNs: onnxruntime's optimizer has no CNN model type; for a GPU
@@ -86,8 +93,19 @@ MODELS: dict[str, dict] = {
     "resnet50-fp16": {"converted": "resnet50"},
     "mobilenetv2-fp16": {"converted": "mobilenetv2"},
 }
+# One decode step of llama-decode: one new token after 128 (batch 1), every layer's cache.
+DECODE_PAST = 128
+DECODE = ";".join(
+    [f"input_ids:1,1;attention_mask:1,{DECODE_PAST + 1}"]
+    + [
+        f"past_{part}_{i}:1,4,{DECODE_PAST},128"
+        for i in range(LLAMA["layers"])
+        for part in ("key", "value")
+    ]
+)
+MODELS["llama-decode"] = {**LLAMA, "past": True, "shape": DECODE}
 DEFAULT_MODELS = ("bert", "gpt2", "llama", "vit", "resnet50", "mobilenetv2")
-TOOLS = ("fusectl", "fusectl-none", "fusectl-ext", "onnxscript", "ORT")
+TOOLS = ("fusectl", "fusectl-none", "fusectl-ext", "fusectl-fixed", "onnxscript", "ORT")
 
 
 def export(name: str, force: bool) -> Path:
@@ -95,7 +113,8 @@ def export(name: str, force: bool) -> Path:
     case = MODELS[name]
     path = MODEL_DIR / f"{name}.onnx"
     if "kind" in case:
-        extra = ["--half"] if case.get("half") else None
+        extra = ["--half"] if case.get("half") else []
+        extra += ["--past"] if case.get("past") else []
         h.ensure_export(case["kind"], path, layers=case.get("layers"), force=force, extra=extra)
         return path
     if "converted" in case:
@@ -133,6 +152,8 @@ def tool_command(
         return [*fusectl, "--repository", "none"]
     if tool == "fusectl-ext":
         return [*fusectl, "--external_data"]
+    if tool == "fusectl-fixed":
+        return [*fusectl, "--input_shape", case["shape"]]
     if tool == "onnxscript":
         return [sys.executable, "-c", ONNXSCRIPT_SCRIPT, str(model), str(out)]
     if case.get("ort") is None:
@@ -166,6 +187,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         if tool == "fusectl-ext" and not inline:
             result["tools"][tool] = {"error": "weights external already: as fusectl"}
             continue
+        if tool == "fusectl-fixed" and not MODELS[name].get("past"):
+            continue  # a KV-cache model's decode step only
         if args.reuse and out.exists():
             result["tools"][tool] = {"reused": True}
             outputs.append((tool, out))

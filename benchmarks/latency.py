@@ -74,7 +74,15 @@ MODEL_DIR = LATENCY_DIR / "models"
 RESULTS = LATENCY_DIR / "results.json"
 TEXT = "input_ids:1,128;attention_mask:1,128"
 BERT = {"kind": "bert", "ort": "bert", "heads": 12, "hidden": 768, "shape": TEXT}
-LLAMA = {"kind": "llama", "layers": 4, "ort": "gpt2", "heads": 16, "hidden": 2048, "shape": TEXT}
+LLAMA = {
+    "kind": "llama",
+    "layers": 4,
+    "ort": "gpt2",
+    "heads": 16,
+    "kv_heads": 4,  # _export.py's LLAMA_CONFIG
+    "hidden": 2048,
+    "shape": TEXT,
+}
 GPT2 = {"kind": "gpt2", "ort": "gpt2", "heads": 12, "hidden": 768, "shape": TEXT}
 VIT = {"vision": "vit_torchscript_eval", "ort": "vit", "heads": 12, "hidden": 768}
 MODELS: dict[str, dict] = {
@@ -98,7 +106,7 @@ DECODE_PAST = 128
 DECODE = ";".join(
     [f"input_ids:1,1;attention_mask:1,{DECODE_PAST + 1}"]
     + [
-        f"past_{part}_{i}:1,4,{DECODE_PAST},128"
+        f"past_{part}_{i}:1,{LLAMA['kv_heads']},{DECODE_PAST},{LLAMA['hidden'] // LLAMA['heads']}"
         for i in range(LLAMA["layers"])
         for part in ("key", "value")
     ]

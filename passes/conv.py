@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.batchnorm import affine, inference_refusal
+from fusectl.rewrite.batchnorm import affine, inference_refusal, per_channel
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
@@ -23,20 +23,17 @@ def _conv_bias(site: Site) -> ir.Value | None:
 
 
 def _per_channel(array: np.ndarray, channels: int, out_rank: int, what: str) -> np.ndarray:
-    """Flatten a tensor added to a conv output to one value per output channel, if it is one.
-
-    Broadcasting aligns trailing axes, so [C,1,1] or [1,C,1,1] (or a scalar) add per channel
-    of an NCHW output, while a bare [C] would add along the last spatial axis.
-    """
+    """A tensor added to (or multiplying) a conv output as one value per output channel, or
+    the reason it is not one."""
     if array.ndim > out_rank:
         raise Decline(f"{what} has more axes than the conv output")
-    padded = (1,) * (out_rank - array.ndim) + array.shape
-    if padded[0] != 1 or any(d != 1 for d in padded[2:]) or padded[1] not in (1, channels):
+    found = per_channel(array, channels, out_rank)
+    if found is None:
         raise Decline(
             f"{what} of rank {array.ndim} does not broadcast per output channel "
             "(it must be [C,1,..], [1,C,1,..] or a scalar)"
         )
-    return np.broadcast_to(array.reshape(-1), (channels,))
+    return found
 
 
 def _fold_dtype(reference: np.ndarray) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.batchnorm import affine, inference_refusal
+from fusectl.rewrite.batchnorm import inference_affine, per_channel
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, new_constant, node_label, replace_subgraph, typed
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
@@ -37,70 +37,51 @@ _CONVS = frozenset({"Conv", "com.microsoft.FusedConv"})
 
 @dataclass(frozen=True)
 class _Step:
-    """One node of the chain as ``y = x * scale + shift`` per channel (float64)."""
+    """One node of the chain as ``y = x * scale + shift`` per channel (float64), ``x`` being
+    the activation it reads (``source``)."""
 
     node: ir.Node
+    source: ir.Value
     scale: np.ndarray
     shift: np.ndarray
 
 
-def _per_channel(array: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
-    """A constant broadcast against an [N, C, ...] tensor as one value per channel: a scalar,
-    [C, 1, ..] or [1, C, 1, ..] (broadcasting aligns trailing axes), if it is one."""
-    if array.ndim > rank or not np.issubdtype(array.dtype, np.floating):
-        return None
-    padded = (1,) * (rank - array.ndim) + array.shape
-    if padded[0] != 1 or padded[1] not in (1, channels) or any(d != 1 for d in padded[2:]):
-        return None
-    return np.broadcast_to(array.reshape(-1).astype(np.float64), (channels,))
-
-
 def _step(node: ir.Node, value: ir.Value, channels: int, rank: int) -> _Step | None:
     """``node`` (which computes ``value`` from one activation) as a per-channel affine step."""
-    ones = np.ones(channels)
-    if node.domain not in ("", "ai.onnx") or len(node.outputs) < 1 or node.outputs[0] is not value:
+    if node.domain not in ("", "ai.onnx") or not node.outputs or node.outputs[0] is not value:
         return None
     if node.op_type == "BatchNormalization":
-        params = [constant_value(v) if v is not None else None for v in node.inputs[1:5]]
-        if inference_refusal(node) is not None or len(params) != 4:
-            return None
-        if any(p is None or p.size != channels for p in params):
-            return None
-        if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
-            return None
-        scale, shift = affine(node, params)  # type: ignore[arg-type]
-        return _Step(node, scale, shift)
+        found = inference_affine(node, channels)
+        return None if isinstance(found, str) else _Step(node, node.inputs[0], *found)  # type: ignore[arg-type]
     if node.op_type not in _ARITHMETIC or len(node.inputs) != 2:
         return None
-    first, second = node.inputs
-    constants = [constant_value(v) if v is not None else None for v in (first, second)]
+    constants = [constant_value(v) if v is not None else None for v in node.inputs]
     if (constants[0] is None) == (constants[1] is None):
         return None  # both activations, or folded already by constant folding
     constant_first = constants[0] is not None
-    array = _per_channel(constants[0 if constant_first else 1], channels, rank)  # type: ignore[arg-type]
-    if array is None:
+    source = node.inputs[1 if constant_first else 0]
+    array = per_channel(constants[0 if constant_first else 1], channels, rank)  # type: ignore[arg-type]
+    if source is None or array is None or not np.issubdtype(array.dtype, np.floating):
         return None
+    array = array.astype(np.float64)
+    ones, zeros = np.ones(channels), np.zeros(channels)
     if node.op_type == "Mul":
-        return _Step(node, array, np.zeros(channels))
+        return _Step(node, source, array, zeros)
     if node.op_type == "Add":
-        return _Step(node, ones, array)
+        return _Step(node, source, ones, array)
     if node.op_type == "Sub":  # c - x or x - c
-        return _Step(node, -ones, array) if constant_first else _Step(node, ones, -array)
+        return (
+            _Step(node, source, -ones, array)
+            if constant_first
+            else _Step(node, source, ones, -array)
+        )
     if constant_first or np.any(array == 0):
         return None  # c / x is no affine map; x / 0 is no scale
-    return _Step(node, 1.0 / array, np.zeros(channels))
+    return _Step(node, source, 1.0 / array, zeros)
 
 
 def _only_read_by(value: ir.Value, reader: ir.Node) -> bool:
     return not value.is_graph_output() and all(user is reader for user, _ in value.uses())
-
-
-def _source(node: ir.Node) -> ir.Value:
-    """The activation an affine step reads."""
-    if node.op_type == "BatchNormalization":
-        return node.inputs[0]  # type: ignore[return-value]
-    first, second = node.inputs
-    return second if constant_value(first) is not None else first  # type: ignore[return-value]
 
 
 def _unbroadcast(ctx: PassContext, source: ir.Value, value: ir.Value, rank: int) -> bool:
@@ -129,11 +110,10 @@ def _chain(
             break
         if steps and not _only_read_by(value, steps[-1].node):
             break
-        source = _source(node)
-        if node.op_type != "BatchNormalization" and not _unbroadcast(ctx, source, value, rank):
+        if node.op_type != "BatchNormalization" and not _unbroadcast(ctx, step.source, value, rank):
             break
         steps.append(step)
-        value = source
+        value = step.source
     return value, steps
 
 
@@ -263,7 +243,7 @@ class ChannelAffineConvFusionPass(FusionPass):
                         "zeros after the map, and would be the shift folded into the bias"
                     )
                 else:
-                    source = _source(steps[-1].node)
+                    source = steps[-1].source
             if reason is not None:
                 stats.decline(reason, node_label(conv))
                 continue

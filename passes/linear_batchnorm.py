@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.batchnorm import affine, inference_refusal
+from fusectl.rewrite.batchnorm import inference_affine
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_value,
@@ -55,21 +55,6 @@ def _only_reader(value: ir.Value, reader: ir.Node, sizes: bool = False) -> bool:
     return all(
         user is reader or (sizes and user.op_type in _SIZE_READERS) for user, _ in value.uses()
     )
-
-
-def _affine(batchnorm: ir.Node, columns: int) -> tuple[np.ndarray, np.ndarray] | str:
-    """The normalization as ``x * factor + offset`` per column (float64), or why not."""
-    refusal = inference_refusal(batchnorm)
-    if refusal is not None:
-        return refusal
-    if any(out.uses() or out.is_graph_output() for out in batchnorm.outputs[1:]):
-        return "the BatchNormalization's running statistics are read"
-    params = [constant_value(value) for value in batchnorm.inputs[1:5]]
-    if len(params) != 4 or any(p is None for p in params):
-        return "the BatchNormalization parameters are not constants"
-    if any(p.size != columns for p in params):  # type: ignore[union-attr]
-        return "the BatchNormalization parameters do not match the map's columns"
-    return affine(batchnorm, params)  # type: ignore[arg-type]
 
 
 def _per_column(array: np.ndarray | None, columns: int) -> np.ndarray | None:
@@ -125,7 +110,7 @@ def _plan(ctx: PassContext, batchnorm: ir.Node) -> _Fold | str | None:
         if found is None:
             return "the bias Add is not one value per column"
         bias = found
-    affine = _affine(batchnorm, columns)
+    affine = inference_affine(batchnorm, columns)
     if isinstance(affine, str):
         return affine
     return _Fold(linear, add, bias, views, *affine)
@@ -184,7 +169,7 @@ def _fold_before(
     channels = int(weight.shape[1] if transposed else weight.shape[0])
     if shape is None or len(shape) != 2 or shape[1] != channels:
         return "the BatchNormalization's channels are not the map's input columns ([rows, columns])"
-    affine = _affine(batchnorm, channels)
+    affine = inference_affine(batchnorm, channels)
     if isinstance(affine, str):
         return affine
     factor, offset = affine

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -328,6 +329,36 @@ def test_input_shape_fixes_symbolic_dims(tmp_path: Path) -> None:
     assert "--input_shape names 'pixels', not an input (inputs: image)" in bad.stderr
     bad = optimize(symbolic, tmp_path, "--input_shape", "image:1,3,9,8", expect=2)
     assert "the model fixes it at 8" in bad.stderr
+
+
+def test_a_dimension_declared_minus_one_is_dynamic(tmp_path: Path) -> None:
+    """Paddle2ONNX declares a dynamic batch as ``dim_value: -1`` (RapidOCR's classifier), which
+    onnxruntime reads as unknown: --input_shape may set it, verify generates a size for it."""
+    weight = onnx.numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32) / 27, "w")
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            onnx.helper.make_node("Relu", ["c"], ["y"]),
+        ],
+        "minus_one",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [-1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [-1, 4, 8, 8])],
+        [weight],
+    )
+    declared = tmp_path / "minus_one.onnx"
+    onnx.save(
+        onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), declared
+    )
+    fixed = optimize(declared, tmp_path, "--input_shape", "x:2,3,8,8")
+    dims = onnx.load(str(fixed.output)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [2, 3, 8, 8]
+    (tmp_path / "free").mkdir()
+    free = optimize(declared, tmp_path / "free")
+    batch = onnx.load(str(free.output)).graph.output[0].type.tensor_type.shape.dim[0]
+    assert not batch.HasField("dim_value") and not batch.HasField("dim_param")
+    checked = run_cli("verify", declared, free.output, "--json")
+    assert checked.exit_code == 0, checked.stderr
+    assert json.loads(checked.stdout)["inputs"]["x"]["shape"] == [8, 3, 8, 8]
 
 
 def test_target_onnx_reports_ub_off(sample: Path, tmp_path: Path) -> None:

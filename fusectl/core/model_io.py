@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,6 +346,7 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
         found = known[key]
         if found is None:
             ir.serde.deserialize_value_info_proto(info, value)
+            value.shape = _unknown_if_negative(value.shape)
         else:
             value.shape, tensor_type = found
             value.type = None if tensor_type is None else ir.TensorType(tensor_type.dtype)
@@ -354,7 +355,26 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
             ir.serde.deserialize_value_info_proto(outputs[name], value)
     if model.functions and model.ir_version < _FUNCTION_VALUE_INFO_IR:
         _function_value_info(model, held)
+    signature = [*graph.inputs, *graph.outputs]
+    signature += [v for f in model.functions.values() for v in (*f.inputs, *f.outputs)]
+    signature += [v for f in model.functions.values() for node in f for v in node.outputs]
+    _negative_dims_unknown(signature)
     return model
+
+
+def _negative_dims_unknown(values: Iterable[ir.Value]) -> None:
+    """A negative size, as Paddle2ONNX and older converters declare a dynamic dimension
+    (``dim_value: -1``), becomes an unknown dimension: onnxruntime reads it so, and a size
+    below zero would reach every pass that computes with sizes. (The main graph's value_info
+    shapes are made unknown where _deserialize reads them, once per distinct entry.)"""
+    for value in values:
+        value.shape = _unknown_if_negative(value.shape)
+
+
+def _unknown_if_negative(shape: ir.Shape | None) -> ir.Shape | None:
+    if shape is None or not any(isinstance(d, int) and d < 0 for d in shape.dims):
+        return shape
+    return ir.Shape([ir.SymbolicDim(None) if isinstance(d, int) and d < 0 else d for d in shape])
 
 
 # From IR version 10 a function keeps its own value_info; before, onnx-ir writes it into the
@@ -412,7 +432,7 @@ def _plain_tensor_type(
         return None
     tensor_type = ir.serde.deserialize_type_proto_for_type(type_proto)
     assert tensor_type is None or isinstance(tensor_type, ir.TensorType)
-    return ir.serde.deserialize_type_proto_for_shape(type_proto), tensor_type
+    return _unknown_if_negative(ir.serde.deserialize_type_proto_for_shape(type_proto)), tensor_type
 
 
 def _from_proto(
@@ -504,6 +524,9 @@ def model_copy(loaded: LoadedModel) -> ir.Model:
     (weights are shared with the parsed file or read from its external data on demand)."""
     with _sparse_names_expected(loaded.proto):
         model = ir.serde.deserialize_model(loaded.proto)
+    _negative_dims_unknown(
+        [*model.graph.inputs, *(v for node in model.graph for v in node.outputs)]
+    )
     if loaded.path is not None:
         ir.external_data.set_base_dir(model.graph, loaded.path.parent)
     return model

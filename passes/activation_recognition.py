@@ -2,16 +2,22 @@
 
 Exporters and model authors spell GELU, SiLU and QuickGELU in more ways than any list of
 patterns holds: Bloom writes ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))``,
-GPT-2 ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3))))``. Instead of one more
-pattern per spelling, this pass finds each cluster of element-wise ops around an Erf, Tanh or
-Sigmoid that computes a function of one value ``x`` (its other inputs scalar constants, its
-intermediate values read nowhere else), evaluates the cluster at probe points, and when it is a
-known activation there rewrites it into the one spelling the GELU and QuickGELU passes fuse.
-A cluster already in that spelling is left alone, so the pass is idempotent.
+GPT-2 ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3))))``, Flax (through
+jax2tf) ``x * (0.5 * (1 + tanh(0.7978846 * (x + x * (x * 0.044715)))))``. Hard-swish is
+``x * relu6(x + 3) / 6`` in PaddleOCR's and YOLOv5's exports, ``x * clip(x / 6 + 0.5, 0, 1)``
+elsewhere. Instead of one more pattern per spelling, this pass finds each cluster of
+element-wise ops around an Erf, Tanh, Sigmoid, Exp, Clip or HardSigmoid that computes a function
+of one value ``x`` (its other inputs scalar constants, its intermediate values read nowhere
+else), evaluates the cluster at probe points, and when it is a known activation there rewrites
+it canonically: GELU and QuickGELU into the one spelling their fusion passes fuse, hard-sigmoid
+into ``HardSigmoid`` and hard-swish into ``HardSwish`` (``x * HardSigmoid(x)`` before opset 14),
+where that takes fewer nodes. A cluster already in canonical form is left alone, so the pass is
+idempotent.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite import runtime
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, node_label, replace_subgraph
 from fusectl.rewrite.patterns import PatternPass
@@ -47,8 +54,14 @@ _EVALUATE: dict[str, Callable[..., np.ndarray]] = {
     "Erf": _ERF,
     "Tanh": np.tanh,
     "Sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "Relu": lambda x: np.maximum(x, 0),
+    "Max": lambda *operands: functools.reduce(np.maximum, operands),
+    "Min": lambda *operands: functools.reduce(np.minimum, operands),
 }
-_SEEDS = frozenset({"Erf", "Tanh", "Sigmoid", "Exp"})
+# Element-wise ops whose value depends on attributes (_apply evaluates them): Clip's bounds
+# before opset 11, HardSigmoid's alpha and beta.
+_WITH_ATTRIBUTES = frozenset({"Clip", "HardSigmoid"})
+_SEEDS = frozenset({"Erf", "Tanh", "Sigmoid", "Exp", *_WITH_ATTRIBUTES})
 _MAX_NODES = 16
 _PROBES = np.concatenate([np.linspace(-6.0, 6.0, 97), [-0.3, -0.01, 0.01, 0.3]])
 _FLOATS = {ir.DataType.FLOAT: 1e-5, ir.DataType.DOUBLE: 1e-9, ir.DataType.FLOAT16: 2e-3}
@@ -74,13 +87,15 @@ class _Canonical:
 
     name: str
     build: Callable[[_Builder, ir.Value], ir.Value]
+    # No fusion pass takes it further: written only where it has fewer nodes than the cluster.
+    final: bool = False
 
 
 class _Builder:
     """New nodes and scalar constants for one rewrite, named after the site."""
 
-    def __init__(self, graph: ir.Graph, base: str, dtype: ir.DataType) -> None:
-        self.graph, self.base, self.dtype = graph, base, dtype
+    def __init__(self, graph: ir.Graph, base: str, dtype: ir.DataType, opset: int) -> None:
+        self.graph, self.base, self.dtype, self.opset = graph, base, dtype, opset
         self.nodes: list[ir.Node] = []
         self.initializers: list[ir.Value] = []
 
@@ -95,11 +110,18 @@ class _Builder:
         self.initializers.append(constant)
         return constant
 
-    def op(self, op_type: str, *inputs: ir.Value) -> ir.Value:
-        node = ir.Node("", op_type, inputs)
+    def op(self, op_type: str, *inputs: ir.Value, **attributes: float) -> ir.Value:
+        node = ir.Node("", op_type, inputs, [ir.AttrFloat32(k, v) for k, v in attributes.items()])
         node.outputs[0].type = ir.TensorType(self.dtype)
         self.nodes.append(node)
         return node.outputs[0]
+
+    def discard(self) -> None:
+        """Unhook the nodes built from the values they read (a node is its inputs' user from
+        its creation, inserted in the graph or not)."""
+        for node in self.nodes:
+            for index in range(len(node.inputs)):
+                node.replace_input_with(index, None)
 
 
 def _half_x_times(b: _Builder, x: ir.Value, bracket: ir.Value) -> ir.Value:
@@ -125,11 +147,75 @@ def _build_quick(alpha: float) -> Callable[[_Builder, ir.Value], ir.Value]:
     return build
 
 
+def _hard_sigmoid(x: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    return np.clip(alpha * x + beta, 0.0, 1.0)
+
+
+def _build_hard_sigmoid(alpha: float, beta: float) -> Callable[[_Builder, ir.Value], ir.Value]:
+    def build(b: _Builder, x: ir.Value) -> ir.Value:
+        return b.op("HardSigmoid", x, alpha=alpha, beta=beta)
+
+    return build
+
+
+def _build_hard_swish(alpha: float, beta: float) -> Callable[[_Builder, ir.Value], ir.Value]:
+    """``HardSwish`` from opset 14 where it is hard-swish's (alpha 1/6, beta 1/2), else
+    ``x * HardSigmoid(x)``."""
+
+    def build(b: _Builder, x: ir.Value) -> ir.Value:
+        if b.opset >= 14 and (alpha, beta) == _HARD_SWISH:
+            return b.op("HardSwish", x)
+        return b.op("Mul", x, b.op("HardSigmoid", x, alpha=alpha, beta=beta))
+
+    return build
+
+
+# HardSwish's own HardSigmoid, as float32 attributes hold it.
+_HARD_SWISH = (float(np.float32(1 / 6)), 0.5)
+
+
+def _hard_sigmoid_fit(x: np.ndarray, g: np.ndarray, tolerance: float) -> tuple[float, float] | None:
+    """alpha and beta of ``clip(alpha * x + beta, 0, 1)`` through the probes where ``g`` is
+    strictly between its bounds (the line's first and last), or None."""
+    inside = np.flatnonzero((g > tolerance) & (g < 1 - tolerance) & np.isfinite(g))
+    # Both bounds reached within the probes: a gate that never saturates there is no hard
+    # sigmoid (Gemma-2's soft cap of scaled scores, 50 tanh(x / 16 / 50), is near x / 16).
+    if len(inside) < 2 or not (np.any(g <= tolerance) and np.any(g >= 1 - tolerance)):
+        return None
+    first, last = inside[0], inside[-1]
+    alpha = (g[last] - g[first]) / (x[last] - x[first])
+    if not alpha > 0:
+        return None
+    fitted = (float(np.float32(alpha)), float(np.float32(g[first] - alpha * x[first])))
+    # Snapped to hard-swish's where they are its (1/6 and 1/2 read back from float32 constants).
+    if np.allclose(fitted, _HARD_SWISH, rtol=1e-6, atol=1e-7):
+        return _HARD_SWISH
+    return fitted
+
+
 def _recognize(x: np.ndarray, y: np.ndarray, tolerance: float) -> _Canonical | None:
     """The known activation that ``y`` is of ``x`` within ``tolerance``, if any."""
 
     def close(want: np.ndarray) -> bool:
         return bool(np.all(np.abs(y - want) <= tolerance * (1 + np.abs(want))))
+
+    fit = _hard_sigmoid_fit(x, y, tolerance)
+    if fit is not None and close(_hard_sigmoid(x, *fit)):
+        return _Canonical(
+            "HardSigmoid (alpha {:g}, beta {:g})".format(*fit),
+            _build_hard_sigmoid(*fit),
+            final=True,
+        )
+    with np.errstate(all="ignore"):
+        gate = np.where(x != 0, y / x, np.nan)
+    fit = _hard_sigmoid_fit(x, gate, tolerance)
+    if fit is not None and close(x * _hard_sigmoid(x, *fit)):
+        name = (
+            "HardSwish"
+            if fit == _HARD_SWISH
+            else "x * HardSigmoid (alpha {:g}, beta {:g})".format(*fit)
+        )
+        return _Canonical(name, _build_hard_swish(*fit), final=True)
 
     if close(_gelu_erf(x)):
         return _Canonical("GELU (erf)", _build_erf)
@@ -145,7 +231,9 @@ def _recognize(x: np.ndarray, y: np.ndarray, tolerance: float) -> _Canonical | N
     return None
 
 
-def _scalar(value: ir.Value) -> float | None:
+def _scalar(value: ir.Value | None) -> float | None:
+    if value is None:
+        return None
     array = constant_value(value)
     if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.floating):
         return None
@@ -159,7 +247,31 @@ def _tensor_constant(value: ir.Value) -> bool:
 
 
 def _elementwise(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx") and node.op_type in _EVALUATE and len(node.outputs) == 1
+    return (
+        node.domain in ("", "ai.onnx")
+        and (node.op_type in _EVALUATE or node.op_type in _WITH_ATTRIBUTES)
+        and len(node.outputs) == 1
+    )
+
+
+def _operands(node: ir.Node) -> list[ir.Value]:
+    """The node's inputs, less the optional ones left out (a Clip without a lower bound)."""
+    return [value for value in node.inputs if value is not None]
+
+
+def _apply(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray:
+    """The node's function of its (float64) arguments, None for an operand left out."""
+    attributes = node.attributes
+    if node.op_type == "HardSigmoid":
+        alpha, beta = attributes.get_float("alpha", 0.2), attributes.get_float("beta", 0.5)
+        return _hard_sigmoid(args[0], alpha, beta)  # type: ignore[arg-type]
+    if node.op_type == "Clip":
+        low = args[1] if len(args) > 1 else None
+        high = args[2] if len(args) > 2 else None
+        low = attributes.get_float("min", -np.inf) if low is None else low
+        high = attributes.get_float("max", np.inf) if high is None else high
+        return np.minimum(np.maximum(args[0], low), high)  # type: ignore[arg-type]
+    return _EVALUATE[node.op_type](*args)
 
 
 class _Cluster:
@@ -190,10 +302,12 @@ class _Cluster:
         parts: list[tuple] = [(index.get(output),)]
         for node in self.nodes:
             operands = tuple(
-                "x" if v is self.x else index[v] if v in index else _scalar(v)  # type: ignore[arg-type]
-                for v in node.inputs
+                "x" if v is self.x else index[v] if v in index else _scalar(v) for v in node.inputs
             )
-            parts.append((node.op_type, operands))
+            attributes = ()
+            if node.op_type in _WITH_ATTRIBUTES:
+                attributes = tuple(sorted((k, a.value) for k, a in node.attributes.items()))
+            parts.append((node.op_type, operands, attributes))
         return tuple(parts)
 
     def evaluate(self, probes: np.ndarray, output: ir.Value) -> np.ndarray | None:
@@ -202,19 +316,19 @@ class _Cluster:
         while pending:
             progressed = False
             for node in list(pending):
-                args = []
+                args: list[np.ndarray | None] = []
                 for value in node.inputs:
-                    if value in computed:
+                    if value is None:
+                        args.append(None)
+                    elif value in computed:
                         args.append(computed[value])
-                    elif value is not None and (scalar := _scalar(value)) is not None:
+                    elif (scalar := _scalar(value)) is not None:
                         args.append(np.float64(scalar))
                     else:
                         break
                 else:
                     with np.errstate(all="ignore"):
-                        computed[node.outputs[0]] = np.asarray(
-                            _EVALUATE[node.op_type](*args), dtype=np.float64
-                        )
+                        computed[node.outputs[0]] = np.asarray(_apply(node, args), np.float64)
                     pending.remove(node)
                     progressed = True
             if not progressed:
@@ -258,9 +372,7 @@ def _from_x(value: ir.Value, x: ir.Value, depth: int = 4) -> list[ir.Node] | Non
     if depth == 0 or producer is None or not _elementwise(producer):
         return None
     nodes = [producer]
-    for operand in producer.inputs:
-        if operand is None:
-            return None
+    for operand in _operands(producer):
         found = _from_x(operand, x, depth - 1)
         if found is None:
             return None
@@ -282,18 +394,16 @@ def _source(seed: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
             or producer is None
             or not _elementwise(producer)
             or producer.op_type in _SEEDS
-            or any(v is None or _tensor_constant(v) for v in producer.inputs)
+            or any(_tensor_constant(v) for v in _operands(producer))
         ):
             leaves.add(value)
             return
         if producer not in nodes:
             nodes.append(producer)
-        for operand in producer.inputs:
-            walk(operand, depth - 1)  # type: ignore[arg-type]
+        for operand in _operands(producer):
+            walk(operand, depth - 1)
 
-    for operand in seed.inputs:
-        if operand is None:
-            return None
+    for operand in _operands(seed):
         walk(operand, 6)
     if len(leaves) != 1:
         return None
@@ -323,9 +433,7 @@ def _grow(
                 if user in cluster.nodes or not _elementwise(user):
                     continue
                 extra: list[ir.Node] = []
-                for operand in user.inputs:
-                    if operand is None:
-                        break
+                for operand in _operands(user):
                     if operand in values or operand is x:
                         continue
                     more = _from_x(operand, x)
@@ -358,9 +466,10 @@ class ActivationRecognitionPass(FusionPass):
     spec = PassSpec(
         name="ActivationRecognitionPass",
         category=Category.GRAPH,
-        description="element-wise clusters around Erf / Tanh / Sigmoid recognized by the "
-        "function they compute (GELU erf and tanh forms, SiLU, QuickGELU), in any spelling -> "
-        "the spelling the GELU and QuickGELU passes fuse",
+        description="element-wise clusters around Erf / Tanh / Sigmoid / Clip / HardSigmoid "
+        "recognized by the function they compute (GELU erf and tanh forms, SiLU, QuickGELU, "
+        "hard-sigmoid, hard-swish), in any spelling -> the spelling the GELU and QuickGELU "
+        "passes fuse, HardSigmoid, HardSwish",
         aliases=("activation_recognition",),
         numerics=Numerics.REASSOCIATING,
         priority=4300,
@@ -391,12 +500,18 @@ class ActivationRecognitionPass(FusionPass):
             cluster, output, known = grown
             root = output.producer()
             assert root is not None
-            if any(fusion.could_match(root) for fusion in spelled):
+            if not known.final and any(fusion.matches(root) for fusion in spelled):
                 canonical.add(around)
                 continue  # a spelling the GELU and QuickGELU passes match as it is
+            if not _keeps_shape(ctx, cluster):
+                continue
             assert dtype is not None
-            builder = _Builder(graph, f"{self.spec.name}/{node_label(root)}", dtype)
+            builder = _Builder(graph, f"{self.spec.name}/{node_label(root)}", dtype, ctx.opset)
             result = known.build(builder, cluster.x)
+            if known.final and not _better(builder, cluster, ctx.opset):
+                builder.discard()
+                canonical.add(around)
+                continue  # HardSigmoid as it is, or no fewer nodes, or no kernel for them
             result.shape = output.shape
             replace_subgraph(
                 ctx,
@@ -408,6 +523,31 @@ class ActivationRecognitionPass(FusionPass):
                 [result],
                 builder.initializers,
             )
+
+
+def _keeps_shape(ctx: PassContext, cluster: _Cluster) -> bool:
+    """Whether the canonical form, whose constants are scalars, computes the cluster's shape:
+    a one-element constant of rank r (Flax's ``[1, 1, 1]``) broadcasts ``x`` up to rank r."""
+    rank = max(
+        (
+            array.ndim
+            for node in cluster.nodes
+            for value in _operands(node)
+            if value is not cluster.x and (array := constant_value(value)) is not None
+        ),
+        default=0,
+    )
+    if rank == 0:
+        return True
+    shape = ctx.shape(cluster.x)
+    return shape is not None and len(shape) >= rank
+
+
+def _better(builder: _Builder, cluster: _Cluster, opset: int) -> bool:
+    """Whether the canonical form takes fewer nodes than the cluster, with kernels for them."""
+    return len(builder.nodes) < len(cluster.nodes) and all(
+        runtime.has_kernel(node.op_type, "", opset, builder.dtype) for node in builder.nodes
+    )
 
 
 @dataclass

@@ -21,21 +21,29 @@ PASS = "ActivationRecognitionPass"
 ARCH = FIXTURES / "arch"
 
 
-def _model(nodes: list[onnx.NodeProto], constants: dict[str, float], tmp_path: Path) -> Path:
-    """y = f(x) over a [2, 8, 16] input that a bias Add feeds, as an MLP's activation sees it."""
+def _model(
+    nodes: list[onnx.NodeProto],
+    constants: dict[str, object],
+    tmp_path: Path,
+    opset_version: int = 17,
+    rank: int = 3,
+) -> Path:
+    """y = f(x) over a [2, 8, 16] input (or its last ``rank`` axes) that a bias Add feeds, as
+    an MLP's activation sees it."""
     bias = numpy_helper.from_array(np.linspace(-1, 1, 16, dtype=np.float32), "bias")
     inits = [bias]
     for name, value in constants.items():
         inits.append(numpy_helper.from_array(np.array(value, dtype=np.float32), name))
+    opset = [helper.make_opsetid("", opset_version)]
     graph = helper.make_graph(
         [helper.make_node("Add", ["h", "bias"], ["x"]), *nodes],
         "activation",
-        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 8, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 8, 16][-rank:])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         inits,
     )
     path = tmp_path / "model.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    onnx.save(helper.make_model(graph, opset_imports=opset), path)
     return path
 
 
@@ -91,15 +99,34 @@ QUICK_BY_EXP = (
 )
 
 
+# Flax's tanh GELU through jax2tf and tf2onnx (Google's Magika): the cube as x * (x * c x), one
+# of its constants [1, 1, 1]. The GELU passes' skeletons fit it, their patterns do not bind.
+FLAX_TANH = (
+    [
+        _n("Mul", ["c", "x"], "cx"),
+        _n("Mul", ["x", "cx"], "cxx"),
+        _n("Mul", ["x", "cxx"], "cube"),
+        _n("Add", ["x", "cube"], "poly"),
+        _n("Mul", ["k", "poly"], "arg"),
+        _n("Tanh", ["arg"], "t"),
+        _n("Add", ["one3", "t"], "bracket"),
+        _n("Mul", ["half", "bracket"], "hb"),
+        _n("Mul", ["x", "hb"], "y"),
+    ],
+    {"c": 0.044715, "k": 0.7978846, "one3": np.ones((1, 1, 1)), "half": 0.5},
+)
+
+
 @pytest.mark.parametrize(
     ("spelling", "fused", "nodes"),
     [
         (BLOOM_TANH, "FastGelu", 1),  # the bias Add goes into the kernel
+        (FLAX_TANH, "FastGelu", 1),
         (ERF_AS_CDF, "BiasGelu", 1),
         (SILU_BY_EXP, "QuickGelu", 2),  # QuickGelu takes no bias
         (QUICK_BY_EXP, "QuickGelu", 2),
     ],
-    ids=["bloom-tanh", "erf-as-cdf", "silu-by-exp", "quickgelu-by-exp"],
+    ids=["bloom-tanh", "flax-tanh", "erf-as-cdf", "silu-by-exp", "quickgelu-by-exp"],
 )
 def test_spellings_no_pattern_lists_are_fused(
     spelling: tuple[list[onnx.NodeProto], dict[str, float]],
@@ -166,3 +193,159 @@ def test_standard_only_output_is_canonical_and_idempotent(tmp_path: Path) -> Non
     assert second.counts(PASS) == (0, 0)
     assert digest(second.output) == digest(first.output)
     assert_same_outputs(model, first.output)
+
+
+# --- hard-sigmoid and hard-swish -------------------------------------------------------------
+
+HARD = {
+    # MobileNetV3 blocks with the activations written out (tests/fixtures/make_fixtures.py,
+    # HardActivations): two hard-swish spellings and a squeeze-excite gate relu6(c + 3) / 6,
+    # whose + 3 an earlier pass folds into the Conv's bias (relu6(c') / 6: alpha 1/6, beta 0).
+    # At opset 13 there is no HardSwish op: x * HardSigmoid(x).
+    "hard_activations_ts13": {"HardSigmoid": 2, "Mul": 4},
+    "hard_activations_ts17": {"HardSwish": 2, "Mul": 2},
+    "hard_activations_dynamo": {"HardSwish": 2, "Mul": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARD))
+def test_written_out_hard_activations_of_both_exporters(name: str, tmp_path: Path) -> None:
+    model = FIXTURES / f"{name}.onnx"
+    original = onnx.load(model).graph.node
+    assert sum(node.op_type == "Clip" for node in original) == 4  # what the exporter wrote
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (3, 3)
+    assert run.passed(PASS)["patterns"] == {
+        "HardSwish": {"matched": 2, "effected": 2},
+        "HardSigmoid (alpha 0.166667, beta 0)": {"matched": 1, "effected": 1},
+    }
+    ops = run.op_counts()
+    # The gate's HardSigmoid goes into its Conv; the near miss (relu6(h + 3) also added to the
+    # block's output) keeps its Clip; no Div is left.
+    assert ops["FusedConv"] == 1 and ops["Clip"] == 1 and ops["Div"] == 0
+    assert {op: ops[op] for op in HARD[name]} == HARD[name]
+    assert_same_outputs(model, run.output)
+    again = tmp_path / "again"
+    again.mkdir()
+    assert optimize(run.output, again).counts(PASS) == (0, 0)
+
+
+# Keras's hard sigmoid clip(0.2 x + 0.5, 0, 1); hard-swish at opset 10 as Paddle2ONNX writes it,
+# the Clip's bounds as attributes and 1/6 a factor; at opset 17, x * relu6(x + 3) / 6.
+KERAS_HARD_SIGMOID = [
+    _n("Mul", ["x", "slope"], "sx"),
+    _n("Add", ["sx", "offset"], "lin"),
+    _n("Clip", ["lin", "zero", "one"], "y"),
+]
+PADDLE_HARD_SWISH_OPSET10 = [
+    _n("Add", ["x", "three"], "x3"),
+    helper.make_node("Clip", ["x3"], ["r6"], min=0.0, max=6.0),
+    _n("Mul", ["x", "r6"], "xr"),
+    _n("Mul", ["xr", "sixth"], "y"),
+]
+HARD_SWISH = [
+    _n("Add", ["x", "three"], "x3"),
+    _n("Clip", ["x3", "zero", "six"], "r6"),
+    _n("Mul", ["x", "r6"], "xr"),
+    _n("Div", ["xr", "six"], "y"),
+]
+HARD_CONSTANTS = {
+    "slope": 0.2,
+    "offset": 0.5,
+    "zero": 0.0,
+    "one": 1.0,
+    "three": 3.0,
+    "six": 6.0,
+    "sixth": 1 / 6,
+}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "opset", "pattern", "ops"),
+    [
+        (KERAS_HARD_SIGMOID, 17, "HardSigmoid (alpha 0.2, beta 0.5)", {"HardSigmoid": 1}),
+        (PADDLE_HARD_SWISH_OPSET10, 10, "HardSwish", {"HardSigmoid": 1, "Mul": 1}),
+        (HARD_SWISH, 17, "HardSwish", {"HardSwish": 1}),
+    ],
+    ids=["keras-hard-sigmoid", "paddle-hard-swish-opset10", "hard-swish-opset17"],
+)
+def test_hard_spellings_are_written_as_the_op(
+    nodes: list[onnx.NodeProto], opset: int, pattern: str, ops: dict[str, int], tmp_path: Path
+) -> None:
+    model = _model(nodes, HARD_CONSTANTS, tmp_path, opset_version=opset)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (1, 1)
+    assert run.passed(PASS)["patterns"] == {pattern: {"matched": 1, "effected": 1}}
+    counts = run.op_counts()
+    assert {op: counts[op] for op in ops} == ops and counts["Clip"] == 0
+    assert_same_outputs(model, run.output)
+
+
+def test_hard_near_misses_are_left_alone(tmp_path: Path) -> None:
+    # Divided by 5.9: x * clip(x + 3, 0, 6) / 5.9 is no hard-swish (its gate passes 1).
+    divided = [*HARD_SWISH[:3], _n("Div", ["xr", "d"], "y")]
+    model = _model(divided, {**HARD_CONSTANTS, "d": 5.9}, tmp_path)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0) and run.op_counts()["Clip"] == 1
+    assert_same_outputs(model, run.output)
+    # ReLU6 (MobileNet-V2's) is no hard activation, and clip(x, 0, 1) is HardSigmoid(1, 0)
+    # in as many nodes: both stay as written.
+    for high in ("six", "one"):
+        model = _model([_n("Clip", ["x", "zero", high], "y")], HARD_CONSTANTS, tmp_path)
+        run = optimize(model, tmp_path)
+        assert run.counts(PASS) == (0, 0) and run.op_counts()["Clip"] == 1
+    # Gemma-2's soft cap of its scaled scores, 50 tanh(x / 16 / 50), is within 1e-5 of x / 16
+    # over the probes: a gate that never reaches 0 or 1 is no hard sigmoid.
+    softcap = [
+        _n("Mul", ["x", "scale"], "s"),
+        _n("Div", ["s", "cap"], "c"),
+        _n("Tanh", ["c"], "t"),
+        _n("Mul", ["t", "cap"], "y"),
+    ]
+    model = _model(softcap, {"scale": 0.0625, "cap": 50.0}, tmp_path)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0) and run.op_counts()["Tanh"] == 1
+    # nn.Hardswish at opset 13 is already x * HardSigmoid(x): no fewer nodes to write.
+    gate = helper.make_node("HardSigmoid", ["x"], ["g"], alpha=1 / 6)
+    model = _model([gate, _n("Mul", ["x", "g"], "y")], {}, tmp_path, opset_version=13)
+    assert optimize(model, tmp_path).counts(PASS) == (0, 0)
+    # A [1, 1, 1] divisor broadcasts a 2-D x up to 3-D, which the op would not.
+    lifted = [*HARD_SWISH[:3], _n("Div", ["xr", "six3"], "y")]
+    constants = {**HARD_CONSTANTS, "six3": np.full((1, 1, 1), 6.0)}
+    model = _model(lifted, constants, tmp_path, rank=2)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0)
+    assert_same_outputs(model, run.output)
+
+
+def test_hard_swish_in_double_is_left_written_out(tmp_path: Path) -> None:
+    """onnxruntime has no double HardSigmoid or HardSwish kernel."""
+    model = _model(HARD_SWISH, HARD_CONSTANTS, tmp_path)
+    proto = onnx.load(model)
+    for value in [*proto.graph.input, *proto.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for tensor in proto.graph.initializer:
+        array = numpy_helper.to_array(tensor).astype(np.float64)
+        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
+    onnx.save(proto, model)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0) and run.op_counts()["Clip"] == 1
+    assert_same_outputs(model, run.output)
+
+
+def test_other_hard_gates_are_x_times_hard_sigmoid(tmp_path: Path) -> None:
+    """x * clip(x + 3, 0, 5.9) / 5.9 is x * clip(x / 5.9 + 3 / 5.9, 0, 1): a hard-sigmoid gate
+    other than HardSwish's, written as x * HardSigmoid(x) in 2 nodes instead of 4."""
+    model = _model(HARD_SWISH, {**HARD_CONSTANTS, "six": 5.9}, tmp_path)
+    run = optimize(model, tmp_path)
+    assert run.passed(PASS)["patterns"] == {
+        "x * HardSigmoid (alpha 0.169492, beta 0.508475)": {"matched": 1, "effected": 1}
+    }
+    counts = run.op_counts()
+    assert (counts["HardSigmoid"], counts["Mul"], counts["HardSwish"], counts["Clip"]) == (
+        1,
+        1,
+        0,
+        0,
+    )
+    assert_same_outputs(model, run.output)

@@ -33,6 +33,10 @@ from tests.pass_helpers import (
 pytestmark = pytest.mark.usefixtures("restore_registry")
 
 PLUGIN = Path(__file__).resolve().parents[1] / "samples" / "plugins" / "hardswish_fusion.py"
+# fusectl's ActivationRecognitionPass writes every hard-swish as HardSwish itself, before any
+# custom pass runs: the plugin meets these sites with it off (test_the_built_in_pass_runs_first).
+BUILTIN_OFF = ("--disable_pass", "ActivationRecognitionPass")
+WITH_PLUGIN = ("--plugin", PLUGIN, *BUILTIN_OFF)
 HS = "HardSwishFusionPass"
 SITES = ("/stem/act", "/block/cv1/act", "/block/cv2/act")
 
@@ -53,7 +57,7 @@ def test_plugin_fuses_every_yolov5_hardswish(name: str, tmp_path: Path) -> None:
     model = fixture_path(name)
     original = Counter(node.op_type for node in onnx.load(str(model)).graph.node)
     assert (original["Clip"], original["Div"]) == (3, 3)  # what the exporter wrote
-    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize_checked(model, tmp_path, *WITH_PLUGIN)
     assert run.counts(HS) == (matched, effected)
     assert reasons(run, HS) == {}
     assert run.passed(HS)["patterns"] == {
@@ -70,10 +74,24 @@ def test_plugin_fuses_every_yolov5_hardswish(name: str, tmp_path: Path) -> None:
     assert HS not in run.fusion_result["session_and_graph_id_0_0"].get("ub_fusion", {})
 
 
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_the_built_in_pass_runs_first(name: str, tmp_path: Path) -> None:
+    """With ActivationRecognitionPass on (the default), it writes the three hard-swishes as
+    HardSwish before the plugin's pass runs, which then finds nothing: the same output."""
+    model = fixture_path(name)
+    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN)
+    assert run.counts("ActivationRecognitionPass") == (3, 3)
+    assert run.counts(HS) == (0, 0)
+    assert run.op_counts() == Counter(FIXTURES[name][2])
+    (tmp_path / "plugin").mkdir()
+    plugin = optimize(model, tmp_path / "plugin", *WITH_PLUGIN)
+    assert_same_outputs(plugin.output, run.output, atol=0.0, rtol=0.0)
+
+
 def test_opset13_nn_hardswish_is_declined_for_the_opset(tmp_path: Path) -> None:
     """nn.Hardswish at opset 13 is x * HardSigmoid(x): matched, but HardSwish needs opset 14."""
     model = fixture_path("hardswish_cnn_nn_ts13")
-    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize_checked(model, tmp_path, *WITH_PLUGIN)
     assert run.counts(HS) == (3, 0)
     (miss,) = run.passed(HS)["near_misses"]
     assert miss["reason"] == "HardSwish needs opset >= 14, model has 13"
@@ -90,7 +108,7 @@ def test_opset13_nn_hardswish_converted_to_opset14_is_fused_exactly(tmp_path: Pa
     )
     model = tmp_path / "hardswish_cnn_nn_ts14.onnx"
     onnx.save(converted, str(model))
-    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize_checked(model, tmp_path, *WITH_PLUGIN)
     assert run.counts(HS) == (3, 3)
     assert run.passed(HS)["patterns"]["x_times_hardsigmoid"] == {"matched": 3, "effected": 3}
     assert run.op_counts() == Counter({"Conv": 4, "HardSwish": 3, "Add": 1})
@@ -120,8 +138,8 @@ def test_switched_off_is_byte_identical_to_no_plugin(
     args = [switch if arg == "SWITCH" else arg for arg in SWITCHED_OFF[how]]
     (tmp_path / "without").mkdir()
     (tmp_path / "off").mkdir()
-    without = optimize(model, tmp_path / "without")
-    off = optimize(model, tmp_path / "off", "--plugin", PLUGIN, *args)
+    without = optimize(model, tmp_path / "without", *BUILTIN_OFF)
+    off = optimize(model, tmp_path / "off", *WITH_PLUGIN, *args)
     assert off.counts(HS) == (0, 0)
     assert off.passed(HS)["state"] == "off"
     assert off.output.read_bytes() == without.output.read_bytes()
@@ -132,8 +150,7 @@ def test_pattern_fusion_pass_off_then_enable_pass_turns_it_back_on(tmp_path: Pat
     run = optimize(
         fixture_path("hardswish_cnn_dynamo"),
         tmp_path,
-        "--plugin",
-        PLUGIN,
+        *WITH_PLUGIN,
         "--pattern_fusion_pass",
         "off",
         "--enable_pass",
@@ -166,7 +183,7 @@ def test_passes_lists_the_plugin_pass_with_its_origin() -> None:
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_verify_with_the_plugin_checks_every_site(name: str, tmp_path: Path) -> None:
-    run = optimize(fixture_path(name), tmp_path, "--plugin", PLUGIN, "--verify")
+    run = optimize(fixture_path(name), tmp_path, *WITH_PLUGIN, "--verify")
     assert run.report is not None
     assert run.report["options"]["check_custom"] is True
     assert run.report["check_custom"] == {
@@ -187,7 +204,7 @@ def test_check_custom_catches_a_wrong_replacement_at_each_site(tmp_path: Path) -
     wrong = tmp_path / "wrong_hardswish.py"
     wrong.write_text(source.replace(right, "    return op.HardSigmoid(x, alpha=1 / 6)\n"))
     model = fixture_path("hardswish_cnn_torchscript")
-    run = optimize(model, tmp_path, "--plugin", wrong, "--check_custom", expect=1)
+    run = optimize(model, tmp_path, "--plugin", wrong, *BUILTIN_OFF, "--check_custom", expect=1)
     assert run.counts(HS) == (3, 0)
     assert run.report is not None
     report = run.report["check_custom"]
@@ -199,7 +216,7 @@ def test_check_custom_catches_a_wrong_replacement_at_each_site(tmp_path: Path) -
     # Bit for bit what fusectl writes without the plugin (its own reassociating passes still
     # run: ChannelAffineConvFusionPass folds each hard-swish's `/ 6` into the Conv after it).
     (tmp_path / "without").mkdir()
-    without = optimize(model, tmp_path / "without")
+    without = optimize(model, tmp_path / "without", *BUILTIN_OFF)
     assert_same_outputs(without.output, run.output, atol=0.0, rtol=0.0)
     assert_same_outputs(model, run.output)
 
@@ -266,14 +283,14 @@ FIRES = {
 def test_clip_spelling_fires(case: str, tmp_path: Path) -> None:
     model = _clip_spelling(tmp_path / f"hs_{case}.onnx", **FIRES[case])
     atol = 1e-2 if case == "float16" else 1e-4
-    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN, atol=atol)
+    run = optimize_checked(model, tmp_path, *WITH_PLUGIN, atol=atol)
     assert run.counts(HS) == (1, 1)
     assert run.op_counts() == Counter({"HardSwish": 1})
 
 
 def test_hardsigmoid_spelling_fires(tmp_path: Path) -> None:
     model = _hardsigmoid_spelling(tmp_path / "hsig.onnx", alpha=float(np.float32(1 / 6)))
-    run = optimize_checked(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize_checked(model, tmp_path, *WITH_PLUGIN)
     assert run.counts(HS) == (1, 1)
     assert run.op_counts() == Counter({"HardSwish": 1})
 
@@ -308,7 +325,7 @@ DECLINED = {
 def test_clip_spelling_near_misses_are_declined_with_the_reason(case: str, tmp_path: Path) -> None:
     kwargs, reason = DECLINED[case]
     model = _clip_spelling(tmp_path / f"hs_{case}.onnx", **kwargs)
-    run = optimize(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize(model, tmp_path, *WITH_PLUGIN)
     check_output(run)
     assert_declined(run, HS, reason, "div")
     assert run.op_counts()["Clip"] == 1
@@ -328,6 +345,6 @@ def test_hardsigmoid_spelling_with_other_attributes_is_declined(
     attributes: dict[str, float], reason: str, tmp_path: Path
 ) -> None:
     model = _hardsigmoid_spelling(tmp_path / "hsig.onnx", **attributes)
-    run = optimize(model, tmp_path, "--plugin", PLUGIN)
+    run = optimize(model, tmp_path, *WITH_PLUGIN)
     assert_declined(run, HS, reason, "mul")
     assert run.op_counts() == Counter({"HardSigmoid": 1, "Mul": 1})

@@ -591,6 +591,21 @@ class PatternPass(FusionPass):
             for compiled in self.compiled_rules()
         )
 
+    def matches(self, node: ir.Node) -> bool:
+        """Whether some rule's pattern binds at ``node``: its structure, with a variable it
+        reads twice bound to one value (its constants and checks are not tested). Where a
+        pattern has no direct matcher, the skeleton test stands in."""
+        for compiled in self.compiled_rules():
+            if not _fits(compiled.skeleton, node, commute=not compiled.single_order):
+                continue
+            for variant in compiled.variants:
+                if variant.direct is None:
+                    if _fits(variant.skeleton, node, commute=False):
+                        return True
+                elif node.graph is not None and variant.direct.match(node, node.graph):
+                    return True
+        return False
+
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
         # The nodes bucketed by op: a rule then visits only nodes of its root op, and is

@@ -1,8 +1,9 @@
 """ActivationRecognitionPass: activations recognized by the function a cluster computes.
 
-Real exporter output (Bloom's tanh GELU, which no enumerated pattern spells), hand-written
-spellings of GELU, SiLU and QuickGELU that no pattern lists, the near-misses it must leave
-alone, idempotence, and numerics on onnxruntime.
+Real exporter output (Bloom's tanh GELU, which no enumerated pattern spells; hard-swish and
+hard-sigmoid written out, from TorchScript at opsets 13 and 17, dynamo and tf2onnx), hand-written
+spellings of GELU, SiLU, QuickGELU and the hard activations that no pattern lists, the
+near-misses it must leave alone, idempotence, and numerics on onnxruntime.
 """
 
 from __future__ import annotations
@@ -228,6 +229,20 @@ def test_written_out_hard_activations_of_both_exporters(name: str, tmp_path: Pat
     again = tmp_path / "again"
     again.mkdir()
     assert optimize(run.output, again).counts(PASS) == (0, 0)
+
+
+def test_keras_hard_activations_through_tf2onnx(tmp_path: Path) -> None:
+    """Keras's MobileNetV3 spelling, x * (relu6(x + 3) * (1 / 6)), as tf2onnx writes it
+    (tests/fixtures/make_keras_fixtures.py): a hard-swish and a squeeze-excite hard-sigmoid."""
+    model = FIXTURES / "keras_mobile_blocks_tf2onnx.onnx"
+    run = optimize(model, tmp_path)
+    assert run.passed(PASS)["patterns"] == {
+        "HardSwish": {"matched": 1, "effected": 1},
+        "HardSigmoid (alpha 0.166667, beta 0.5)": {"matched": 1, "effected": 1},
+    }
+    ops = run.op_counts()
+    assert (ops["HardSwish"], ops["HardSigmoid"], ops["Clip"]) == (1, 1, 0)
+    assert_same_outputs(model, run.output)
 
 
 # Keras's hard sigmoid clip(0.2 x + 0.5, 0, 1); hard-swish at opset 10 as Paddle2ONNX writes it,

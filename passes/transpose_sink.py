@@ -1,16 +1,10 @@
-"""An element-wise op between two tensors transposed alike, transposed back: the op alone.
+"""A Concat of tensors transposed alike, transposed back: the Concat alone, on the axis moved.
 
-ConvNeXt keeps its residual stream channels-first and computes each block channels-last: the
-block's output is permuted back (``Transpose([0, 3, 1, 2])``) to be added to the stream, and
-the next norm permutes the sum channels-last again. Where the stream itself was a Transpose of
-a channels-last value, ``T(a) + T(b)`` is ``T(a + b)`` (broadcasting is per axis, so permuting
-both operands alike commutes with it), and the inverse Transpose after it cancels: the Add of
-the two channels-last values is what the norm reads.
-
-A Concat of tensors transposed alike is the same: dynamo writes a slice assignment with the
-assigned axis moved first, so once the assignment is a Concat (SliceAssignmentCanonicalization)
-its parts are joined along the moved axis and moved back; joined along their own axis instead,
-no Transpose is left.
+Dynamo writes a slice assignment with the assigned axis moved first, so once the assignment is a
+Concat (SliceAssignmentCanonicalization) its parts are joined along the moved axis and moved
+back; joined along their own axis instead, no Transpose is left. (An element-wise op between
+Transposes, ConvNeXt's channels-first residual between channels-last blocks, is
+TransposePushCanonicalizationPass's.)
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    inverse_perm,
     new_constant,
     node_label,
     producer_of,
@@ -29,27 +24,16 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, NodeByNodePass, PassSpec, register_pass
 
-_ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
-
-
-def _inverse(perm: list[int]) -> list[int]:
-    result = [0] * len(perm)
-    for position, axis in enumerate(perm):
-        result[axis] = position
-    return result
-
 
 @register_pass
 class TransposeSinkFusionPass(FusionPass):
-    """Not a pattern: each element-wise op between two Transposes is judged alone."""
+    """Not a pattern: each Concat of Transposes is judged alone."""
 
     spec = PassSpec(
         name="TransposeSinkFusionPass",
         category=Category.UB,
-        description="Transpose(T(a) op T(b), inverse) for an element-wise op and two "
-        "Transposes of one perm -> a op b (ConvNeXt's channels-first residual between "
-        "channels-last blocks); the same for a Concat of Transposes of one perm, joined on "
-        "the axis it moves (dynamo's slice assignment)",
+        description="Transpose(Concat(T(a), T(b), ...), inverse) for Transposes of one perm "
+        "-> a Concat of a, b, ... on the axis the perm moves (dynamo's slice assignment)",
         aliases=("transpose_sink_fusion",),
         priority=5940,  # the down band, before the layout chains
         emits=(),
@@ -58,17 +42,15 @@ class TransposeSinkFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
-        for op_type in (*_ELEMENTWISE, "Concat"):
-            for node in ctx.op_index.of_type(graph, op_type):
-                if node.graph is graph:
-                    self._sink(ctx, node)
+        for node in ctx.op_index.of_type(graph, "Concat"):
+            if node.graph is graph:
+                self._sink(ctx, node)
 
     @staticmethod
     def _sink(ctx: PassContext, node: ir.Node) -> None:
         result = node.outputs[0]
         uses = result.uses()
-        joined = node.op_type == "Concat"
-        if result.is_graph_output() or len(uses) != 1 or (len(node.inputs) != 2 and not joined):
+        if result.is_graph_output() or len(uses) != 1:
             return
         after = uses[0][0]
         if after.op_type != "Transpose" or after.domain not in ("", "ai.onnx"):
@@ -82,10 +64,10 @@ class TransposeSinkFusionPass(FusionPass):
             return
         perms = {tuple(transpose_perm(t, rank)) for t in transposes}  # type: ignore[arg-type]
         perm = list(perms.pop())
-        if perms or transpose_perm(after, rank) != _inverse(perm):
+        if perms or transpose_perm(after, rank) != inverse_perm(perm):
             return
         operands = [t.inputs[0] for t in transposes]  # type: ignore[union-attr]
-        axis = {"axis": perm[node.attributes.get_int("axis", 0) % rank]} if joined else {}
+        axis = {"axis": perm[node.attributes.get_int("axis", 0) % rank]}
         fused = ir.node(node.op_type, operands, attributes=axis)
         typed(fused.outputs[0], ctx.dtype(after.outputs[0]), ctx.shape(after.outputs[0]))
         # The Transposes go too where the op was their only reader.

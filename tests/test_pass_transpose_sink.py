@@ -1,8 +1,8 @@
-"""TransposeSinkFusionPass: Transpose(T(a) + T(b), inverse) is a + b, and Transpose(Concat(T(a),
-T(b)), inverse) is a Concat of a and b on the axis T moved. ConvNeXt's residual between its
-channels-last blocks (a block built with onnx.helper the way its exports spell it), the ops it
-must leave, and numerics on onnxruntime. Dynamo's slice assignment, which leaves such a Concat,
-is in test_pass_slice_assign."""
+"""Transpose(T(a) + T(b), inverse) is a + b (TransposePushCanonicalizationPass: ConvNeXt's
+residual between its channels-last blocks, a block built with onnx.helper the way its exports
+spell it), and Transpose(Concat(T(a), T(b)), inverse) is a Concat of a and b on the axis T moved
+(TransposeSinkFusionPass); the Transposes both must leave, and numerics on onnxruntime.
+Dynamo's slice assignment, which leaves such a Concat, is in test_pass_slice_assign."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.pass_helpers import compare_on_feeds, optimize_checked, save_model, value
+from tests.pass_helpers import (
+    compare_on_feeds,
+    optimize_checked,
+    pattern_counts,
+    save_model,
+    value,
+)
 
 SINK = "TransposeSinkFusionPass"
+PUSH = "TransposePushCanonicalizationPass"
 CHANNELS_FIRST, CHANNELS_LAST = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
@@ -50,7 +57,9 @@ def _feeds() -> dict[str, np.ndarray]:
 def test_channels_first_residual_between_channels_last_blocks(tmp_path: Path, op: str) -> None:
     model = _block(tmp_path / "block.onnx", CHANNELS_FIRST, CHANNELS_LAST, op=op)
     run = optimize_checked(model, tmp_path, compare=False)
-    assert run.counts(SINK) == (1, 1)
+    if op == "Add":  # moved below the Add, the Transposes meet the one that undoes them
+        assert pattern_counts(run, PUSH) == {"TransposePush": (1, 1), "TransposeCancel": (1, 1)}
+    assert run.counts(SINK) == ((0, 0) if op == "Add" else (1, 1))
     assert run.op_counts()["Transpose"] == 0
     if op == "Concat":  # the channels, axis 1 channels-first, are axis 3 channels-last
         (concat,) = [n for n in onnx.load(str(run.output)).graph.node if n.op_type == "Concat"]
@@ -74,4 +83,7 @@ def test_other_transposes_stay(
     run = optimize_checked(model, tmp_path, compare=False)
     assert run.counts(SINK) == (0, 0)
     assert run.op_counts()[op] == 1
+    # Transposed alike and transposed on by another perm, a + b keeps one Transpose.
+    merged = op == "Add" and perm_b == CHANNELS_FIRST and not shared
+    assert run.op_counts()["Transpose"] == (1 if merged else 3)
     compare_on_feeds(model, run.output, _feeds())

@@ -207,6 +207,14 @@ def transpose_perm(node: ir.Node, rank: int | None) -> list[int] | None:
     return None if rank is None else list(reversed(range(rank)))
 
 
+def inverse_perm(perm: list[int]) -> list[int]:
+    """The perm that undoes ``perm``: Transpose(Transpose(x, perm), inverse_perm(perm)) is x."""
+    result = [0] * len(perm)
+    for position, axis in enumerate(perm):
+        result[axis] = position
+    return result
+
+
 def producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The standard-domain ``op_type`` node that computes ``value``, else None."""
     node = value.producer() if value is not None else None

@@ -10,10 +10,11 @@ between two Convs runs channels-last between a pair of them.
 ``X(Transpose(a, p))`` is ``Transpose(X'(a), p)`` for an element-wise op ``X`` (its constant
 operands permuted by the inverse of ``p``, its other operands Transposes of the same perm), a
 Pad (its pads permuted) and a reduction that keeps its axes (the axes mapped through ``p``).
-Moved down one op at a time, a Transpose meets another: its inverse, and both go, or any other,
-and the two become one. A Transpose read once moves whenever it can (no move adds one); one
-read by several ops moves past all of them only where every copy it leaves reaches another
-Transpose the same way (looked ahead, not tried), so the count never grows. onnxruntime does
+Moved down one op at a time, a Transpose meets its inverse, and both go. A Transpose moves only
+where every copy it leaves reaches such an inverse (looked ahead, not tried), so the count of
+Transposes never grows and one that would only move stays where the exporter put it; nor does
+one merge into another Transpose, which another fusion may read as it is (a key transposed for
+MatMul's ``transB``: MaxViT's FusedMatMul). onnxruntime does
 the same at session creation (its transpose optimizer, at every level but ``ORT_DISABLE_ALL``);
 done offline, the Convs' batch-norm scales and pads then sit next to them for the Conv fusions.
 """
@@ -160,9 +161,9 @@ def _will_be_transposed(
 
 def _reaches_transposes(value: ir.Value, perm: list[int]) -> str | None:
     """None where a Transpose of ``perm`` computing ``value`` moves down past every reader
-    until each copy meets another Transpose, else why not ("": it would meet an op no
-    Transpose moves past): a dry run of the moves, over at
-    most _LOOKAHEAD values. Paths that part and join again (``x`` read by ``x + 3`` and by
+    until each copy meets a Transpose that undoes it, else why not ("": it would meet an op
+    no Transpose moves past, or another Transpose): a dry run of the moves, over at most
+    _LOOKAHEAD values. Paths that part and join again (``x`` read by ``x + 3`` and by
     ``x * relu6(x + 3)``) are followed until the join's operands are all transposed."""
     transposed = [value]
     passed: set[ir.Node] = set()
@@ -175,6 +176,11 @@ def _reaches_transposes(value: ir.Value, perm: list[int]) -> str | None:
                 return "a value it would move past is a graph output"
             for reader in dict.fromkeys(user for user, _ in current.uses()):
                 if reader in passed:
+                    continue
+                if _standard(reader, {"Transpose"}) and not _undoes(reader, perm):
+                    # Merged, the two would be one Transpose another fusion may not read
+                    # (a key transposed for MatMul's transB): left as they are.
+                    blocked[reader] = ""
                     continue
                 if not _standard(reader, {"Transpose"}):
                     move = _plan(current, None, perm, reader, frozenset(transposed))
@@ -202,9 +208,8 @@ class TransposePushCanonicalizationPass(FusionPass):
         description="canonical: X(Transpose(a, p), ...) -> Transpose(X(a, ...), p) for "
         "element-wise ops (constants permuted back, other operands Transposes of the same "
         "perm), Pad and reductions that keep their axes, moved down until the Transpose meets "
-        "another (its inverse: both go; any other: one is left); past several readers only "
-        "where every copy gets that far: tf2onnx's channels-last Keras models where its own "
-        "transpose optimizer gave up",
+        "its inverse and both go, only where every copy it leaves gets that far: tf2onnx's "
+        "channels-last Keras models where its own transpose optimizer gave up",
         aliases=("transpose_push", "transpose_push_canonicalization"),
         priority=3048,  # before the Conv fusions, which then meet the Conv's scale and pad
         emits=(),
@@ -261,10 +266,7 @@ def _round(ctx: PassContext, graph: ir.Graph, created: set[ir.Node]) -> bool:
             continue  # it would only move, not go
         for reader in readers:
             if _standard(reader, {"Transpose"}):
-                merged = _merge(ctx, transpose, reader)
-                changed |= merged is not None
-                created.update(merged or [])
-                work.extend(merged or [])
+                changed |= _cancel(ctx, transpose, reader)
                 continue
             move = _plan(value, transpose.inputs[0], perm, reader)
             if isinstance(move, str):
@@ -279,35 +281,25 @@ def _round(ctx: PassContext, graph: ir.Graph, created: set[ir.Node]) -> bool:
     return changed
 
 
-def _merge(ctx: PassContext, first: ir.Node, second: ir.Node) -> list[ir.Node] | None:
-    """Transpose(Transpose(a, p), q): a where the two cancel, else one Transpose (the list
-    of what is new; None where nothing changed). ``first`` stays while something else reads
-    it."""
+def _undoes(node: ir.Node, perm: list[int]) -> bool:
+    """Whether ``node`` is a Transpose that undoes ``perm``."""
+    return _standard(node, {"Transpose"}) and transpose_perm(node, len(perm)) == inverse_perm(perm)
+
+
+def _cancel(ctx: PassContext, first: ir.Node, second: ir.Node) -> bool:
+    """Transpose(Transpose(a, p), inverse of p) is a: its readers read a. ``first`` stays
+    while something else reads it."""
     source = first.inputs[0]
-    shape = ctx.shape(source) if source is not None else None
-    rank = len(shape) if shape is not None else None
-    p, q = transpose_perm(first, rank), transpose_perm(second, rank)
-    if source is None or p is None or q is None or len(p) != len(q):
-        return None
-    alone = len(first.outputs[0].uses()) == 1
-    composed = [p[axis] for axis in q]
-    if composed == list(range(len(composed))):
-        if second.outputs[0].is_graph_output():
-            return None  # the graph output keeps its name: left to TransposeTransposeFusion
-        if not ctx.may_rewrite("TransposeCancel", node_label(second)):
-            return None
-        for user, index in list(second.outputs[0].uses()):
-            user.replace_input_with(index, source)
-        ctx.record_fusion("TransposeCancel", [first, second] if alone else [second], [])
-        second.graph.remove(second, safe=True)  # type: ignore[union-attr]
-        return []
-    single = ir.node("Transpose", [source], attributes={"perm": composed})
-    typed(single.outputs[0], ctx.dtype(second.outputs[0]), ctx.shape(second.outputs[0]))
-    old = [first, second] if alone else [second]
-    refused = replace_subgraph(
-        ctx, "TransposeMerge", second, old, [single], second.outputs, single.outputs
-    )
-    return None if refused is not None else [single]
+    if source is None or second.outputs[0].is_graph_output():
+        return False  # the graph output keeps its name: left to TransposeTransposeFusion
+    if not ctx.may_rewrite("TransposeCancel", node_label(second)):
+        return False
+    for user, index in list(second.outputs[0].uses()):
+        user.replace_input_with(index, source)
+    alone = len(first.outputs[0].uses()) == 0
+    ctx.record_fusion("TransposeCancel", [first, second] if alone else [second], [])
+    second.graph.remove(second, safe=True)  # type: ignore[union-attr]
+    return True
 
 
 def _move(ctx: PassContext, transpose: ir.Node, perm: list[int], move: _Move) -> ir.Node | None:

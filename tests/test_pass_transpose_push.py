@@ -155,7 +155,9 @@ def test_moves_it_must_not_make_are_near_misses(tmp_path: Path) -> None:
     assert_same_outputs(path, run.output)
 
 
-def test_two_transposes_that_do_not_cancel_become_one(tmp_path: Path) -> None:
+def test_transposes_that_do_not_undo_each_other_stay(tmp_path: Path) -> None:
+    """Merged, two Transposes would be one another fusion may not read (a key transposed for
+    MatMul's transB): a Transpose moves only to meet its inverse."""
     nodes = [
         helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
         helper.make_node("Sigmoid", ["t"], ["s"]),
@@ -165,6 +167,5 @@ def test_two_transposes_that_do_not_cancel_become_one(tmp_path: Path) -> None:
         tmp_path / "two.onnx", nodes, [value("x", [2, 3, 4, 5])], [value("y", [2, 5, 3, 4])]
     )
     run = optimize_checked(model, tmp_path)
-    assert pattern_counts(run, PUSH) == {"TransposePush": (1, 1), "TransposeMerge": (1, 1)}
-    (transpose,) = [n for n in onnx.load(str(run.output)).graph.node if n.op_type == "Transpose"]
-    assert list(helper.get_attribute_value(transpose.attribute[0])) == [0, 3, 1, 2]
+    assert run.counts(PUSH) == (0, 0)
+    assert run.op_counts()["Transpose"] == 2

@@ -490,6 +490,7 @@ def test_passes_lists_the_catalogue() -> None:
     assert again == {
         "ConstantFoldingPass",
         "ReshapeReshapeFusionPass",
+        "TransposePushCanonicalizationPass",
         "TransposeTransposeFusionPass",
     }
     graph_only = json.loads(run_cli("passes", "--json", "--category", "UBFusion").stdout)

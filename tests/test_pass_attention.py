@@ -672,11 +672,13 @@ def test_grouped_cache_of_transformed_heads_is_read_merged(tmp_path: Path) -> No
     assert list(node.input[3:5]) == ["past_k", "past_v"]
     producers = _producers(_graph(run.output))
     merge = producers[node.input[1]]  # the scaled heads, back to [B, L, KV*H]
-    swap = producers[merge.input[0]]
-    assert (merge.op_type, swap.op_type, producers[swap.input[0]].op_type) == (
+    # The merge's Transpose and the split's cancel around the per-head gain (moved below it
+    # by TransposePushCanonicalizationPass): the heads are scaled in [B, L, KV, H].
+    scaled = producers[merge.input[0]]
+    assert (merge.op_type, scaled.op_type, producers[scaled.input[0]].op_type) == (
         "Reshape",
-        "Transpose",
         "Mul",
+        "Reshape",
     )
     feeds = _grouped_feeds(model, batch=1, seq=3, kv_len=7, past=4)
     compare_on_feeds(model, run.output, feeds)
@@ -701,11 +703,13 @@ def test_grouped_transformed_heads_are_read_merged(tmp_path: Path) -> None:
     assert list(node.input[::2][:3]) == ["Q", "V", ""]
     producers = _producers(_graph(run.output))
     merge = producers[node.input[1]]
-    swap = producers[merge.input[0]]
-    assert (merge.op_type, swap.op_type, producers[swap.input[0]].op_type) == (
+    # The merge's Transpose and the split's cancel around the per-head gain (moved below it
+    # by TransposePushCanonicalizationPass): the heads are scaled in [B, L, KV, H].
+    scaled = producers[merge.input[0]]
+    assert (merge.op_type, scaled.op_type, producers[scaled.input[0]].op_type) == (
         "Reshape",
-        "Transpose",
         "Mul",
+        "Reshape",
     )
     assert _repeat_kv_expands(_graph(run.output)) == []
 

@@ -112,10 +112,10 @@ def _plan(
         elif value is moving or (source is None and _will_be_transposed(value, perm, transposed)):
             operands.append(source)
         elif other is not None and transpose_perm(other, rank) == perm:
-            if len(value.uses()) != 1 or value.is_graph_output():
-                return "another operand's Transpose is read elsewhere too"
             operands.append(other.inputs[0])
-            if other not in gone:
+            # It goes with the move unless something else reads it (ConvNeXt's residual
+            # stream, read by the next block's Conv too).
+            if len(value.uses()) == 1 and not value.is_graph_output() and other not in gone:
                 gone.append(other)
         elif reader.op_type == "Pad" and index == 1:
             pads = constant_value(value)
@@ -147,10 +147,10 @@ def _will_be_transposed(
     if value in transposed:
         return True
     producer = value.producer()
+    if producer is not None and _standard(producer, {"Transpose"}):
+        return transpose_perm(producer, len(perm)) == perm
     if producer is None or depth == 0 or len(value.uses()) != 1:
         return False
-    if _standard(producer, {"Transpose"}):
-        return transpose_perm(producer, len(perm)) == perm
     if not _standard(producer, _MOVABLE) or len(producer.outputs) != 1:
         return False
     operands = [v for v in producer.inputs if v is not None and constant_value(v) is None]

@@ -169,3 +169,29 @@ def test_transposes_that_do_not_undo_each_other_stay(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(PUSH) == (0, 0)
     assert run.op_counts()["Transpose"] == 2
+
+
+def test_an_operand_transposed_for_other_readers_too_is_read_through(tmp_path: Path) -> None:
+    """ConvNeXt's residual stream: T(a) is read by the next block's Conv and by the residual
+    Add with T(b); the Add moves, the stream's Transpose stays for the Conv."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Transpose", ["a"], ["stream"], perm=FIRST),
+        helper.make_node("Transpose", ["b"], ["block"], perm=FIRST),
+        helper.make_node("Conv", ["stream", "w"], ["next"]),
+        helper.make_node("Add", ["stream", "block"], ["sum"]),
+        helper.make_node("Transpose", ["sum"], ["last"], perm=LAST),
+        helper.make_node("Relu", ["last"], ["y"]),
+    ]
+    model = save_model(
+        tmp_path / "stream.onnx",
+        nodes,
+        [value("a", ["N", 4, 4, 8]), value("b", ["N", 4, 4, 8])],
+        [value("y", ["N", 4, 4, 8]), value("next", ["N", 8, 4, 4])],
+        [const("w", rng.normal(0, 0.3, (8, 8, 1, 1)))],
+    )
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, PUSH) == {"TransposePush": (1, 1), "TransposeCancel": (1, 1)}
+    assert run.op_counts()["Transpose"] == 1
+    feeds = {name: rng.normal(size=(2, 4, 4, 8)).astype(np.float32) for name in "ab"}
+    compare_on_feeds(model, run.output, feeds)

@@ -1,4 +1,4 @@
-"""Transposes moved down through the layout-agnostic ops after them, until they meet another.
+"""Transposes moved down through the layout-agnostic ops after them, until they meet their inverse.
 
 tf2onnx converts a channels-last Keras model by putting every Conv between two Transposes
 (channels-last to channels-first before it, back after it) and leaves it to its own transpose
@@ -14,9 +14,9 @@ Moved down one op at a time, a Transpose meets its inverse, and both go. A Trans
 where every copy it leaves reaches such an inverse (looked ahead, not tried), so the count of
 Transposes never grows and one that would only move stays where the exporter put it; nor does
 one merge into another Transpose, which another fusion may read as it is (a key transposed for
-MatMul's ``transB``: MaxViT's FusedMatMul). onnxruntime does
-the same at session creation (its transpose optimizer, at every level but ``ORT_DISABLE_ALL``);
-done offline, the Convs' batch-norm scales and pads then sit next to them for the Conv fusions.
+MatMul's ``transB``: MaxViT's FusedMatMul). onnxruntime does the same at session creation (its
+transpose optimizer, at every level but ``ORT_DISABLE_ALL``); done offline, the Convs'
+batch-norm scales and pads then sit next to them for the Conv fusions.
 """
 
 from __future__ import annotations
@@ -294,9 +294,9 @@ def _cancel(ctx: PassContext, first: ir.Node, second: ir.Node) -> bool:
         return False  # the graph output keeps its name: left to TransposeTransposeFusion
     if not ctx.may_rewrite("TransposeCancel", node_label(second)):
         return False
+    alone = all(user is second for user, _ in first.outputs[0].uses())
     for user, index in list(second.outputs[0].uses()):
         user.replace_input_with(index, source)
-    alone = len(first.outputs[0].uses()) == 0
     ctx.record_fusion("TransposeCancel", [first, second] if alone else [second], [])
     second.graph.remove(second, safe=True)  # type: ignore[union-attr]
     return True

@@ -56,11 +56,12 @@ _REDUCTIONS = frozenset(
     {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"}
 )
 _MOVABLE = _UNARY | _BROADCASTING | _REDUCTIONS | {"Pad"}
+_TRANSPOSE = frozenset({"Transpose"})
 # How far ahead a Transpose read several times is followed (values it would move past).
 _LOOKAHEAD = 64
 
 
-def _standard(node: ir.Node, op_types: frozenset[str] | set[str]) -> bool:
+def _standard(node: ir.Node, op_types: frozenset[str]) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in op_types
 
 
@@ -147,7 +148,7 @@ def _will_be_transposed(
     if value in transposed:
         return True
     producer = value.producer()
-    if producer is not None and _standard(producer, {"Transpose"}):
+    if producer is not None and _standard(producer, _TRANSPOSE):
         return transpose_perm(producer, len(perm)) == perm
     if producer is None or depth == 0 or len(value.uses()) != 1:
         return False
@@ -177,12 +178,12 @@ def _reaches_transposes(value: ir.Value, perm: list[int]) -> str | None:
             for reader in dict.fromkeys(user for user, _ in current.uses()):
                 if reader in passed:
                     continue
-                if _standard(reader, {"Transpose"}) and not _undoes(reader, perm):
+                if _standard(reader, _TRANSPOSE) and not _undoes(reader, perm):
                     # Merged, the two would be one Transpose another fusion may not read
                     # (a key transposed for MatMul's transB): left as they are.
                     blocked[reader] = ""
                     continue
-                if not _standard(reader, {"Transpose"}):
+                if not _standard(reader, _TRANSPOSE):
                     move = _plan(current, None, perm, reader, frozenset(transposed))
                     if isinstance(move, str):
                         blocked[reader] = move  # perhaps until another path reaches it
@@ -223,31 +224,26 @@ class TransposePushCanonicalizationPass(FusionPass):
         if not ctx.op_index.holds(graph, {"Transpose"}):
             return
         # Round after round: a Transpose that cannot move past an op until the op's other
-        # operand is a Transpose too (a squeeze-excite gate) moves once that one has.
+        # operand is a Transpose too (a squeeze-excite gate) moves once that one has. What the
+        # last round (which moved nothing) left, and why, are the near misses: a move that
+        # waited for another Transpose to arrive is none.
         created: set[ir.Node] = set()
-        while _round(ctx, graph, created):
-            pass
-        # What is left, and why: judged once it is left (a move that waits for another
-        # Transpose to arrive is no near miss).
-        for transpose in [node for node in graph if _standard(node, {"Transpose"})]:
-            if transpose.inputs[0] is None:
-                continue
-            source = ctx.shape(transpose.inputs[0])
-            perm = transpose_perm(transpose, len(source) if source is not None else None)
-            value = transpose.outputs[0]
-            if perm is not None and value.uses() and not value.is_graph_output():
-                reason = _reaches_transposes(value, perm)
-                if reason:
-                    stats.decline(reason, node_label(transpose))
+        left: dict[ir.Node, str] = {}
+        while _round(ctx, graph, created, left):
+            left.clear()
+        for transpose, reason in left.items():
+            stats.decline(reason, node_label(transpose))
 
 
-def _round(ctx: PassContext, graph: ir.Graph, created: set[ir.Node]) -> bool:
+def _round(
+    ctx: PassContext, graph: ir.Graph, created: set[ir.Node], left: dict[ir.Node, str]
+) -> bool:
     """Move every Transpose as far as it goes; whether anything moved. ``created``: the
     Transposes moves left; two Transposes the exporter wrote one after the other are left to
-    TransposeTransposeFusionPass."""
+    TransposeTransposeFusionPass. ``left``: the Transposes that stay, with why."""
     changed = False
     # Each move leaves a Transpose one op further down, which may move again.
-    work = collections.deque(node for node in graph if _standard(node, {"Transpose"}))
+    work = collections.deque(node for node in graph if _standard(node, _TRANSPOSE))
     while work:
         transpose = work.popleft()
         if transpose.graph is not graph or transpose.inputs[0] is None:
@@ -260,12 +256,15 @@ def _round(ctx: PassContext, graph: ir.Graph, created: set[ir.Node]) -> bool:
             continue
         if any(reader.graph is not graph for reader in readers):
             continue  # read inside a subgraph
-        if transpose not in created and all(_standard(r, {"Transpose"}) for r in readers):
+        if transpose not in created and all(_standard(r, _TRANSPOSE) for r in readers):
             continue
-        if _reaches_transposes(value, perm) is not None:
-            continue  # it would only move, not go
+        reason = _reaches_transposes(value, perm)
+        if reason is not None:
+            if reason:  # "": it would only move, not go
+                left[transpose] = reason
+            continue
         for reader in readers:
-            if _standard(reader, {"Transpose"}):
+            if _standard(reader, _TRANSPOSE):
                 changed |= _cancel(ctx, transpose, reader)
                 continue
             move = _plan(value, transpose.inputs[0], perm, reader)
@@ -283,7 +282,7 @@ def _round(ctx: PassContext, graph: ir.Graph, created: set[ir.Node]) -> bool:
 
 def _undoes(node: ir.Node, perm: list[int]) -> bool:
     """Whether ``node`` is a Transpose that undoes ``perm``."""
-    return _standard(node, {"Transpose"}) and transpose_perm(node, len(perm)) == inverse_perm(perm)
+    return _standard(node, _TRANSPOSE) and transpose_perm(node, len(perm)) == inverse_perm(perm)
 
 
 def _cancel(ctx: PassContext, first: ir.Node, second: ir.Node) -> bool:

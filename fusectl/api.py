@@ -22,11 +22,11 @@ from fusectl.core.dump import GraphDumper
 from fusectl.core.engine import PassRun, RunResult, run_plan
 from fusectl.core.model_io import (
     LoadedModel,
-    add_sparse_initializers,
     load_source,
     save_model,
     stage_model,
 )
+from fusectl.core.outside_ir import OutsideIR
 from fusectl.core.paths import StagedOutputs, check_outputs, write_text_atomic
 from fusectl.core.plugins import load_passes, load_plugin_file
 from fusectl.core.repository import RepositoryGate, parse_provider_list, repository_gate
@@ -69,11 +69,11 @@ class OptimizeResult:
     site_check: SiteChecker | None = None
     # The knowledge repository's decisions in this run (None when none applied).
     repository: RepositoryGate | None = None
-    sparse_initializers: list[onnx.SparseTensorProto] = field(default_factory=list)
+    outside_ir: OutsideIR = field(default_factory=OutsideIR)
 
     def to_proto(self) -> onnx.ModelProto:
         proto = ir.serde.serialize_model(self.model)
-        add_sparse_initializers(proto, self.sparse_initializers)
+        self.outside_ir.put_back(proto)
         return proto
 
     @property
@@ -222,7 +222,7 @@ def optimize(
         result_path.unlink(missing_ok=True)  # never leave a stale result from an earlier run
 
     with StagedOutputs() as staged:
-        dumper = GraphDumper(staged.directory(dump_dir)) if dump_dir else None
+        dumper = GraphDumper(staged.directory(dump_dir), loaded.outside_ir) if dump_dir else None
         before = reports.model_stats(working)
         if dumper:
             dumper.dump(working, "original")
@@ -236,7 +236,7 @@ def optimize(
                     output_path,
                     staged,
                     external=external_data or loaded.uses_external_data,
-                    sparse=loaded.sparse_initializers,
+                    outside_ir=loaded.outside_ir,
                     source=loaded.path,
                 )
             except OutputInvariantError as error:
@@ -310,7 +310,7 @@ def optimize(
         verify=checked,
         site_check=run.checker,
         repository=run.gate,
-        sparse_initializers=loaded.sparse_initializers,
+        outside_ir=loaded.outside_ir,
     )
 
 
@@ -412,7 +412,7 @@ def _verify_output(
         optimized = output
         if optimized is None:
             optimized = Path(tmp, "optimized.onnx")
-            save_model(model, optimized, external=False, sparse=loaded.sparse_initializers)
+            save_model(model, optimized, external=False, outside_ir=loaded.outside_ir)
         return verify_models(original, optimized, input_shape=input_shape)
 
 

@@ -43,6 +43,18 @@ def _option(*names: str, **kwargs: Any) -> Callable:
     return click.option(*spellings, **kwargs)
 
 
+# Commands without --log read the level from Ascend's variable only.
+_ENV_TRACEBACK = "set ASCEND_GLOBAL_LOG_LEVEL=0"
+
+_log_option = _option(
+    "--log",
+    "log_level",
+    type=click.Choice(list(logs.LEVELS)),
+    default=None,
+    help="Log level on stderr [warning, or ASCEND_GLOBAL_LOG_LEVEL].",
+)
+
+
 def _plugin_option(help_text: str) -> Callable:
     return _option(
         "--plugin",
@@ -165,20 +177,15 @@ def cli() -> None:
     help="Write the weights to OUT.onnx.data even when MODEL keeps them inline: onnxruntime "
     "memory-maps them, so sessions start faster. [as MODEL]",
 )
-@_option(
-    "--log",
-    "log_level",
-    type=click.Choice(list(logs.LEVELS)),
-    default=None,
-    help="Log level on stderr [warning, or ASCEND_GLOBAL_LOG_LEVEL].",
-)
+@_log_option
 def optimize(**options: Any) -> None:
     """Run the enabled fusion passes on MODEL and write the optimized model."""
     _guarded(lambda: _optimize(**options))
 
 
-def _guarded(action: Callable[[], None]) -> None:
-    """One-line errors with the documented exit codes instead of tracebacks."""
+def _guarded(action: Callable[[], None], *, traceback: str = "run with --log debug") -> None:
+    """One-line errors with the documented exit codes instead of tracebacks; ``traceback``
+    says how this command shows the one an internal error had."""
     try:
         action()
     except FusectlError as error:
@@ -192,7 +199,7 @@ def _guarded(action: Callable[[], None]) -> None:
         logs.logger.debug("internal error", exc_info=True)
         stderr.print(
             f"fusectl: internal error: {type(error).__name__}: {error} "
-            "(run with --log debug for the traceback)",
+            f"({traceback} for the traceback)",
             markup=False,
             soft_wrap=True,
         )
@@ -290,6 +297,7 @@ def _optimize(
 )
 @_plugin_option("With --per_pass: a Python file that registers custom passes (repeatable).")
 @_option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
+@_log_option
 def verify(**options: Any) -> None:
     """Run ORIGINAL and OPTIMIZED on onnxruntime and compare every output.
 
@@ -306,9 +314,10 @@ def _verify(
     golden: Path | None,
     per_pass: bool,
     plugins: Sequence[Path],
+    log_level: str | None,
     **options: Any,
 ) -> None:
-    logs.configure(logs.default_level())
+    logs.configure(log_level or logs.default_level())
     if golden is not None:
         if len(models) != 1:
             raise FusectlError(
@@ -375,6 +384,7 @@ def _verify(
 @_option("--inputs", type=click.Path(path_type=Path), help="Feeds from an .npz (one per input).")
 @_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
 @_option("--json", "as_json", is_flag=True, help="Print the timings as JSON on stdout.")
+@_log_option
 def bench(**options: Any) -> None:
     """Time ORIGINAL, OPTIMIZED (and more models) on onnxruntime, side by side.
 
@@ -384,8 +394,10 @@ def bench(**options: Any) -> None:
     _guarded(lambda: _bench(**options))
 
 
-def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
-    logs.configure(logs.default_level())
+def _bench(
+    *, models: tuple[Path, ...], as_json: bool, log_level: str | None, **options: Any
+) -> None:
+    logs.configure(log_level or logs.default_level())
     result = api.bench(models, **options)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
@@ -441,6 +453,7 @@ def _bench(*, models: tuple[Path, ...], as_json: bool, **options: Any) -> None:
 @_plugin_option(_PLUGIN_HELP)
 @_PATTERN_FUSION_PASS
 @_option("--json", "as_json", is_flag=True, help="Print the findings as JSON on stdout.")
+@_log_option
 def bisect(**options: Any) -> None:
     """Find the pass and the fusion sites that push MODEL's outputs beyond tolerance.
 
@@ -451,8 +464,8 @@ def bisect(**options: Any) -> None:
     _guarded(lambda: _bisect(**options))
 
 
-def _bisect(*, model: Path, as_json: bool, **options: Any) -> None:
-    logs.configure(logs.default_level())
+def _bisect(*, model: Path, as_json: bool, log_level: str | None, **options: Any) -> None:
+    logs.configure(log_level or logs.default_level())
     result = api.bisect(model, **options)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
@@ -513,6 +526,7 @@ def _bisect(*, model: Path, as_json: bool, **options: Any) -> None:
 @_plugin_option(_PLUGIN_HELP)
 @_option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs.")
 @_option("--json", "as_json", is_flag=True, help="Print the measurements as JSON on stdout.")
+@_log_option
 def tune(**options: Any) -> None:
     """Measure which fusions pay on a provider, site class by site class, and record it.
 
@@ -523,8 +537,8 @@ def tune(**options: Any) -> None:
     _guarded(lambda: _tune(**options))
 
 
-def _tune(*, model: Path, as_json: bool, **options: Any) -> None:
-    logs.configure(logs.default_level())
+def _tune(*, model: Path, as_json: bool, log_level: str | None, **options: Any) -> None:
+    logs.configure(log_level or logs.default_level())
     result = api.tune(
         model, progress=lambda line: stderr.print(line, markup=False, soft_wrap=True), **options
     )
@@ -555,12 +569,13 @@ def list_passes(
     as_json: bool, category: str | None, repository: str | None, plugins: Sequence[Path]
 ) -> None:
     """List every registered pass in default execution order, and the knowledge repository."""
-    _guarded(lambda: _list_passes(as_json, category, repository, plugins))
+    _guarded(lambda: _list_passes(as_json, category, repository, plugins), traceback=_ENV_TRACEBACK)
 
 
 def _list_passes(
     as_json: bool, category: str | None, repository: str | None, plugins: Sequence[Path]
 ) -> None:
+    logs.configure(logs.default_level())
     registry = load_passes(plugins)
     specs = [d.fusion_pass.spec for d in resolve(registry, SwitchRequest()).decisions]
     if category:
@@ -600,10 +615,11 @@ def _list_passes(
 @_plugin_option(_PLUGIN_HELP)
 def switch_template(all_state: str | None, plugins: Sequence[Path]) -> None:
     """Print a fusion switch file (JSON) that names every registered pass."""
-    _guarded(lambda: _switch_template(all_state, plugins))
+    _guarded(lambda: _switch_template(all_state, plugins), traceback=_ENV_TRACEBACK)
 
 
 def _switch_template(all_state: str | None, plugins: Sequence[Path]) -> None:
+    logs.configure(logs.default_level())
     switch: dict[str, dict[str, str]] = {c.value: {} for c in Category}
     for fusion_pass in load_passes(plugins):
         spec = fusion_pass.spec

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from fusectl.core.outside_ir import OutsideIR
 from fusectl.core.paths import DUMP_WEIGHTS_FILE as WEIGHTS_FILE
 from fusectl.errors import FusectlError
 
@@ -20,7 +21,7 @@ _INLINE_BYTES = 1024
 
 
 class GraphDumper:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, outside_ir: OutsideIR | None = None) -> None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._weights = directory / WEIGHTS_FILE
@@ -30,6 +31,7 @@ class GraphDumper:
                 f"cannot create dump directory: {error.strerror or error}", path=directory
             ) from None
         self.directory = directory
+        self._outside_ir = outside_ir
         self.count = 0
         self.files: list[Path] = []
 
@@ -59,6 +61,8 @@ class GraphDumper:
         self._share_weights(model)
         path = self.directory / f"{self.count:04d}_{label}.onnx"
         ir.save(model, path)
+        if self._outside_ir is not None:
+            self._outside_ir.put_back_into_file(path)
         self.count += 1
         self.files.append(path)
         return path

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import math
 import os
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,14 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
+from fusectl.core.outside_ir import (
+    OutsideIR,
+    holds_map,
+    main_graph_maps,
+    maps_hidden,
+    sparse_copies,
+    sparse_names_expected,
+)
 from fusectl.core.paths import StagedOutputs
 from fusectl.core.validate import (
     check_input,
@@ -43,9 +50,8 @@ class LoadedModel:
     # in-memory weights are views of its tensors, else the file's digest (see _detach): the
     # file is then read again if asked for, which is rare (value_info gives most shapes).
     parsed: onnx.ModelProto | bytes
-    # onnx-ir keeps no sparse initializers: the graph sees them as values with no producer,
-    # and ``add_sparse_initializers`` puts them back into what is saved.
-    sparse_initializers: list[onnx.SparseTensorProto]
+    # What onnx-ir has no place for, put back into what is saved.
+    outside_ir: OutsideIR
 
     @property
     def proto(self) -> onnx.ModelProto:
@@ -302,19 +308,6 @@ def load_source(source: str | os.PathLike[str] | onnx.ModelProto | ir.Model) -> 
     )
 
 
-@contextlib.contextmanager
-def _sparse_names_expected(proto: onnx.ModelProto) -> Iterator[None]:
-    """onnx-ir warns that a sparse initializer's name is undeclared; fusectl knows and keeps it."""
-    serde_log = logging.getLogger("onnx_ir.serde")
-    level = serde_log.level
-    if proto.graph.sparse_initializer:
-        serde_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        serde_log.setLevel(level)
-
-
 def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.Model:
     """onnx-ir's deserialize_model of ``proto``, whose main graph's value_info (``held``) the
     caller took out: it is applied here.
@@ -344,6 +337,8 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
         if key not in known:
             known[key] = _plain_tensor_type(info)
         found = known[key]
+        if found is None and holds_map(info.type):
+            continue  # set aside (outside_ir), put back on saving
         if found is None:
             ir.serde.deserialize_value_info_proto(info, value)
             value.shape = _unknown_if_negative(value.shape)
@@ -360,6 +355,24 @@ def _deserialize(proto: onnx.ModelProto, held: list[onnx.ValueInfoProto]) -> ir.
     signature += [v for f in model.functions.values() for node in f for v in node.outputs]
     _negative_dims_unknown(signature)
     return model
+
+
+def _read_ir(
+    proto: onnx.ModelProto, held: list[onnx.ValueInfoProto], outside: OutsideIR
+) -> ir.Model:
+    """_deserialize, and where onnx-ir cannot read the model, again with its map types set
+    aside in ``outside`` (classical-ML models: ZipMap's sequence of maps). The walk for them
+    is made only then, sparing every other load."""
+    try:
+        return _deserialize(proto, held)
+    except Exception:
+        maps = main_graph_maps(proto, held)
+        with maps_hidden(proto) as hidden:
+            if not hidden and not maps:
+                raise
+            model = _deserialize(proto, held)
+        outside.map_types, outside.hides_maps = maps, True
+        return model
 
 
 def _negative_dims_unknown(values: Iterable[ir.Value]) -> None:
@@ -481,8 +494,9 @@ def _build(
     graph's value_info (applied here), goes back into it; otherwise it goes as soon as it is
     applied, before the IR's peak."""
     try:
-        with _sparse_names_expected(proto):
-            model = _deserialize(proto, held)
+        outside = OutsideIR(sparse_copies(proto))
+        with sparse_names_expected(proto):
+            model = _read_ir(proto, held, outside)
     except Exception as error:  # onnx-ir raises several types for malformed graphs
         # The full walk names the fault where it finds one; onnx-ir's message may not.
         proto.graph.value_info.extend(held)
@@ -492,6 +506,7 @@ def _build(
         raise FusectlError(reason, path=where) from None
     if not keep:
         held.clear()
+    outside.mark(model)
     check_text(model, Path(where))
     warn_unread_weights(model, Path(where))
     external_files: set[Path] = set()
@@ -513,17 +528,17 @@ def _build(
                 path=where,
             )
         external_files.add(data_path.resolve())
-    sparse = [onnx.SparseTensorProto() for _ in proto.graph.sparse_initializer]
-    for own, tensor in zip(sparse, proto.graph.sparse_initializer, strict=True):
-        own.CopyFrom(tensor)  # a copy: the file's parse tree may be let go (_detach)
-    return LoadedModel(model, model_path, frozenset(external_files), proto, sparse)
+    return LoadedModel(model, model_path, frozenset(external_files), proto, outside)
 
 
 def model_copy(loaded: LoadedModel) -> ir.Model:
     """A second IR model of the same file, for a run that must not touch ``loaded.model``
     (weights are shared with the parsed file or read from its external data on demand)."""
-    with _sparse_names_expected(loaded.proto):
-        model = ir.serde.deserialize_model(loaded.proto)
+    proto = loaded.proto
+    hidden = maps_hidden(proto) if loaded.outside_ir.hides_maps else contextlib.nullcontext()
+    with sparse_names_expected(proto), hidden:
+        model = ir.serde.deserialize_model(proto)
+    loaded.outside_ir.mark(model)
     _negative_dims_unknown(
         [*model.graph.inputs, *(v for node in model.graph for v in node.outputs)]
     )
@@ -550,33 +565,13 @@ def weight_bytes(model: ir.Model) -> int:
     )
 
 
-def _names_used(graph: onnx.GraphProto) -> set[str]:
-    used = {value.name for value in graph.output}
-    for node in graph.node:
-        used.update(node.input)
-        for attribute in node.attribute:
-            for subgraph in [attribute.g, *attribute.graphs]:
-                used |= _names_used(subgraph)
-    return used
-
-
-def add_sparse_initializers(
-    proto: onnx.ModelProto, sparse: Sequence[onnx.SparseTensorProto]
-) -> bool:
-    """Put back the input's sparse initializers that the graph still uses; True if any."""
-    used = _names_used(proto.graph)
-    kept = [tensor for tensor in sparse if tensor.values.name in used]
-    proto.graph.sparse_initializer.extend(kept)
-    return bool(kept)
-
-
 def stage_model(
     model: ir.Model,
     output: Path,
     staged: StagedOutputs,
     *,
     external: bool,
-    sparse: Sequence[onnx.SparseTensorProto] = (),
+    outside_ir: OutsideIR | None = None,
     source: Path | None = None,
 ) -> Path | None:
     """Write the model into ``staged`` (renamed to ``output`` on commit); returns the external
@@ -596,10 +591,8 @@ def stage_model(
         ir.external_data.load_to_model(model)
     try:
         ir.save(model, staged_model, external_data=data_path.name if data_path else None)
-        if sparse:
-            saved = onnx.load(str(staged_model), load_external_data=False)
-            if add_sparse_initializers(saved, sparse):
-                onnx.save(saved, str(staged_model))
+        if outside_ir is not None:
+            outside_ir.put_back_into_file(staged_model)
         if source is not None:
             conflict = runtime.type_conflict(model)
             check_output(staged_model, source, external=data_path is not None, conflict=conflict)
@@ -613,14 +606,14 @@ def save_model(
     output: Path,
     *,
     external: bool,
-    sparse: Sequence[onnx.SparseTensorProto] = (),
+    outside_ir: OutsideIR | None = None,
     source: Path | None = None,
 ) -> Path | None:
     """Write the model atomically: a failure part-way leaves neither a partial model nor a
     partial weight file."""
     with StagedOutputs() as staged:
         data_path = stage_model(
-            model, output, staged, external=external, sparse=sparse, source=source
+            model, output, staged, external=external, outside_ir=outside_ir, source=source
         )
         staged.commit()
     return data_path

@@ -212,9 +212,7 @@ class Bisector:
         if self.tolerance is None:
             self.tolerance = default_tolerance(model, self.atol, self.rtol)
         path = self.workdir / f"round{self.rounds}.onnx"
-        save_model(
-            model, path, external=loaded.uses_external_data, sparse=loaded.sparse_initializers
-        )
+        save_model(model, path, external=loaded.uses_external_data, outside_ir=loaded.outside_ir)
         try:
             actual = run_model(path, self.feeds, self.providers, failure=VerifyFailed)
         except VerifyFailed as error:

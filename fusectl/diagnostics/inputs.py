@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.core.outside_ir import OUTSIDE_TYPE
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import arithmetic_dim, is_arithmetic
 
@@ -70,6 +71,8 @@ class InputSpec:
     name: str
     dtype: ir.DataType | None
     dims: tuple[int | str | None, ...] | None  # int: fixed; str: symbolic name; None: unknown
+    # What the input is when it is not a tensor ("map(string, tensor(float))"), else None.
+    not_tensor: str | None = None
 
 
 def graph_inputs(model: ir.Model) -> list[InputSpec]:
@@ -84,8 +87,26 @@ def graph_inputs(model: ir.Model) -> list[InputSpec]:
                 d if isinstance(d, int) else (d.value if isinstance(d, ir.SymbolicDim) else None)
                 for d in value.shape
             )
-        specs.append(InputSpec(value.name or "", value.dtype, dims))
+        specs.append(InputSpec(value.name or "", value.dtype, dims, _not_tensor(value)))
     return specs
+
+
+def _not_tensor(value: ir.Value) -> str | None:
+    if OUTSIDE_TYPE in value.meta:  # a type onnx-ir has no class for, set aside on loading
+        return str(value.meta[OUTSIDE_TYPE])
+    if value.type is None or isinstance(value.type, ir.TensorType):
+        return None
+    return str(value.type)
+
+
+def tensors_only(specs: list[InputSpec]) -> None:
+    """Inputs are generated, and read from .npz, as tensors; anything else is one clear line."""
+    for spec in specs:
+        if spec.not_tensor is not None:
+            raise FusectlError(
+                f"input '{spec.name}' is a {spec.not_tensor}, not a tensor; fusectl generates "
+                "tensors only, and an .npz file holds tensors only"
+            )
 
 
 def _numpy_type(spec: InputSpec) -> type:
@@ -244,6 +265,7 @@ def generate_feeds(
 ) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan]]:
     """Seeded feeds for every input the model declares, with valid integer ranges."""
     specs = graph_inputs(model)
+    tensors_only(specs)
     dims = resolve_dims(specs, shapes or {})
     values = {value.name: value for value in model.graph.inputs}
     rng = np.random.default_rng(seed)
@@ -286,6 +308,7 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
 def load_feeds(path: Path, model: ir.Model) -> dict[str, np.ndarray]:
     """Feeds from an .npz: exactly the model's input names, with matching dtypes and ranks."""
     arrays = read_npz(path, "inputs")
+    tensors_only(graph_inputs(model))
     specs = {spec.name: spec for spec in graph_inputs(model)}
     missing = [name for name in specs if name not in arrays]
     extra = [name for name in arrays if name not in specs]
@@ -303,8 +326,12 @@ def load_feeds(path: Path, model: ir.Model) -> dict[str, np.ndarray]:
         )
     for name, spec in specs.items():
         array = arrays[name]
-        want = _numpy_type(spec)
-        if array.dtype != np.dtype(want):
+        if spec.dtype == ir.DataType.STRING:
+            if array.dtype.kind not in "US":  # numpy's text arrays; onnxruntime takes both
+                raise FusectlError(
+                    f"input '{name}' is {array.dtype}, the model declares strings", path=path
+                )
+        elif array.dtype != np.dtype(want := _numpy_type(spec)):
             raise FusectlError(
                 f"input '{name}' is {array.dtype}, the model declares {np.dtype(want)}", path=path
             )

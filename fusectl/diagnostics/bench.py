@@ -29,8 +29,8 @@ from rich.table import Table
 
 from fusectl.core.model_io import load_model
 from fusectl.diagnostics.device import binds_on_device, runner
-from fusectl.diagnostics.inputs import FeedPlan, describe_feeds, model_feeds
-from fusectl.diagnostics.verify import parse_providers
+from fusectl.diagnostics.inputs import FeedPlan, describe_feeds
+from fusectl.diagnostics.verify import parse_providers, reference_run
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import parse_input_shape
 
@@ -225,7 +225,9 @@ def bench_models(
     paths = [Path(m) for m in models]
     for path in paths[1:]:
         _readable(path)  # a missing or non-ONNX file fails here, before any timing
-    feeds, plans = model_feeds(load_model(paths[0]).model, shapes, inputs, seed)
+    feeds, plans, _ = reference_run(
+        paths[0], load_model(paths[0]).model, shapes, inputs, seed, chosen
+    )
     result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans, session_runs)
 
     # Session creations, interleaved across models and levels as the runs are across models, so

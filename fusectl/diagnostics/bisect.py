@@ -31,13 +31,13 @@ from fusectl.core.model_io import load_model, save_model
 from fusectl.core.paths import check_outputs, write_text_atomic
 from fusectl.core.repository import repository_gate
 from fusectl.core.switches import Plan
-from fusectl.diagnostics.inputs import model_feeds
 from fusectl.diagnostics.verify import (
     Tolerance,
     VerifyFailed,
     default_tolerance,
     pair_outputs,
     parse_providers,
+    reference_run,
     run_model,
 )
 from fusectl.errors import FusectlError
@@ -175,8 +175,9 @@ class Bisector:
         self.workdir = workdir
         self.rounds = 0
         source = load_model(model_path)
-        self.feeds, _ = model_feeds(source.model, self.shapes, inputs, seed)
-        self.expected = run_model(model_path, self.feeds, self.providers, failure=FusectlError)
+        self.feeds, _, self.expected = reference_run(
+            model_path, source.model, self.shapes, inputs, seed, self.providers
+        )
         self.atol, self.rtol = atol, rtol
         # Set by the first (full) run: every round is judged by the tolerance it earns, as a
         # prefix that fired fewer approximate passes must not be held to a tighter one.

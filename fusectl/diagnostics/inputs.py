@@ -13,9 +13,10 @@ table) or compares nonsense (a mask of 7s), so integer inputs get values the mod
 
 Float inputs are seeded standard normal values, bool inputs all true. A symbolic dimension takes
 the size ``--input_shape`` gives it (and every other input sharing the dimension's name follows);
-otherwise ``DEFAULT_DIMS`` by name, else ``DEFAULT_DIM``. A dimension named by arithmetic over
-other names (Optimum declares a KV-cache model's mask ``past_sequence_length + sequence_length``)
-takes the value of that arithmetic.
+otherwise ``DEFAULT_DIMS`` by name, else a free size: ``DEFAULT_DIM``, or the next of
+``FREE_SIZES`` when the model does not run at the one before (verify). A dimension named by
+arithmetic over other names (Optimum declares a KV-cache model's mask ``past_sequence_length +
+sequence_length``) takes the value of that arithmetic.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ DEFAULT_DIMS = (
     (re.compile(r"past", re.I), DEFAULT_PAST),
 )
 _TOTAL = re.compile(r"total", re.I)
+# Free sizes in the order they are tried: what a model needs can be more than 8 (an audio
+# front end's analysis window, 400 samples; a detector's stride-32 feature pyramid). An input
+# that would hold more than FREE_ELEMENTS_LIMIT elements stops the trying there.
+FREE_SIZES = (DEFAULT_DIM, 64, 512)
+FREE_ELEMENTS_LIMIT = 2**24
 
 # Ops a token id passes through unchanged on its way to an embedding Gather.
 _TRANSPARENT = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
@@ -120,9 +126,10 @@ def _numpy_type(spec: InputSpec) -> type:
 
 
 def resolve_dims(
-    specs: list[InputSpec], shapes: Mapping[str, list[int]]
+    specs: list[InputSpec], shapes: Mapping[str, list[int]], free: int = DEFAULT_DIM
 ) -> dict[str, tuple[int, ...]]:
-    """Concrete shapes for every input: --input_shape first, shared symbolic names next."""
+    """Concrete shapes for every input: --input_shape first, shared symbolic names next, and
+    ``free`` for a dimension nothing names a size for."""
     by_name = {spec.name: spec for spec in specs}
     symbols: dict[str, int] = {}
     for name, dims in shapes.items():
@@ -170,7 +177,7 @@ def resolve_dims(
                     new if new is not None else DEFAULT_DIM
                 )
             return DEFAULT_PAST + DEFAULT_DIM
-        return next((v for pattern, v in DEFAULT_DIMS if pattern.search(symbol)), DEFAULT_DIM)
+        return next((v for pattern, v in DEFAULT_DIMS if pattern.search(symbol)), free)
 
     # Fill plain symbols first so that a total length can add up past + new.
     for spec in specs:
@@ -197,7 +204,7 @@ def resolve_dims(
                 symbols[d] = default(d)
                 dims.append(symbols[d])
             else:
-                dims.append(DEFAULT_DIM)
+                dims.append(free)
         resolved[spec.name] = tuple(dims)
     return resolved
 
@@ -261,12 +268,16 @@ class FeedPlan:
 
 
 def generate_feeds(
-    model: ir.Model, shapes: Mapping[str, list[int]] | None = None, seed: int = 0
+    model: ir.Model,
+    shapes: Mapping[str, list[int]] | None = None,
+    seed: int = 0,
+    free: int = DEFAULT_DIM,
 ) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan]]:
-    """Seeded feeds for every input the model declares, with valid integer ranges."""
+    """Seeded feeds for every input the model declares, with valid integer ranges; ``free``
+    sizes the dimensions nothing else sizes."""
     specs = graph_inputs(model)
     tensors_only(specs)
-    dims = resolve_dims(specs, shapes or {})
+    dims = resolve_dims(specs, shapes or {}, free)
     values = {value.name: value for value in model.graph.inputs}
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
@@ -351,8 +362,29 @@ def load_feeds(path: Path, model: ir.Model) -> dict[str, np.ndarray]:
     return arrays
 
 
+def free_sizes(model: ir.Model, shapes: Mapping[str, list[int]]) -> list[int]:
+    """The FREE_SIZES that give the model's generated inputs other shapes, in order, up to
+    the first that would make an input too large: just DEFAULT_DIM where no dimension is free."""
+    specs = graph_inputs(model)
+    tensors_only(specs)
+    sizes, seen = [], set()
+    for free in FREE_SIZES:
+        dims = resolve_dims(specs, shapes, free)
+        if any(np.prod(shape, dtype=np.float64) > FREE_ELEMENTS_LIMIT for shape in dims.values()):
+            break
+        key = tuple(sorted(dims.items()))
+        if key not in seen:
+            seen.add(key)
+            sizes.append(free)
+    return sizes or [DEFAULT_DIM]
+
+
 def model_feeds(
-    model: ir.Model, shapes: Mapping[str, list[int]], inputs: Path | None, seed: int
+    model: ir.Model,
+    shapes: Mapping[str, list[int]],
+    inputs: Path | None,
+    seed: int,
+    free: int = DEFAULT_DIM,
 ) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan]]:
     """The feeds every command runs a model on: ``--inputs`` data, else generated ones.
 
@@ -363,7 +395,7 @@ def model_feeds(
         if shapes:
             raise FusectlError("--inputs gives the data itself; drop --input_shape")
         return load_feeds(inputs, model), {}
-    return generate_feeds(model, shapes, seed)
+    return generate_feeds(model, shapes, seed, free)
 
 
 def describe_feeds(feeds: Mapping[str, np.ndarray], plans: Mapping[str, FeedPlan]) -> str:

@@ -29,8 +29,10 @@ from rich.table import Table
 from fusectl.core.model_io import load_model
 from fusectl.core.plugins import load_builtin_passes
 from fusectl.diagnostics.inputs import (
+    DEFAULT_DIM,
     FeedPlan,
     describe_feeds,
+    free_sizes,
     graph_inputs,
     model_feeds,
     read_npz,
@@ -451,11 +453,11 @@ def verify_models(
     source = original if original is not None else optimized
     source_model = load_model(source).model
     checked_model = load_model(optimized).model if original is not None else source_model
-    feeds, plans = model_feeds(source_model, shapes, inputs, seed)
     tolerance = default_tolerance(checked_model, atol, rtol)
 
     if golden_outputs is not None:
         assert golden is not None
+        feeds, plans = model_feeds(source_model, shapes, inputs, seed)
         names = [value.name or "" for value in checked_model.graph.outputs]
         missing = [n for n in names if n not in golden_outputs]
         extra = [n for n in golden_outputs if n not in names]
@@ -470,22 +472,54 @@ def verify_models(
         reference, reference_path = "golden", golden
     else:
         assert original is not None
-        # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
-        guessed = inputs is None and any(
-            not isinstance(d, int) for spec in graph_inputs(source_model) for d in spec.dims or ()
-        )
-        hint = (
-            f" (on generated {describe_feeds(feeds, plans).removeprefix('inputs: ')}; "
-            "--input_shape sets the symbolic sizes, --inputs the data)"
-            if guessed
-            else ""
-        )
-        expected = run_model(original, feeds, chosen, failure=FusectlError, hint=hint)
+        feeds, plans, expected = reference_run(original, source_model, shapes, inputs, seed, chosen)
         reference, reference_path = "original", original
     actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
     result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)
     result.checks = pair_outputs(expected, actual, tolerance)
     return result
+
+
+def reference_run(
+    original: Path,
+    model: ir.Model,
+    shapes: dict[str, list[int]],
+    inputs: Path | None,
+    seed: int,
+    providers: list[str],
+) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan], dict[str, Any]]:
+    """The feeds every command runs models on, and ``original``'s outputs on them (onnxruntime's
+    optimizer off). Generated sizes for dimensions nothing sizes are guesses: where the model
+    does not run at one, the next of FREE_SIZES is tried, and the error, if every one fails,
+    names the inputs of the first try."""
+    sizes = free_sizes(model, shapes) if inputs is None else [DEFAULT_DIM]
+    # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
+    guessed = inputs is None and any(
+        not isinstance(d, int) for spec in graph_inputs(model) for d in spec.dims or ()
+    )
+    later = " and ".join(map(str, sizes[1:]))
+    more = ""
+    if later:
+        more = (
+            f"; free sizes {later} fail too" if len(sizes) > 2 else f"; free size {later} fails too"
+        )
+    first: FusectlError | None = None
+    for free in sizes:
+        feeds, plans = model_feeds(model, shapes, inputs, seed, free)
+        hint = (
+            f" (on generated {describe_feeds(feeds, plans).removeprefix('inputs: ')}{more}; "
+            "--input_shape sets the symbolic sizes, --inputs the data)"
+            if guessed
+            else ""
+        )
+        try:
+            outputs = run_model(original, feeds, providers, failure=FusectlError, hint=hint)
+        except FusectlError as error:
+            first = first or error
+            continue
+        return feeds, plans, outputs
+    assert first is not None
+    raise first
 
 
 def _number(x: float) -> str:

@@ -362,3 +362,70 @@ def test_default_tolerance_follows_lineage(optimized: dict[str, Path]) -> None:
     assert (tolerance.atol, tolerance.rtol) == TOLERANCES[Numerics.REASSOCIATING]
     assert "GroupQueryAttentionFusionPass" in tolerance.passes
     assert default_tolerance(model, atol=0.5).atol == 0.5
+
+
+def _scan_after_slice(path: Path, start: int) -> Path:
+    """A running sum over axis 1 of ``x[:, start:start + 100]``: onnxruntime 1.32 raises SIGFPE
+    on a Scan of zero iterations, which it gets where ``start`` is past the input's end (an
+    audio front end framing a waveform shorter than its window, onnx-asr's wespeaker)."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["s_in", "x_t"], ["s_out"]),
+            helper.make_node("Identity", ["s_out"], ["y_t"]),
+        ],
+        "body",
+        [value("s_in", [2, 4]), value("x_t", [2, 4])],
+        [value("s_out", [2, 4]), value("y_t", [2, 4])],
+    )
+    return save_model(
+        path,
+        [
+            helper.make_node("Slice", ["x", "start", "end", "axis"], ["window"]),
+            helper.make_node(
+                "Scan",
+                ["init", "window"],
+                ["total", "sums"],
+                body=body,
+                num_scan_inputs=1,
+                scan_input_axes=[1],
+                scan_output_axes=[1],
+            ),
+        ],
+        [value("x", [2, "samples", 4])],
+        [value("total", [2, 4]), value("sums", [2, None, 4])],
+        [
+            const("start", np.array([start]), np.int64),
+            const("end", np.array([start + 100]), np.int64),
+            const("axis", np.array([1]), np.int64),
+            const("init", np.zeros((2, 4))),
+        ],
+    )
+
+
+def test_onnxruntime_crashing_is_one_line_not_the_end_of_fusectl(tmp_path: Path) -> None:
+    never = _scan_after_slice(tmp_path / "never.onnx", 10**6)
+    result = run_cli("verify", never, never)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"fusectl: error: {never}: onnxruntime cannot run it: onnxruntime crashed (SIGFPE) "
+        "(on generated x float32[2,8,4] float; free sizes 64 and 512 fail too; --input_shape "
+        "sets the symbolic sizes, --inputs the data)"
+    )
+    runs = _scan_after_slice(tmp_path / "runs.onnx", 0)
+    result = run_cli("verify", runs, never)
+    assert result.exit_code == 1  # the optimized model is the one that crashes: a verdict
+    assert result.stderr.strip() == (
+        f"fusectl: verification failed: {never}: onnxruntime cannot run it: onnxruntime "
+        "crashed (SIGFPE)"
+    )
+    result = run_cli("bench", never, never, "--runs", "1")
+    assert result.exit_code == 2
+    assert "onnxruntime crashed (SIGFPE)" in result.stderr
+
+
+def test_a_free_size_past_a_crash_is_tried(tmp_path: Path) -> None:
+    """8 and 64 samples leave the window empty and onnxruntime crashes; 512 run."""
+    model = _scan_after_slice(tmp_path / "late.onnx", 100)
+    result = run_cli("verify", model, model, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["inputs"]["x"]["shape"] == [2, 512, 4]

@@ -13,8 +13,12 @@ here) counts as reassociating. Integer and bool outputs must match exactly unles
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
+import multiprocessing
+import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,9 +148,26 @@ def run_model(
     *,
     failure: type,
     hint: str = "",
-) -> dict[str, np.ndarray]:
+) -> dict[str, Any]:
     """Outputs by name, in the model's order; onnxruntime's own graph optimizations off.
-    ``hint`` ends the message of a model that does not run."""
+    ``hint`` ends the message of a model that does not run.
+
+    On the CPU provider under Linux the model runs in a forked child: a crash of onnxruntime
+    itself (1.32 raises SIGFPE on a Scan of zero iterations, which an audio front end gets from
+    a waveform shorter than its window) is then one line of ours instead of fusectl's end.
+    Other providers run here: a GPU context does not survive a fork.
+    """
+    isolated = sys.platform.startswith("linux") and set(providers) <= {"CPUExecutionProvider"}
+    outcome = _in_child(path, feeds, providers) if isolated else _outputs(path, feeds, providers)
+    if isinstance(outcome, str):
+        raise failure(f"onnxruntime cannot run it: {outcome}{hint}", path=path)
+    return outcome
+
+
+def _outputs(
+    path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]
+) -> dict[str, Any] | str:
+    """The outputs by name, or onnxruntime's error in one line."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4  # its errors come back as one line of ours
@@ -156,9 +177,36 @@ def run_model(
         wanted = {i.name for i in session.get_inputs()}
         values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
     except Exception as error:  # onnxruntime raises its own types for load and run errors
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise failure(f"onnxruntime cannot run it: {message}{hint}", path=path) from None
+        return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return dict(zip(names, values, strict=True))
+
+
+def _in_child(
+    path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]
+) -> dict[str, Any] | str:
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, path, feeds, providers), daemon=True)
+    child.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:  # the child died before it could answer
+        child.join()
+        code = child.exitcode or 0
+        how = signal.Signals(-code).name if code < 0 else f"exit status {code}"
+        outcome = f"onnxruntime crashed ({how})"
+    finally:
+        receive.close()
+    child.join()
+    return outcome
+
+
+def _child(send: Any, path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C is the parent's to report
+    faulthandler.disable()  # a crash is the parent's to report, in one line
+    send.send(_outputs(path, feeds, providers))
+    send.close()
 
 
 @dataclass

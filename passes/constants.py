@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import numpy as np
 import onnx.defs
@@ -186,14 +187,50 @@ def _evaluate(ctx: PassContext, node: ir.Node, opset: int) -> list[np.ndarray] |
     return run_node(node, arrays, opset)
 
 
-def _frees_inputs(node: ir.Node) -> bool:
-    """Whether every constant the node reads is read by nothing else; it may read one twice
-    (NF-ResNet's weight standardization squares the centered weight as Mul(d, d))."""
-    return all(
-        value is None
-        or (not value.is_graph_output() and all(user is node for user, _ in value.uses()))
-        for value in node.inputs
-    )
+def _duplicates_inputs(node: ir.Node, size: int, cone: set[ir.Node]) -> bool:
+    """Whether folding the node into ``size`` bytes would keep data alive beside its result:
+    a constant input something outside the constant ``cone`` reads too (readers inside it fold
+    as well, and the input goes with the last: onnx-asr's resampler computes its sinc, window
+    and zero test from one [640, 455] grid). The node may read one twice itself (NF-ResNet's
+    weight standardization squares the centered weight as Mul(d, d)). A shared scalar (a
+    scale, a frequency) duplicates nothing where the result is no larger than the inputs it
+    frees; an Expand of a shared scalar to a large shape stays a duplicate."""
+    freed, shared_scalars = 0, False
+    for value in node.inputs:
+        if value is None:
+            continue
+        if not value.is_graph_output() and all(
+            user is node or user in cone for user, _ in value.uses()
+        ):
+            tensor = value.const_value
+            freed += tensor.nbytes if tensor is not None else 0
+        elif _is_scalar(value):
+            shared_scalars = True
+        else:
+            return True
+    return shared_scalars and size > freed + _GROWTH_LIMIT_BYTES
+
+
+def _constant_cone(graph: ir.Graph) -> set[ir.Node]:
+    """The nodes whose every input is a constant or computed by such a node: what folding
+    the graph in order may fold (a subset: a fold may still be declined)."""
+    cone: set[ir.Node] = set()
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type in _NEVER:
+            continue
+        if node.op_type == _KEEPS_QUANTIZED:
+            continue
+        if all(
+            value is None or value.const_value is not None or value.producer() in cone
+            for value in node.inputs
+        ):
+            cone.add(node)
+    return cone
+
+
+def _is_scalar(value: ir.Value) -> bool:
+    tensor = value.const_value
+    return tensor is not None and math.prod(tensor.shape.numpy()) == 1
 
 
 def _lift_constants(ctx: PassContext, graph: ir.Graph) -> None:
@@ -237,6 +274,7 @@ class ConstantFoldingPass(FusionPass):
             return  # every initializer must also be a graph input, one a caller may override
         graph = model.graph
         _lift_constants(ctx, graph)
+        cone = _constant_cone(graph)
         for node in graph:
             if node.op_type not in _READS_SHAPES and not _may_be_constant(node):
                 continue
@@ -263,7 +301,7 @@ class ConstantFoldingPass(FusionPass):
                 continue  # strings: onnx-ir keeps them as StringTensor, not numpy's str arrays
             stats = ctx.pattern(node.op_type)
             size = sum(r.nbytes for r in results)
-            if size > _GROWTH_LIMIT_BYTES and not _frees_inputs(node):
+            if size > _GROWTH_LIMIT_BYTES and _duplicates_inputs(node, size, cone):
                 stats.decline(
                     "the folded value would be large and duplicate its inputs",
                     node.name or node.op_type,

@@ -183,6 +183,61 @@ def test_a_large_constant_squared_folds(tmp_path: Path) -> None:
     assert run.op_counts() == Counter({"Add": 1})
 
 
+def test_a_large_grid_scaled_by_a_shared_scalar_folds(tmp_path: Path) -> None:
+    """onnx-asr's resampler (written in OnnxScript) builds its windowed-sinc kernels from a
+    [640, 455] grid scaled by the sample rate, and scales the kernels by the same scalar
+    again: a scalar read elsewhere duplicates nothing. The scaled grid feeds both the sinc and
+    the window: readers that fold too, so it is freed with the last. The chain stopped at the
+    first scaling and ran at every inference (1.2 MB a step); the grid itself still folds where
+    it frees its inputs (the tile above is the near miss: a 64 KiB block shared with a reader
+    that does not fold)."""
+    model = save_model(
+        tmp_path / "kernels.onnx",
+        [
+            helper.make_node("Add", ["column", "row"], ["grid"]),
+            helper.make_node("Mul", ["grid", "rate"], ["scaled"], name="scale_grid"),
+            helper.make_node("Sin", ["scaled"], ["sinc"]),
+            helper.make_node("Cos", ["scaled"], ["window"]),
+            helper.make_node("Mul", ["sinc", "window"], ["windowed"]),
+            helper.make_node("Mul", ["windowed", "rate"], ["kernels"], name="scale_kernels"),
+            helper.make_node("Add", ["x", "kernels"], ["y"]),
+        ],
+        [value("x", [640, 455])],
+        [value("y", [640, 455])],
+        [
+            const("column", np.arange(640, dtype=np.float32).reshape(640, 1) / 640),
+            const("row", np.arange(455, dtype=np.float32) / 455),
+            const("rate", np.array(0.5, np.float32)),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, FOLD) == {}
+    assert run.counts(FOLD) == (6, 6)
+    assert run.op_counts() == Counter({"Add": 1})
+
+
+def test_a_shared_scalar_expanded_to_a_large_shape_stays(tmp_path: Path) -> None:
+    """The near miss of the above: the fold would keep the scalar for its other reader and
+    add 4 MiB the model did not hold."""
+    model = save_model(
+        tmp_path / "filled.onnx",
+        [
+            helper.make_node("Expand", ["fill", "shape"], ["filled"], name="expand"),
+            helper.make_node("Add", ["x", "filled"], ["y"]),
+            helper.make_node("Mul", ["x", "fill"], ["z"]),
+        ],
+        [value("x", [1024, 1024])],
+        [value("y", [1024, 1024]), value("z", [1024, 1024])],
+        [
+            const("fill", np.array(-1.0, np.float32)),
+            const("shape", np.array([1024, 1024], np.int64), np.int64),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert_declined(run, FOLD, "the folded value would be large and duplicate its inputs", "expand")
+    assert run.op_counts()["Expand"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Gather / Slice of a Shape: the dimensions they select may be static though the shape is not
 # (the head size read back from a [B, S, N, H] tensor).

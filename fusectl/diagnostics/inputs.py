@@ -14,9 +14,9 @@ table) or compares nonsense (a mask of 7s), so integer inputs get values the mod
 Float inputs are seeded standard normal values, bool inputs all true. A symbolic dimension takes
 the size ``--input_shape`` gives it (and every other input sharing the dimension's name follows);
 otherwise ``DEFAULT_DIMS`` by name, else a free size: ``DEFAULT_DIM``, or the next of
-``FREE_SIZES`` when the model does not run at the one before (verify). A dimension named by
-arithmetic over other names (Optimum declares a KV-cache model's mask ``past_sequence_length +
-sequence_length``) takes the value of that arithmetic.
+``FREE_SIZES`` when the model does not run at the one before (verify, bench, bisect). A
+dimension named by arithmetic over other names (Optimum declares a KV-cache model's mask
+``past_sequence_length + sequence_length``) takes the value of that arithmetic.
 """
 
 from __future__ import annotations
@@ -319,8 +319,9 @@ def read_npz(path: Path, what: str) -> dict[str, np.ndarray]:
 def load_feeds(path: Path, model: ir.Model) -> dict[str, np.ndarray]:
     """Feeds from an .npz: exactly the model's input names, with matching dtypes and ranks."""
     arrays = read_npz(path, "inputs")
-    tensors_only(graph_inputs(model))
-    specs = {spec.name: spec for spec in graph_inputs(model)}
+    declared = graph_inputs(model)
+    tensors_only(declared)
+    specs = {spec.name: spec for spec in declared}
     missing = [name for name in specs if name not in arrays]
     extra = [name for name in arrays if name not in specs]
     if missing:

@@ -429,3 +429,24 @@ def test_a_free_size_past_a_crash_is_tried(tmp_path: Path) -> None:
     result = run_cli("verify", model, model, "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["inputs"]["x"]["shape"] == [2, 512, 4]
+
+
+def test_a_model_onnxruntime_cannot_load_is_tried_once(tmp_path: Path) -> None:
+    """No size makes an op onnxruntime has no kernel for load: the error comes at once."""
+    graph = helper.make_graph(
+        [helper.make_node("Frobnicate", ["x"], ["y"], domain="example.custom")],
+        "custom",
+        [value("x", ["batch", "n"])],
+        [value("y", ["batch", "n"])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("example.custom", 1)]
+    model = tmp_path / "custom.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(model))
+    result = run_cli("verify", model, model)
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "Frobnicate" in line
+    assert line.endswith(
+        "(on generated x float32[2,8] float; --input_shape sets the symbolic sizes, "
+        "--inputs the data)"
+    )

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -150,40 +150,54 @@ def run_model(
     hint: str = "",
 ) -> dict[str, Any]:
     """Outputs by name, in the model's order; onnxruntime's own graph optimizations off.
-    ``hint`` ends the message of a model that does not run.
+    ``hint`` ends the message of a model that does not run."""
+    outcome = _run(path, feeds, providers)
+    if isinstance(outcome, _Failed):
+        raise failure(f"onnxruntime cannot run it: {outcome.message}{hint}", path=path)
+    return outcome
 
-    On the CPU provider under Linux the model runs in a forked child: a crash of onnxruntime
+
+class _Failed(NamedTuple):
+    """onnxruntime's error in one line, and whether it came at load (before any input)."""
+
+    message: str
+    at_load: bool = False
+
+
+def _run(
+    path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]
+) -> dict[str, Any] | _Failed:
+    """On the CPU provider under Linux the model runs in a forked child: a crash of onnxruntime
     itself (1.32 raises SIGFPE on a Scan of zero iterations, which an audio front end gets from
     a waveform shorter than its window) is then one line of ours instead of fusectl's end.
-    Other providers run here: a GPU context does not survive a fork.
-    """
-    isolated = sys.platform.startswith("linux") and set(providers) <= {"CPUExecutionProvider"}
-    outcome = _in_child(path, feeds, providers) if isolated else _outputs(path, feeds, providers)
-    if isinstance(outcome, str):
-        raise failure(f"onnxruntime cannot run it: {outcome}{hint}", path=path)
-    return outcome
+    Other providers run here: a GPU context does not survive a fork."""
+    if sys.platform.startswith("linux") and set(providers) <= {"CPUExecutionProvider"}:
+        return _in_child(path, feeds, providers)
+    return _outputs(path, feeds, providers)
 
 
 def _outputs(
     path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]
-) -> dict[str, Any] | str:
-    """The outputs by name, or onnxruntime's error in one line."""
+) -> dict[str, Any] | _Failed:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4  # its errors come back as one line of ours
+    loaded = False
     try:
         session = ort.InferenceSession(str(path), options, providers=list(providers))
+        loaded = True
         names = [output.name for output in session.get_outputs()]
         wanted = {i.name for i in session.get_inputs()}
         values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
     except Exception as error:  # onnxruntime raises its own types for load and run errors
-        return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        text = str(error).strip()
+        return _Failed(text.splitlines()[0] if text else repr(error), at_load=not loaded)
     return dict(zip(names, values, strict=True))
 
 
 def _in_child(
     path: Path, feeds: dict[str, np.ndarray], providers: Sequence[str]
-) -> dict[str, Any] | str:
+) -> dict[str, Any] | _Failed:
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(send, path, feeds, providers), daemon=True)
@@ -195,7 +209,7 @@ def _in_child(
         child.join()
         code = child.exitcode or 0
         how = signal.Signals(-code).name if code < 0 else f"exit status {code}"
-        outcome = f"onnxruntime crashed ({how})"
+        outcome = _Failed(f"onnxruntime crashed ({how})")
     finally:
         receive.close()
     child.join()
@@ -376,7 +390,8 @@ def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Any:
 
 
 def _structure(value: Any) -> str:
-    """What onnxruntime gave, in ONNX's type words: seq(map(int64,float32)), tensor(float)."""
+    """What onnxruntime gave, a sequence's and a map's in ONNX's words, a tensor's as numpy's
+    dtype: ``seq(map(int64, float64))``."""
     if isinstance(value, dict):
         first = next(iter(value.items()), None)
         if first is None:
@@ -541,33 +556,32 @@ def reference_run(
     does not run at one, the next of FREE_SIZES is tried, and the error, if every one fails,
     names the inputs of the first try."""
     sizes = free_sizes(model, shapes) if inputs is None else [DEFAULT_DIM]
-    # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
-    guessed = inputs is None and any(
-        not isinstance(d, int) for spec in graph_inputs(model) for d in spec.dims or ()
-    )
-    later = " and ".join(map(str, sizes[1:]))
-    more = ""
-    if later:
-        more = (
-            f"; free sizes {later} fail too" if len(sizes) > 2 else f"; free size {later} fails too"
-        )
-    first: FusectlError | None = None
+    first: tuple[_Failed, str] | None = None
+    tried: list[int] = []
     for free in sizes:
         feeds, plans = model_feeds(model, shapes, inputs, seed, free)
-        hint = (
-            f" (on generated {describe_feeds(feeds, plans).removeprefix('inputs: ')}{more}; "
-            "--input_shape sets the symbolic sizes, --inputs the data)"
-            if guessed
-            else ""
-        )
-        try:
-            outputs = run_model(original, feeds, providers, failure=FusectlError, hint=hint)
-        except FusectlError as error:
-            first = first or error
-            continue
-        return feeds, plans, outputs
+        outcome = _run(original, feeds, providers)
+        if not isinstance(outcome, _Failed):
+            return feeds, plans, outcome
+        tried.append(free)
+        first = first or (outcome, describe_feeds(feeds, plans).removeprefix("inputs: "))
+        if outcome.at_load:
+            break  # no size makes a model onnxruntime cannot load run
     assert first is not None
-    raise first
+    failed, described = first
+    hint = ""
+    # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
+    if inputs is None and any(
+        not isinstance(d, int) for spec in graph_inputs(model) for d in spec.dims or ()
+    ):
+        later = " and ".join(map(str, tried[1:]))
+        if later:
+            described += f"; free size{'s' if len(tried) > 2 else ''} {later} "
+            described += "fail too" if len(tried) > 2 else "fails too"
+        hint = (
+            f" (on generated {described}; --input_shape sets the symbolic sizes, --inputs the data)"
+        )
+    raise FusectlError(f"onnxruntime cannot run it: {failed.message}{hint}", path=original)
 
 
 def _number(x: float) -> str:

@@ -30,12 +30,16 @@ def _reduce_mean(op: Any, x: Any) -> Any:
     return op.ReduceMean(x, _allow_other_inputs=True, _allow_other_attributes=True)
 
 
-def _decomposed(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any) -> Any:
-    """The written-out layer norm over the pattern variable ``x`` (a square written x * x is
-    Pow(x, 2) by now: PowerCanonicalizationPass)."""
+def _scaled(op: Any, x: Any, eps: Any, gamma: Any, two: Any) -> Any:
+    """The written-out layer norm over the pattern variable ``x`` up to its scale (a square
+    written x * x is Pow(x, 2) by now: PowerCanonicalizationPass)."""
     centred = op.Sub(x, _reduce_mean(op, x))
     std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(centred, two)), eps))
-    return op.Add(op.Mul(op.Div(centred, std), gamma), beta)
+    return op.Mul(op.Div(centred, std), gamma)
+
+
+def _decomposed(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any) -> Any:
+    return op.Add(_scaled(op, x, eps, gamma, two), beta)
 
 
 def _pattern(residual: bool) -> Callable[..., Any]:
@@ -86,8 +90,13 @@ def normalised_axis(site: Site, x: ir.Value, **bindings: Any) -> int:
             continue
         array = site.require_constant(bindings[name], name)
         if normalised is not None and all(isinstance(d, int) for d in normalised):
-            padded = (1,) * (len(normalised) - array.ndim) + array.shape
-            if array.ndim > len(normalised) or list(padded) != normalised:
+            # Leading 1s up to x's rank broadcast nothing (Keras reshapes gamma to
+            # [1, 1, hidden]); more axes than x has would broadcast the output up.
+            dims = array.shape
+            while len(dims) > len(normalised) and dims[0] == 1 and len(dims) <= rank:
+                dims = dims[1:]
+            padded = (1,) * (len(normalised) - len(dims)) + dims
+            if len(dims) > len(normalised) or list(padded) != normalised:
                 raise Decline(f"{name} does not span the normalised dimensions exactly")
     return axes[0]
 
@@ -129,14 +138,30 @@ def _param(
 
 
 def _to_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    """LayerNormalization, without its shift where the norm has none (a zero beta removed
+    by NeutralOperandEliminationPass, Keras's ``center=False``)."""
     axis = normalised_axis(site, x, **bindings)
-    return op.LayerNormalization(
-        x,
-        bindings["gamma"],
-        bindings["beta"],
-        axis=axis,
-        epsilon=_epsilon(site, bindings.get("eps")),
-    )
+    params = [_trimmed(site, op, bindings[n], n, -axis) for n in ("gamma", "beta") if n in bindings]
+    return op.LayerNormalization(x, *params, axis=axis, epsilon=_epsilon(site, bindings.get("eps")))
+
+
+def _has_no_shift(site: Site, **bindings: Any) -> bool:
+    """A norm whose scaled value a constant is added to has a shift: LayerNormPow's."""
+    for reader, _ in site.outputs[0].uses():
+        if reader.op_type == "Add" and any(
+            v is not site.outputs[0] and constant_value(v) is not None for v in reader.inputs
+        ):
+            return False
+    return True
+
+
+def _trimmed(site: Site, op: Any, value: ir.Value, name: str, rank: int) -> ir.Value:
+    """A scale or shift without the leading 1s beyond the normalised rank (Keras's
+    [1, 1, hidden]): LayerNormalization takes the normalised shape."""
+    array = site.require_constant(value, name)
+    if array.ndim <= rank:
+        return value
+    return site.initializer(op, array.reshape(array.shape[array.ndim - rank :]), name)
 
 
 @register_pass
@@ -151,7 +176,10 @@ class LayerNormFusionPass(PatternPass):
         min_opset=17,
         emits=("LayerNormalization",),
     )
-    rules = (Rule("LayerNormPow", _pattern(False), _to_layer_norm),)
+    rules = (
+        Rule("LayerNormPow", _pattern(False), _to_layer_norm),
+        Rule("LayerNormPowNoShift", _scaled, _to_layer_norm, candidate=_has_no_shift),
+    )
 
 
 _Dim = int | ir.SymbolicDim | None  # None: unknown

@@ -180,10 +180,13 @@ class _Norm:
         for root in _ancestors(of_x):
             tree: list[ir.Node] = []
             terms = _terms(root.outputs[0], 1, None, tree)
-            signs = {value: sign for sign, value in terms}
-            rest = [v for _, v in terms if v not in (of_x.outputs[0], of_mean.outputs[0])]
+            summands = [value for _, value in terms]
+            signs = dict(zip(summands, (sign for sign, _ in terms), strict=True))
+            rest = [v for v in summands if v not in (of_x.outputs[0], of_mean.outputs[0])]
             if of_mean.outputs[0] not in signs:
                 continue
+            if len(signs) != len(summands):
+                raise _Declined("a summand is added twice")
             if signs[of_x.outputs[0]] != 1 or signs[of_mean.outputs[0]] * mean_sign != -1:
                 raise _Declined("the output is not x * m - mean * m: a sign differs")
             if len(rest) > 1 or any(constant_value(v) is None or signs[v] != 1 for v in rest):

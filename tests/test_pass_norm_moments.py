@@ -60,6 +60,7 @@ def _moments_norm(
     variance_axes: list[int] | None = None,
     shape: tuple[int, ...] = (2, 5, 8),
     opset: int = 17,
+    mean_twice: bool = False,
 ) -> Path:
     """Keras's LayerNormalization as tf2onnx writes it: GlobalAveragePool means (ReduceMean
     over ``variance_axes`` for the variance, if given), Sqrt + Reciprocal, and
@@ -89,8 +90,10 @@ def _moments_norm(
         ]
     else:
         nodes.append(helper.make_node("Mul", ["mean", "m"], ["mean_m"]))
+    if mean_twice:  # x * m - 2 * mean * m + beta: not a norm
+        nodes.append(helper.make_node("Add", ["mean_m", "mean_m"], ["mean_m2"]))
     nodes += [
-        helper.make_node("Add", ["mean_m", "beta"], ["offset"]),
+        helper.make_node("Add", ["mean_m2" if mean_twice else "mean_m", "beta"], ["offset"]),
         helper.make_node("Add", ["x_m", "offset"], ["y"]),
     ]
     rng = np.random.default_rng(0)
@@ -122,6 +125,7 @@ def test_a_helper_built_moments_norm_fuses(opset: int, tmp_path: Path) -> None:
     [
         ({"mean_sign": 1}, "the output is not x * m - mean * m: a sign differs"),
         ({"gamma_input": True}, "gamma is not a constant"),
+        ({"mean_twice": True}, "a summand is added twice"),
         ({"variance_axes": [1]}, "the variance is not a mean over the trailing axes"),
         (
             {"shape": (2, 3, 4, 8)},  # a 4-D GlobalAveragePool averages two axes, not one

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    constant_scalar,
     constant_value,
     new_constant,
     node_axes,
@@ -121,10 +122,9 @@ class _Norm:
         if sqrt is None or add is None:
             raise _Declined("not the reciprocal of Sqrt(variance + epsilon)")
         variance, eps = add.inputs
-        if constant_value(eps) is None:
+        if constant_scalar(eps) is None:
             variance, eps = eps, variance
-        epsilon = constant_value(eps)
-        if epsilon is None or epsilon.size != 1 or variance is None:
+        if constant_scalar(eps) is None or variance is None:
             raise _Declined("epsilon is not a constant scalar")
         variance_mean = variance.producer()
         if variance_mean is None or _trailing_mean_axes(ctx, variance_mean) is None:
@@ -206,10 +206,8 @@ def _squared(node: ir.Node | None) -> ir.Value | None:
         return None
     if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:
         return node.inputs[0]
-    if node.op_type == "Pow":
-        two = constant_value(node.inputs[1])
-        if two is not None and two.size == 1 and float(two.reshape(-1)[0]) == 2.0:
-            return node.inputs[0]
+    if node.op_type == "Pow" and constant_scalar(node.inputs[1]) == 2.0:
+        return node.inputs[0]
     return None
 
 
@@ -259,7 +257,7 @@ class MomentsNormCanonicalizationPass(FusionPass):
             ctx,
             "MomentsLayerNorm",
             norm.root,
-            list(dict.fromkeys(norm.tail)),
+            norm.tail,
             nodes,
             norm.root.outputs,
             nodes[-1].outputs,

@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, new_constant, replace_subgraph, typed
+from fusectl.rewrite.graph import constant_scalar, new_constant, replace_subgraph, typed
 from fusectl.rewrite.registry import (
     Category,
     FusionPass,
@@ -25,11 +25,6 @@ from fusectl.rewrite.registry import (
 )
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
-
-
-def _exponent(node: ir.Node) -> float | None:
-    array = constant_value(node.inputs[1]) if len(node.inputs) == 2 else None
-    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
 @register_pass
@@ -55,7 +50,7 @@ class PowerCanonicalizationPass(FusionPass):
         for power in ctx.op_index.of_type(model.graph, "Pow"):
             if power.graph is not model.graph or power.inputs[0] is None:
                 continue
-            exponent = _exponent(power)
+            exponent = constant_scalar(power.inputs[1]) if len(power.inputs) == 2 else None
             if exponent not in (0.5, -0.5):
                 continue  # most Pows square (a norm's variance, GELU's cube): asked first
             dtype = ctx.dtype(power.outputs[0])

@@ -240,6 +240,11 @@ class OutputCheck:
     passed: bool = True
     note: str = ""
 
+    def failed(self, note: str) -> OutputCheck:
+        """Beyond any tolerance: a shape, a structure or a string that differs."""
+        self.passed, self.max_abs, self.max_rel, self.note = False, math.inf, math.inf, note
+        return self
+
     def to_json(self) -> dict[str, Any]:
         def number(x: float | None) -> float | str | None:
             return x if x is None or math.isfinite(x) else str(x)
@@ -296,10 +301,7 @@ def compare(name: str, expected: Any, actual: Any, tolerance: Tolerance) -> Outp
         atol, rtol = _for_dtype(actual.dtype, expected, atol, rtol)
     check = OutputCheck(name, tuple(actual.shape), str(actual.dtype), atol, rtol)
     if expected.shape != actual.shape:
-        check.passed = False
-        check.note = f"shape {list(actual.shape)}, expected {list(expected.shape)}"
-        check.max_abs = check.max_rel = math.inf
-        return check
+        return check.failed(f"shape {list(actual.shape)}, expected {list(expected.shape)}")
     if expected.size == 0:
         return check
     want = expected.astype(np.float64)
@@ -332,15 +334,12 @@ def _compare_exact(name: str, expected: np.ndarray, actual: np.ndarray, kind: st
     """Values that have no distance (strings, map keys): equal or not."""
     check = OutputCheck(name, tuple(actual.shape), kind, 0.0, 0.0)
     if expected.shape != actual.shape:
-        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
-        check.note = f"shape {list(actual.shape)}, expected {list(expected.shape)}"
-        return check
+        return check.failed(f"shape {list(actual.shape)}, expected {list(expected.shape)}")
     differ = np.argwhere(expected != actual)
     if differ.size:
-        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
-        check.worst_index = tuple(int(i) for i in differ[0])
-        first = tuple(differ[0])
-        check.note = (
+        first = tuple(int(i) for i in differ[0])
+        check.worst_index = first
+        check.failed(
             f"{len(differ)} of {expected.size} differ; first {actual[first]!r}, "
             f"expected {expected[first]!r}"
         )
@@ -352,14 +351,12 @@ def _compare_structures(name: str, expected: Any, actual: Any, tolerance: Tolera
     want, got = list(_leaves(expected)), list(_leaves(actual))
     paths = [path for path, _ in want]
     if paths != [path for path, _ in got] or _structure(expected) != kind:
-        check = OutputCheck(name, (len(got),), kind, 0.0, 0.0)
-        check.passed, check.max_abs, check.max_rel = False, math.inf, math.inf
-        check.note = f"{_structure(expected)} with {len(want)} value(s) expected"
+        note = f"{_structure(expected)} with {len(want)} value(s) expected"
         pairs = zip(paths, [path for path, _ in got], strict=False)
         first = next((path for path, other in pairs if path != other), None)
         if first is not None:
-            check.note += f"; first difference at {_path_text(first)}"
-        return check
+            note += f"; first difference at {_path_text(first)}"
+        return OutputCheck(name, (len(got),), kind, 0.0, 0.0).failed(note)
     flat_want = [leaf.reshape(-1) for _, leaf in want]
     flat_got = [leaf.reshape(-1) for _, leaf in got]
     if not flat_want:

@@ -45,6 +45,12 @@ _CONSTANT_DTYPES = {
 }
 
 
+def constant_scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant (an exponent, an epsilon), else None."""
+    array = constant_value(value)
+    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+
+
 def element_count(tensor: ir.TensorProtocol) -> int:
     """How many elements a tensor holds, from the stored dimensions where it is still a
     protobuf (onnx-ir's ``size`` builds the shape first: 8 µs a tensor, 0.2 s over the 23k

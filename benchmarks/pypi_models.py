@@ -115,7 +115,10 @@ def _fusectl(checkout: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=OUT)
 
 
-def _row(model: Path, args: argparse.Namespace) -> dict:
+def _row(model: Path, args: argparse.Namespace, feeds: list[str] | None = None) -> dict:
+    """Optimize, check, verify and (``args.bench``) time one model; ``feeds``: fusectl's
+    input options for it (by default from the tables above)."""
+    feeds = _feeds(model) if feeds is None else feeds
     output = model.with_name(model.stem + ".fusectl.onnx")
     report = model.with_name(model.stem + ".report.json")
     run = _fusectl(ROOT, "optimize", str(model), "-o", str(output), "--report", str(report))
@@ -134,7 +137,7 @@ def _row(model: Path, args: argparse.Namespace) -> dict:
         row["checker"] = "ok"
     except Exception as error:  # the checker raises several types
         row["checker"] = str(error).splitlines()[0]
-    verified = _fusectl(ROOT, "verify", str(model), str(output), *_feeds(model), "--json")
+    verified = _fusectl(ROOT, "verify", str(model), str(output), *feeds, "--json")
     row["verify"] = json.loads(verified.stdout)["passed"] if verified.stdout else verified.stderr
     if args.bench:
         models = [str(model), str(output)]
@@ -142,7 +145,7 @@ def _row(model: Path, args: argparse.Namespace) -> dict:
             baseline = model.with_name(model.stem + ".baseline.onnx")
             _fusectl(args.baseline, "optimize", str(model), "-o", str(baseline))
             models.append(str(baseline))
-        timed = _fusectl(ROOT, "bench", *models, *_feeds(model), "--runs", str(args.runs), "--json")
+        timed = _fusectl(ROOT, "bench", *models, *feeds, "--runs", str(args.runs), "--json")
         levels = [entry["levels"] for entry in json.loads(timed.stdout)["models"]]
         row["ratio"] = {
             name: {level: round(timing["ratio"], 3) for level, timing in found.items()}

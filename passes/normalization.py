@@ -30,12 +30,16 @@ def _reduce_mean(op: Any, x: Any) -> Any:
     return op.ReduceMean(x, _allow_other_inputs=True, _allow_other_attributes=True)
 
 
-def _scaled(op: Any, x: Any, eps: Any, gamma: Any, two: Any) -> Any:
-    """The written-out layer norm over the pattern variable ``x`` up to its scale (a square
-    written x * x is Pow(x, 2) by now: PowerCanonicalizationPass)."""
+def _normalised(op: Any, x: Any, eps: Any, two: Any) -> Any:
+    """The written-out layer norm over the pattern variable ``x`` without scale or shift (a
+    square written x * x is Pow(x, 2) by now: PowerCanonicalizationPass)."""
     centred = op.Sub(x, _reduce_mean(op, x))
     std = op.Sqrt(op.Add(_reduce_mean(op, op.Pow(centred, two)), eps))
-    return op.Mul(op.Div(centred, std), gamma)
+    return op.Div(centred, std)
+
+
+def _scaled(op: Any, x: Any, eps: Any, gamma: Any, two: Any) -> Any:
+    return op.Mul(_normalised(op, x, eps, two), gamma)
 
 
 def _decomposed(op: Any, x: Any, eps: Any, gamma: Any, beta: Any, two: Any) -> Any:
@@ -145,14 +149,40 @@ def _to_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Valu
     return op.LayerNormalization(x, *params, axis=axis, epsilon=_epsilon(site, bindings.get("eps")))
 
 
+def _constant_follows(site: Site, op_type: str) -> bool:
+    """Whether an ``op_type`` (Add, Mul) reads the site's output and a constant."""
+    output = site.outputs[0]
+    return any(
+        reader.op_type == op_type
+        and any(v is not output and constant_value(v) is not None for v in reader.inputs)
+        for reader, _ in output.uses()
+    )
+
+
 def _has_no_shift(site: Site, **bindings: Any) -> bool:
     """A norm whose scaled value a constant is added to has a shift: LayerNormPow's."""
-    for reader, _ in site.outputs[0].uses():
-        if reader.op_type == "Add" and any(
-            v is not site.outputs[0] and constant_value(v) is not None for v in reader.inputs
-        ):
-            return False
-    return True
+    return not _constant_follows(site, "Add")
+
+
+def _has_no_scale(site: Site, **bindings: Any) -> bool:
+    """A norm a constant multiplies has a scale: LayerNormPow's or LayerNormPowNoShift's."""
+    return not _constant_follows(site, "Mul")
+
+
+def _to_unscaled_layer_norm(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Value:
+    """LayerNormalization with a scale of ones, which it requires: a norm whose scale of ones
+    NeutralOperandEliminationPass removed (Keras's default), or one without (DiT's, modulated
+    by values computed at run time)."""
+    axis = normalised_axis(site, x, **bindings)
+    shape = site.shape(x)
+    normalised = None if shape is None else list(shape)[len(shape) + axis :]
+    if normalised is None or not all(isinstance(d, int) for d in normalised):
+        raise Decline("the normalised dimensions are not static (the scale of ones needs them)")
+    dtype = site.dtype(x)
+    if dtype is None or not dtype.is_floating_point():
+        raise Decline("the normalised input's type is unknown")
+    ones = site.initializer(op, np.ones(normalised, dtype.numpy()), "ones")
+    return op.LayerNormalization(x, ones, axis=axis, epsilon=_epsilon(site, bindings.get("eps")))
 
 
 def _trimmed(site: Site, op: Any, value: ir.Value, name: str, rank: int) -> ir.Value:
@@ -179,6 +209,7 @@ class LayerNormFusionPass(PatternPass):
     rules = (
         Rule("LayerNormPow", _pattern(False), _to_layer_norm),
         Rule("LayerNormPowNoShift", _scaled, _to_layer_norm, candidate=_has_no_shift),
+        Rule("LayerNormPowNoScale", _normalised, _to_unscaled_layer_norm, candidate=_has_no_scale),
     )
 
 

@@ -722,6 +722,56 @@ def test_layer_norm_without_epsilon_fuses_its_core(tmp_path: Path) -> None:
     assert run.report["coverage"]["norms"]["unfused"] == []
 
 
+def _unscaled_layer_norm(path: Path, shape: list, modulated: bool = False) -> Path:
+    """The written-out norm (x - mean) / sqrt(var + eps) with no scale or shift: Keras's
+    default scale of ones and shift of zeros once NeutralOperandEliminationPass removed them,
+    or DiT's adaLN, modulated by values the model computes (``modulated``: inputs here)."""
+    nodes = _layer_norm("a", "unused")[:-2]
+    inputs = [value("a", shape)]
+    if modulated:
+        nodes += [
+            _n("Add", ["one", "scale"], "gain"),
+            _n("Mul", ["norm", "gain"], "scaled"),
+            _n("Add", ["scaled", "shift"], "y"),
+        ]
+        inputs += [value(name, [shape[0], 1, shape[-1]]) for name in ("scale", "shift")]
+    else:
+        nodes[-1] = _n("Div", ["d", "std"], "y")
+    inits = [const("two", np.array(2.0, np.float32)), const("eps", np.array(1e-6, np.float32))]
+    if modulated:
+        inits.append(const("one", np.array(1.0, np.float32)))
+    return save_model(path, nodes, inputs, [value("y", shape)], inits)
+
+
+@pytest.mark.parametrize("modulated", [False, True], ids=["bare", "adaLN"])
+def test_layer_norm_without_scale_or_shift_takes_a_scale_of_ones(
+    modulated: bool, tmp_path: Path
+) -> None:
+    run = optimize_checked(_unscaled_layer_norm(tmp_path / "ln.onnx", SHAPE, modulated), tmp_path)
+    scaled = (1, 0) if modulated else (0, 0)  # the gain is no constant scale: declined
+    assert pattern_counts(run, LN) == {
+        "LayerNormPow": scaled,
+        "LayerNormPowNoShift": scaled,
+        "LayerNormPowNoScale": (1, 1),
+    }
+    assert reasons(run, LN) == ({"gamma is not a constant": 2} if modulated else {})
+    expected = {"LayerNormalization": 1} | ({"Add": 2, "Mul": 1} if modulated else {})
+    assert run.op_counts() == Counter(expected)
+    graph = onnx.load(str(run.output)).graph
+    (norm,) = [node for node in graph.node if node.op_type == "LayerNormalization"]
+    (ones,) = [init for init in graph.initializer if init.name == norm.input[1]]
+    assert np.array_equal(onnx.numpy_helper.to_array(ones), np.ones(SHAPE[-1], np.float32))
+
+
+def test_layer_norm_without_scale_needs_a_static_normalised_size(tmp_path: Path) -> None:
+    model = _unscaled_layer_norm(tmp_path / "ln.onnx", ["batch", "length", "hidden"])
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, LN) == {
+        "the normalised dimensions are not static (the scale of ones needs them)": 1
+    }
+    assert run.op_counts()["LayerNormalization"] == 0
+
+
 def test_coverage_of_a_norm_no_pass_reads(tmp_path: Path) -> None:
     """A norm whose epsilon is added after the square root, x / (sqrt(mean(x^2)) + eps), is
     another function than the fused ops compute: no norm pass recognizes it, and its coverage

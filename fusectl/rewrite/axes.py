@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, producer_of, transpose_perm
+from fusectl.rewrite.graph import constant_value, node_axes, producer_of, transpose_perm
 from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
@@ -348,6 +348,9 @@ def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | No
     single = _copied_dimension(value)
     if single is not None:
         return [single]
+    picked = _gathered_dimensions(value)
+    if picked is not None:
+        return picked
     shape = producer_of(value, "Shape")
     slice_ = producer_of(value, "Slice")
     if slice_ is not None and len(slice_.inputs) >= 3:
@@ -379,6 +382,26 @@ def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | No
     last = rank if last is None else last
     first, last = (min(max(b + rank if b < 0 else b, 0), rank) for b in (first, last))
     return [(data, axis) for axis in range(first, last)] if last > first else None
+
+
+def _gathered_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
+    """[(x, i), (x, j), ...] for Gather(Shape(x), [i, j, ...]), the Shape possibly cast to
+    another integer type: tf2onnx's batch axes of an einsum, read together to be multiplied,
+    and the leading axes of a Keras Dense layer's tensordot."""
+    gather = producer_of(value, "Gather")
+    shape = gather.inputs[0].producer() if gather is not None and gather.inputs[0] else None
+    while shape is not None and shape.op_type == "Cast" and shape.inputs[0] is not None:
+        shape = shape.inputs[0].producer()
+    shape = shape if shape is not None and shape.op_type == "Shape" else None
+    if shape is None or shape.inputs[0] is None or shape.inputs[0].shape is None:
+        return None
+    index = constant_value(gather.inputs[1])  # type: ignore[union-attr]
+    if index is None or index.ndim != 1 or shape.attributes.get_int("start", 0) != 0:
+        return None
+    rank = len(shape.inputs[0].shape)
+    if shape.attributes.get_int("end", rank) != rank or not all(-rank <= i < rank for i in index):
+        return None
+    return [(shape.inputs[0], int(i) % rank) for i in index]
 
 
 def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
@@ -440,6 +463,8 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48)
         return dim, ()
     if named(dim):
         return 1, (str(dim.value),)
+    if value.is_graph_input():  # a size nothing names but the input it is given with
+        return 1, (f"{value.name}:{axis}",)
     key = (value, axis)
     known = ctx.sizes.get(key)
     if known is not None and (known[0] is not None or known[1] >= depth):
@@ -565,6 +590,13 @@ def _copied_axis(
         return inputs[1], axis  # the output has the indices' shape
     if op == "Conv" and len(inputs) > 1 and inputs[1] is not None:
         return _conv_source(ctx, node, first, inputs[1], axis)
+    if op == "Einsum":
+        return _einsum_source(node, axis)
+    if op == "Gemm" and len(inputs) > 1 and inputs[1] is not None and rank == 2:
+        # rows from A, columns from B, each as the operand is transposed
+        if axis == 0:
+            return first, 1 if node.attributes.get_int("transA", 0) else 0
+        return inputs[1], 0 if node.attributes.get_int("transB", 0) else 1
     if op in _MATMULS:
         inputs = inputs[:2]
         if not _matrices(ctx, inputs):
@@ -588,6 +620,13 @@ def _copied_axis(
         if axis in inserted:
             return None
         return first, axis - sum(a < axis for a in inserted)
+    if op == "Squeeze":  # the axes it keeps, in order
+        removed = node_axes(node)
+        source = ctx.shape(first)
+        if removed is None or source is None:
+            return None
+        dropped = {a % len(source) for a in removed}
+        return first, [a for a in range(len(source)) if a not in dropped][axis]
     if op in ("Concat", "Slice", "Split"):
         # an axis they do not cut or join keeps the (first) input's size
         if op == "Slice":
@@ -598,6 +637,19 @@ def _copied_axis(
             sliced = range(rank) if axes is None else [int(a) % rank for a in np.ravel(axes)]
             return None if axis in sliced else (first, axis)
         return None if node.attributes.get_int("axis", 0) % rank == axis else (first, axis)
+    return None
+
+
+def _einsum_source(node: ir.Node, axis: int) -> tuple[ir.Value, int] | None:
+    """The operand axis an Einsum's output axis has its label from (equal labels, equal
+    sizes); None for an ellipsis, which may broadcast."""
+    equation = (node.attributes.get_string("equation", "") or "").replace(" ", "")
+    terms, _, output = equation.partition("->")
+    if "." in equation or not 0 <= axis < len(output):
+        return None
+    for term, operand in zip(terms.split(","), node.inputs, strict=False):
+        if output[axis] in term and operand is not None:
+            return operand, term.index(output[axis])
     return None
 
 
@@ -787,6 +839,14 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
     if node.op_type == "Mul" and len(node.inputs) == 2 and None not in node.inputs:
         parts = [_element_size(ctx, v, index, depth - 1) for v in node.inputs]  # type: ignore[arg-type]
         return product(*parts)
+    if node.op_type == "Max" and node.inputs and None not in node.inputs:
+        # sizes that broadcast (tf2onnx's batch axes of an einsum): equal, or 1 and another
+        sizes = {_element_size(ctx, v, index, depth - 1) for v in node.inputs}  # type: ignore[arg-type]
+        if len(sizes) > 1:
+            sizes.discard((1, ()))
+        return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+    if node.op_type == "ReduceProd" and index == 0 and node.inputs[0] is not None:
+        return _shape_product(ctx, node, depth - 1)
     if node.op_type == "Concat":
         for part in node.inputs:
             size = ctx.shape(part) if part is not None else None
@@ -796,3 +856,22 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
                 return _element_size(ctx, part, index, depth - 1)
             index -= size[0]
     return None
+
+
+def _shape_product(ctx: PassContext, node: ir.Node, depth: int) -> Size | None:
+    """ReduceProd of a 1-D shape tensor over its one axis: the product of its sizes."""
+    data = node.inputs[0]
+    length = ctx.shape(data) if data is not None else None
+    axes = node.inputs[1] if len(node.inputs) > 1 else None
+    reduced = constant_value(axes) if axes is not None else node.attributes.get_ints("axes", None)
+    if axes is not None and reduced is None:
+        return None
+    whole = reduced is None or np.ravel(reduced).tolist() in ([0], [-1])
+    if data is None or length is None or len(length) != 1 or not isinstance(length[0], int):
+        return None
+    if not whole or (reduced is None and node.attributes.get_int("noop_with_empty_axes", 0)):
+        return None
+    total: Size | None = (1, ())
+    for index in range(length[0]):
+        total = product(total, _element_size(ctx, data, index, depth))
+    return total

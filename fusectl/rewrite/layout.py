@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.axes import Size, product, quotient, symbolic_size
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, transpose_perm
+from fusectl.rewrite.graph import constant_value, node_axes, transpose_perm
 
 _ONE: Size = (1, ())
 
@@ -58,6 +58,31 @@ class Layout:
         if sorted(perm) != list(range(len(self.axes))):
             return False
         self.axes = [self.axes[axis] for axis in perm]
+        return True
+
+    def unsqueeze(self, axes: list[int]) -> bool:
+        """Insert unit axes at ``axes`` of the result."""
+        rank = len(self.axes) + len(axes)
+        positions = sorted(axis % rank for axis in axes if -rank <= axis < rank)
+        if len(set(positions)) != len(axes):
+            return False
+        for position in positions:
+            self.axes.insert(position, [])
+        return True
+
+    def squeeze(self, axes: list[int] | None) -> bool:
+        """Remove ``axes`` (every unit axis where None), each of size 1 for every size the
+        model takes: a size-1 axis is squeezed only where it has no named factor."""
+        rank = len(self.axes)
+        sizes = [self.axis_size(axis) for axis in self.axes]
+        if axes is None:
+            if any(size[1] for size in sizes):
+                return False
+            axes = [axis for axis, size in enumerate(sizes) if size == _ONE]
+        positions = {axis % rank for axis in axes if -rank <= axis < rank}
+        if len(positions) != len(axes) or any(sizes[axis] != _ONE for axis in positions):
+            return False
+        self.axes = [axis for position, axis in enumerate(self.axes) if position not in positions]
         return True
 
     def reshape(self, sizes: list[Size]) -> bool:
@@ -194,30 +219,53 @@ def _reshape_sizes(ctx: PassContext, layout: Layout, node: ir.Node) -> list[Size
     return [size for size in sizes if size is not None]
 
 
-def follow(ctx: PassContext, source: ir.Value, chain: list[ir.Node]) -> Layout | str | None:
-    """The layout ``chain`` (Reshapes and Transposes, each reading the previous) gives
-    ``source``'s elements; a reason when the chain cannot be read (an unknown rank, a target
-    of unknown sizes), None when a step is not proven to regroup whole pieces."""
+# Names for sizes nothing traces: each its own, never equal to another's (a size unknown in
+# one layout is not the size unknown in another).
+_UNKNOWN = (f"?{n}" for n in itertools.count())
+
+
+def origin(ctx: PassContext, source: ir.Value) -> Layout | str:
+    """``source``'s own layout, one piece per axis; a reason where its rank is unknown."""
     shape = ctx.shape(source)
     if shape is None:
         return "the rank of the chain's input is unknown"
-    fresh = (f"?{n}" for n in itertools.count())
     sizes: list[Size] = []
     for axis, dim in enumerate(shape):
         if dim == 0:
             return "the chain's input is empty"
         size = symbolic_size(ctx, source, axis)
-        sizes.append(size if size is not None else (1, (next(fresh),)))
-    layout = Layout([_ONE if size == (1, ()) else size for size in sizes])
+        sizes.append(size if size is not None else (1, (next(_UNKNOWN),)))
+    return Layout([_ONE if size == (1, ()) else size for size in sizes])
+
+
+def advance(ctx: PassContext, layout: Layout, node: ir.Node) -> bool | str:
+    """Apply one Reshape, Transpose, Unsqueeze or Squeeze to ``layout``: True, a reason when
+    the op cannot be read (a target of unknown sizes, axes computed at run time), False when
+    it is not proven to regroup whole pieces."""
+    if node.op_type == "Transpose":
+        order = transpose_perm(node, len(layout.axes))
+        return order is not None and layout.transpose(order)
+    if node.op_type in ("Unsqueeze", "Squeeze"):
+        axes = node_axes(node)
+        computed = len(node.inputs) > 1 and node.inputs[1] is not None
+        if axes is None and (node.op_type == "Unsqueeze" or computed):
+            return f"a {node.op_type} in the chain has axes that are not constant"
+        return layout.unsqueeze(axes) if node.op_type == "Unsqueeze" else layout.squeeze(axes)
+    sizes = _reshape_sizes(ctx, layout, node)
+    if sizes is None or isinstance(sizes, str):
+        return sizes or False
+    return layout.reshape(sizes)
+
+
+def follow(ctx: PassContext, source: ir.Value, chain: list[ir.Node]) -> Layout | str | None:
+    """The layout ``chain`` (Reshapes, Transposes, Unsqueezes and Squeezes, each reading the
+    previous) gives ``source``'s elements; a reason when the chain cannot be read (an unknown
+    rank, a target of unknown sizes), None when a step is not proven to regroup whole pieces."""
+    layout = origin(ctx, source)
+    if isinstance(layout, str):
+        return layout
     for node in chain:
-        if node.op_type == "Transpose":
-            order = transpose_perm(node, len(layout.axes))
-            if order is None or not layout.transpose(order):
-                return None
-            continue
-        sizes_or_reason = _reshape_sizes(ctx, layout, node)
-        if sizes_or_reason is None or isinstance(sizes_or_reason, str):
-            return sizes_or_reason
-        if not layout.reshape(sizes_or_reason):
-            return None
+        moved = advance(ctx, layout, node)
+        if moved is not True:
+            return moved or None
     return layout

@@ -310,6 +310,16 @@ class _Sizes:
         return [*self.made, joined]
 
 
+def read_axes(reader: ir.Node, rank: int) -> list[int]:
+    """The axes whose sizes the readers of the Shape ``reader`` (of a rank-``rank`` value)
+    take: the ones they pick, where each picks one (``x.shape[i]``); else all of them."""
+    shape = reader.outputs[0]
+    picks = [_picked(user, rank) for user, _ in shape.uses()]
+    if shape.is_graph_output() or not picks or None in picks:
+        return list(range(rank))
+    return sorted(set(picks))  # type: ignore[type-var]
+
+
 def _picked(user: ir.Node, length: int) -> int | None:
     """The size a Gather(shape, i) of a constant scalar i takes, where it is one."""
     if user.op_type != "Gather" or user.domain not in ("", "ai.onnx") or len(user.inputs) < 2:

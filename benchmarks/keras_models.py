@@ -4,14 +4,16 @@
     python benchmarks/keras_models.py bench --baseline /path/to/older/fusectl/checkout
 
 ``build`` (in a virtual environment with tensorflow-cpu and tf2onnx; fusectl does not need
-them) exports a 4-layer BERT-base-sized encoder of Keras's ``Embedding``,
-``MultiHeadAttention``, ``LayerNormalization`` and ``Dense`` layers (hidden 768, 12 heads,
-tanh GELU, random weights with random norm scales and shifts) at opset 17, 128 tokens and a
-dynamic batch, into benchmarks/out/keras/ (207 MB). tf2onnx writes Keras's layer norms in
-TensorFlow's moments form and takes its einsums apart into 5-D Transposes and Reshapes whose
-targets it computes at run time. ``bench`` runs it through ``fusectl optimize``, the full
-checker, ``fusectl verify`` and ``fusectl bench`` (1 thread, interleaved, batch 1), with
-``--baseline``'s output too, as pypi_models.py does for the wheels' models.
+them) exports two 4-layer models of Keras's ``Embedding``, ``MultiHeadAttention``,
+``LayerNormalization`` and ``Dense`` layers (hidden 768, 12 heads, tanh GELU, random weights
+with random norm scales and shifts) at opset 17 into benchmarks/out/keras/ (207 MB each): a
+BERT-base-sized encoder at 128 tokens and a dynamic batch, and a GPT-style decoder
+(``use_causal_mask=True``) with batch and length dynamic. tf2onnx writes Keras's layer norms
+in TensorFlow's moments form, takes its einsums apart into 5-D Transposes and Reshapes whose
+targets it computes at run time, and writes the causal mask's ``where`` as arithmetic.
+``bench`` runs each through ``fusectl optimize``, the full checker, ``fusectl verify`` and
+``fusectl bench`` (1 thread, interleaved, 1 x 128 tokens), with ``--baseline``'s output too,
+as pypi_models.py does for the wheels' models.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out" / "keras"
-MODEL = OUT / "keras_bert4.onnx"
+MODELS = {"keras_bert4": False, "keras_gpt4": True}  # name: causal
 LENGTH = 128
 
 
@@ -35,28 +37,32 @@ def build() -> None:
     import tf2onnx
     from tensorflow.keras import layers
 
-    tf.random.set_seed(0)
-    ids = layers.Input((LENGTH,), dtype="int32", name="ids")
-    x = layers.Embedding(30522, 768)(ids)
-    random = {"gamma_initializer": "random_normal", "beta_initializer": "random_normal"}
-    for _ in range(4):
-        attended = layers.MultiHeadAttention(12, 64)(x, x)
-        x = layers.LayerNormalization(epsilon=1e-12, **random)(x + attended)
-        hidden = layers.Dense(3072, activation=lambda t: tf.nn.gelu(t, approximate=True))(x)
-        x = layers.LayerNormalization(epsilon=1e-12, **random)(x + layers.Dense(768)(hidden))
-    spec = (tf.TensorSpec((None, LENGTH), tf.int32, name="ids"),)
-    proto, _ = tf2onnx.convert.from_keras(tf.keras.Model(ids, x), input_signature=spec, opset=17)
     OUT.mkdir(parents=True, exist_ok=True)
-    onnx.save(proto, str(MODEL))
-    print(MODEL, len(proto.graph.node), "nodes")
+    for name, causal in MODELS.items():
+        tf.random.set_seed(0)
+        length = None if causal else LENGTH
+        ids = layers.Input((length,), dtype="int32", name="ids")
+        x = layers.Embedding(30522, 768)(ids)
+        random = {"gamma_initializer": "random_normal", "beta_initializer": "random_normal"}
+        for _ in range(4):
+            attended = layers.MultiHeadAttention(12, 64)(x, x, use_causal_mask=causal)
+            x = layers.LayerNormalization(epsilon=1e-12, **random)(x + attended)
+            gelu = layers.Dense(3072, activation=lambda t: tf.nn.gelu(t, approximate=True))
+            x = layers.LayerNormalization(epsilon=1e-12, **random)(x + layers.Dense(768)(gelu(x)))
+        spec = (tf.TensorSpec((None, length), tf.int32, name="ids"),)
+        model = tf.keras.Model(ids, x)
+        proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=17)
+        onnx.save(proto, str(OUT / f"{name}.onnx"))
+        print(name, len(proto.graph.node), "nodes")
 
 
 def bench(args: argparse.Namespace) -> None:
     from pypi_models import _row
 
     args.bench = True
-    row = _row(MODEL, args, ["--input_shape", f"ids:1,{LENGTH}"])
-    print(json.dumps(row, indent=1))
+    for name in MODELS:
+        row = _row(OUT / f"{name}.onnx", args, ["--input_shape", f"ids:1,{LENGTH}"])
+        print(json.dumps(row, indent=1))
 
 
 def main() -> None:

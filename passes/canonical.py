@@ -383,8 +383,9 @@ class BroadcastExpandEliminationPass(FusionPass):
     spec = PassSpec(
         name="BroadcastExpandEliminationPass",
         category=Category.GRAPH,
-        description="Expand(x, Shape(y)) read (through casts) by an element-wise op that also "
-        "reads y -> x: the op broadcasts to y's shape anyway (masked_fill with expand_as)",
+        description="Expand(x, Shape(y)) read (through element-wise ops) by an element-wise op "
+        "that also reads y -> x: the op broadcasts to y's shape anyway (masked_fill with "
+        "expand_as, Keras's causal mask)",
         aliases=("ExpandAsElimination",),
         priority=3035,
         emits=(),
@@ -397,6 +398,8 @@ class BroadcastExpandEliminationPass(FusionPass):
             if expand.graph is not model.graph:
                 continue
             shape = expand.inputs[1].producer() if expand.inputs[1] is not None else None
+            while shape is not None and shape.op_type == "Cast" and shape.inputs[0] is not None:
+                shape = shape.inputs[0].producer()  # tf2onnx's int32 round trip of a shape
             if shape is None or shape.op_type != "Shape" or shape.attributes:
                 continue
             first = _broadcast_reader(expand.outputs[0], shape.inputs[0])
@@ -405,19 +408,25 @@ class BroadcastExpandEliminationPass(FusionPass):
             site = expand.name or "Expand"
             if not ctx.may_rewrite("BroadcastExpand", site):
                 continue
-            reader, index = first
+            reader, index, between = first
             reader.replace_input_with(index, expand.inputs[0])
+            for value in between:  # narrower now: their shapes are inferred again
+                value.shape = None
             ctx.record_fusion("BroadcastExpand", [expand], [])
             remove_dead(model.graph, [expand])
         if ctx.changed and ctx.shapes is not None:
             ctx.shapes.invalidate()
 
 
-def _broadcast_reader(value: ir.Value, target: ir.Value | None) -> tuple[ir.Node, int] | None:
-    """(the node, its input index) reading ``value`` when ``value`` is read only through
-    shape-keeping one-input ops (each the only reader of the last) by a broadcasting op that
-    also reads ``target``: the Expand to ``target``'s shape changes nothing that op computes."""
-    current, reader = value, None
+def _broadcast_reader(
+    value: ir.Value, target: ir.Value | None
+) -> tuple[ir.Node, int, list[ir.Value]] | None:
+    """(the node reading ``value``, its input index, the values on the way) when ``value`` is
+    read only through element-wise ops (shape-keeping or broadcasting, each the only reader of
+    the last) by a broadcasting op that also reads ``target``: the Expand to ``target``'s
+    shape changes nothing that op computes, since every op on the way broadcasts too (the
+    values on the way get narrower)."""
+    current, reader, between = value, None, []
     for _ in range(4):
         uses = list(current.uses())
         if len(uses) != 1 or current.is_graph_output():
@@ -426,9 +435,10 @@ def _broadcast_reader(value: ir.Value, target: ir.Value | None) -> tuple[ir.Node
         reader = reader or (node, index)
         if node.domain not in ("", "ai.onnx"):
             return None
-        if node.op_type in _BROADCASTING:
-            return reader if target is not None and target in node.inputs else None
-        if node.op_type not in _SHAPE_KEEPING:
+        if node.op_type in _BROADCASTING and target is not None and target in node.inputs:
+            return (*reader, between)
+        if node.op_type not in _BROADCASTING and node.op_type not in _SHAPE_KEEPING:
             return None
-        current = node.outputs[0]
+        current = node.outputs[0]  # broadcast with others first (Keras's And of a mask)
+        between.append(current)
     return None

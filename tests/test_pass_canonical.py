@@ -284,16 +284,18 @@ def test_a_strided_read_of_sizes_stays(tmp_path: Path) -> None:
 EXPAND = "BroadcastExpandEliminationPass"
 
 
-def _expanded_mask(tmp_path: Path, *, shape_of: str) -> Path:
-    """y = Where(Cast(Expand(keep, Shape(<shape_of>)), bool), s, -1e9): masked_fill with
-    expand_as; keep [B, 1, 1, L] (0/1 floats), s and t [B, N, S, L]."""
+def _expanded_mask(tmp_path: Path, *, shape_of: str, add_t: bool = True) -> Path:
+    """y = Where(Cast(Expand(keep, Shape(<shape_of>)), bool), s, -1e9) + t (without the Add:
+    ``add_t``): masked_fill with expand_as; keep [B, 1, 1, L] (0/1 floats), s and t
+    [B, N, S, L]."""
     nodes = [
         helper.make_node("Shape", [shape_of], ["target"], name="target"),
         helper.make_node("Expand", ["keep", "target"], ["expanded"], name="expand_as"),
         helper.make_node("Cast", ["expanded"], ["flag"], to=onnx.TensorProto.BOOL, name="flag"),
-        helper.make_node("Where", ["flag", "s", "fill"], ["filled"], name="fill"),
-        helper.make_node("Add", ["filled", "t"], ["y"], name="add"),
+        helper.make_node("Where", ["flag", "s", "fill"], ["filled" if add_t else "y"], name="fill"),
     ]
+    if add_t:
+        nodes.append(helper.make_node("Add", ["filled", "t"], ["y"], name="add"))
     dims = ["batch", "heads", "seq", "len"]
     inputs = [value("keep", ["batch", 1, 1, "len"]), value("s", dims), value("t", dims)]
     path = tmp_path / f"expand_as_{shape_of}.onnx"
@@ -313,10 +315,46 @@ def test_expand_to_a_co_operands_shape_goes(tmp_path: Path) -> None:
     assert list(cast.input) == ["keep"]
 
 
-def test_expand_to_another_tensors_shape_stays(tmp_path: Path) -> None:
-    """Expanded to the shape of t, which the Where does not read: the Expand can widen what
-    the Where computes (t is added only after it), so it stays."""
+def test_expand_of_a_constant_anded_with_the_mask_goes(tmp_path: Path) -> None:
+    """Keras's causal mask through tf2onnx: And(Expand(True, Cast(Cast(Shape(s)))), m), then
+    the Where that reads s. The And broadcasts too, and the Where to s's shape anyway: the
+    Expand goes through the And and the int32 round trip of the shape."""
+    nodes = [
+        helper.make_node("Shape", ["s"], ["target"]),
+        helper.make_node("Cast", ["target"], ["target32"], to=onnx.TensorProto.INT32),
+        helper.make_node("Cast", ["target32"], ["target64"], to=onnx.TensorProto.INT64),
+        helper.make_node("Expand", ["true", "target64"], ["ones"], name="ones_like"),
+        helper.make_node("And", ["ones", "causal"], ["mask"]),
+        helper.make_node("Where", ["mask", "s", "fill"], ["y"]),
+    ]
+    dims = ["batch", "heads", 4, 4]
+    initializers = [
+        const("true", np.array(True), np.bool_),
+        const("causal", np.tril(np.ones((1, 1, 4, 4))), np.bool_),
+        const("fill", np.array(-1e9)),
+    ]
+    path = save_model(
+        tmp_path / "and.onnx", nodes, [value("s", dims)], [value("y", dims)], initializers
+    )
+    run = optimize_checked(path, tmp_path)
+    assert pattern_counts(run, EXPAND)["BroadcastExpand"] == (1, 1)
+    counts = run.op_counts()
+    assert (counts["Expand"], counts["Shape"], counts["Cast"]) == (0, 0, 0)
+
+
+def test_expand_to_the_shape_of_a_tensor_added_later_goes(tmp_path: Path) -> None:
+    """Expanded to the shape of t, which only the Add after the Where reads: every op on the
+    way broadcasts, so the Where computes on the narrower mask and the Add widens the same."""
     model = _expanded_mask(tmp_path, shape_of="t")
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, EXPAND)["BroadcastExpand"] == (1, 1)
+    assert run.op_counts()["Expand"] == 0
+
+
+def test_expand_to_another_tensors_shape_stays(tmp_path: Path) -> None:
+    """Expanded to the shape of t, which nothing after it reads: the Expand widens the
+    output, so it stays."""
+    model = _expanded_mask(tmp_path, shape_of="t", add_t=False)
     run = optimize_checked(model, tmp_path)
     assert EXPAND not in {p["name"] for p in run.report["passes"] if p.get("effected")}
     assert run.op_counts()["Expand"] == 1

@@ -464,7 +464,7 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48)
     if named(dim):
         return 1, (str(dim.value),)
     if value.is_graph_input():  # a size nothing names but the input it is given with
-        return 1, (f"{value.name}:{axis}",)
+        return 1, (input_axis_name(value, axis),)
     key = (value, axis)
     known = ctx.sizes.get(key)
     if known is not None and (known[0] is not None or known[1] >= depth):
@@ -472,6 +472,12 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48)
     size = _traced_size(ctx, value, axis, shape, depth)
     ctx.sizes[key] = (size, depth)
     return size
+
+
+def input_axis_name(value: ir.Value, axis: int) -> str:
+    """The name symbolic sizes give a graph input's axis that has no name of its own (tf2onnx
+    writes ``unk__N``, which reads as made up by shape inference)."""
+    return f"{value.name}:{axis}"
 
 
 def _traced_size(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import size_sources, symbolic_size
+from fusectl.rewrite.axes import input_axis_name, size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, new_constant, new_unsqueeze, typed
 from fusectl.rewrite.shapes import named
@@ -136,6 +136,8 @@ def _source(
         for given in inputs():
             for index, input_dim in enumerate(given.shape or ()):
                 if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
+                    return given, index
+                if input_axis_name(given, index) == size[1][0]:
                     return given, index
     if copies:
         return copies[-1]

@@ -58,6 +58,7 @@ from fusectl.rewrite.graph import (
     absorb_shape_arithmetic,
     concatenated_constant,
     constant_value,
+    disconnect,
     new_constant,
     new_transpose,
     new_unsqueeze,
@@ -1385,15 +1386,6 @@ def _unfolded_biases(
     return values, nodes
 
 
-def _disconnect(nodes: list[ir.Node]) -> None:
-    """Drop the inputs of nodes built for a site that did not fuse (never inserted), so that
-    they do not stay readers of the graph's values."""
-    for node in nodes:
-        if node.graph is None:
-            for index in range(len(node.inputs)):
-                node.replace_input_with(index, None)
-
-
 def _one_head(ctx: PassContext, operand: _Heads) -> tuple[ir.Value, list[ir.Node]] | None:
     """The one [B, 1, L, H] key or value head that every query head reads (multi-query
     attention), whatever spells it out: repeated by repeat_kv (GPT-BigCode's sdpa) or
@@ -1592,13 +1584,13 @@ class _AttentionFusion(FusionPass):
             merged += nodes
         operands = self._merge_operands(ctx, match, shared)
         if isinstance(operands, str):
-            _disconnect(merged)
+            disconnect(merged)
             return operands
         merged += operands
         try:
             return self._fuse_with(ctx, match, merged, shared)
         finally:  # a declined site's merge nodes must not stay readers of the heads
-            _disconnect(merged)
+            disconnect(merged)
 
     def _fuse_with(
         self,
@@ -1817,7 +1809,7 @@ class _AttentionFusion(FusionPass):
         if refused is not None:  # left out by a bisection (and counted): so are its new values
             for key in set(shared) - cached:
                 del shared[key]
-            _disconnect(sizes)
+            disconnect(sizes)
             return None
         for reread in rereads:  # new ones placed at the fused op; their readers come before it
             move_before_readers(graph, reread.reading)

@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.einsum import plan
-from fusectl.rewrite.graph import node_label, remove_dead, replace_subgraph, typed
+from fusectl.rewrite.graph import disconnect, node_label, remove_dead, replace_subgraph, typed
 from fusectl.rewrite.layout import Layout, advance, follow, origin
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.size_reads import Part, move_before_readers, read_again, read_axes
@@ -274,12 +274,8 @@ class EinsumRecognitionPass(FusionPass):
             _operand(ctx, value, chain) for value, chain in zip(inputs, chains, strict=True)
         ]
         reason = next((operand for operand in operands if isinstance(operand, str)), None)
-        found = reason or _equation(
-            ctx,
-            [(operand[0], operand[2]) for operand in operands],
-            matmul,
-            product,  # type: ignore[index]
-        )
+        layouts = [(o[0], o[2]) for o in operands if not isinstance(o, str)]
+        found = reason or _equation(ctx, layouts, matmul, product)
         if isinstance(found, str):
             ctx.pattern(_PATTERN).decline(found, site)
             return
@@ -326,20 +322,11 @@ class EinsumRecognitionPass(FusionPass):
             [einsum.outputs[0], *(v for reread in rereads for v in reread.values)],
         )
         if refused is not None:
-            _disconnect(sizes)
+            disconnect(sizes)
             return
         for reread in rereads:  # placed at the Einsum; their readers may come before it
             move_before_readers(graph, reread.reading)
         remove_dead(graph, [node for node in read if node not in members])
-
-
-def _disconnect(nodes: list[ir.Node]) -> None:
-    """Drop the inputs of size nodes built for a rewrite that did not happen, so that they
-    do not stay readers of the graph's values."""
-    for node in nodes:
-        if node.graph is None:
-            for index in range(len(node.inputs)):
-                node.replace_input_with(index, None)
 
 
 # Nodes a site's size reads are followed through at most: tf2onnx's are a dozen.

@@ -447,6 +447,15 @@ def live_nodes(graph: ir.Graph) -> set[ir.Node]:
     return live
 
 
+def disconnect(nodes: list[ir.Node]) -> None:
+    """Drop the inputs of nodes built for a rewrite that did not happen (never inserted), so
+    that they do not stay readers of the graph's values."""
+    for node in nodes:
+        if node.graph is None:
+            for index in range(len(node.inputs)):
+                node.replace_input_with(index, None)
+
+
 def remove_dead(graph: ir.Graph, nodes: list[ir.Node | None]) -> None:
     """Remove the nodes left without readers by a rewrite (the Shape a folded Gather read), and
     what only they read: later passes then see the graph as it will be saved."""

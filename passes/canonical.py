@@ -35,6 +35,7 @@ from fusectl.rewrite.graph import (
     new_constant,
     remove_dead,
     replace_subgraph,
+    shape_of,
     typed,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
@@ -397,10 +398,8 @@ class BroadcastExpandEliminationPass(FusionPass):
         for expand in ctx.op_index.of_type(model.graph, "Expand"):
             if expand.graph is not model.graph:
                 continue
-            shape = expand.inputs[1].producer() if expand.inputs[1] is not None else None
-            while shape is not None and shape.op_type == "Cast" and shape.inputs[0] is not None:
-                shape = shape.inputs[0].producer()  # tf2onnx's int32 round trip of a shape
-            if shape is None or shape.op_type != "Shape" or shape.attributes:
+            shape = shape_of(expand.inputs[1])
+            if shape is None or shape.attributes:
                 continue
             first = _broadcast_reader(expand.outputs[0], shape.inputs[0])
             if first is None or expand.outputs[0].is_graph_output():

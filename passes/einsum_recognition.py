@@ -29,7 +29,13 @@ import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.einsum import plan
-from fusectl.rewrite.graph import disconnect, node_label, remove_dead, replace_subgraph, typed
+from fusectl.rewrite.graph import (
+    absorb_shape_arithmetic,
+    disconnect,
+    node_label,
+    replace_subgraph,
+    typed,
+)
 from fusectl.rewrite.layout import Layout, advance, follow, origin
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.size_reads import Part, move_before_readers, read_again, read_axes
@@ -122,11 +128,10 @@ def _copies(layout: Layout, whole: dict[int, tuple[ir.Value, int]]) -> list[Part
 
 def _operand(
     ctx: PassContext, value: ir.Value, chain: list[ir.Node]
-) -> tuple[ir.Value, list[ir.Node], Layout, Copies] | str:
+) -> tuple[ir.Value, list[ir.Node], Layout] | str:
     """The furthest source the chain to the MatMul operand ``value`` reaches whose every axis
-    arrives whole, the chain from it, the layout it gives and where the sizes of the chain's
-    values are read from; why none (the operand itself, tried last, arrives whole unless its
-    rank is unknown or an axis has size 1)."""
+    arrives whole, the chain from it and the layout it gives; why none (the operand itself,
+    tried last, arrives whole unless its rank is unknown or an axis has size 1)."""
     reason = ""
     for start in range(len(chain) + 1):
         source = chain[start].inputs[0] if start < len(chain) else value
@@ -137,7 +142,7 @@ def _operand(
         elif layout is not None and not all(layout.source):
             reason = "an operand has an axis of size 1"
         elif layout is not None and not layout.parts:
-            return source, chain[start:], layout, _chain_copies(ctx, source, chain[start:])
+            return source, chain[start:], layout
     return reason
 
 
@@ -279,39 +284,38 @@ class EinsumRecognitionPass(FusionPass):
         if isinstance(found, str):
             ctx.pattern(_PATTERN).decline(found, site)
             return
-        (a, a_chain, _, a_copies), (b, b_chain, _, b_copies) = operands  # type: ignore[misc]
+        (a, a_chain, _), (b, b_chain, _) = operands  # type: ignore[misc]
         equation, covered, copies = found
         site_nodes = [*a_chain, *b_chain, matmul, *product[:covered]]
         if _read_as_is(ctx, site_nodes):
             return  # GPT-2's context: its 4-D head merge, then a flatten the site stops before
         end = site_nodes[-1]
-        reads = _size_reads(ctx, site_nodes, end)
-        if isinstance(reads, str):
-            ctx.pattern(_PATTERN).decline(reads, site)
+        members = list(site_nodes)  # and the size arithmetic that only their targets read
+        absorb_shape_arithmetic(ctx, members, set())
+        elsewhere = _read_elsewhere(site_nodes, end, set(members))
+        if isinstance(elsewhere, str):
+            ctx.pattern(_PATTERN).decline(elsewhere, site)
             return
-        cone, elsewhere = reads
         rereads = []
         if elsewhere:  # read from the operands' axes, which stay
-            copies |= a_copies | b_copies
+            for source, chain in ((a, a_chain), (b, b_chain)):
+                copies |= _chain_copies(ctx, source, chain)
             sources = {reader: copies[reader.inputs[0]] for reader in elsewhere}  # type: ignore[index]
             needed = [(parts, read_axes(reader, len(parts))) for reader, parts in sources.items()]
             if any(parts[axis] is None for parts, axes in needed for axis in axes):
                 reason = "a size read outside the site is no axis of an operand (axes merged)"
                 ctx.pattern(_PATTERN).decline(reason, site)
                 return
-            removed = {*site_nodes, *cone}
             name = f"{self.spec.name}/{site}"
             rereads = [
-                read_again(ctx, graph, name, reader, sources[reader], removed)
+                read_again(ctx, graph, name, reader, sources[reader], set(members))
                 for reader in elsewhere
             ]
         einsum = ir.node("Einsum", [a, b], attributes={"equation": equation})
         typed(einsum.outputs[0], ctx.dtype(end.outputs[0]), ctx.shape(end.outputs[0]))
         sizes = [node for reread in rereads for node in reread.nodes]
         rewritten = [node for reread in rereads for node in reread.replaced_nodes]
-        old = [*cone, *elsewhere, *site_nodes, *rewritten]
-        members = set(old)
-        read = [value.producer() for node in old for value in node.inputs if value is not None]
+        old = [*members, *elsewhere, *rewritten]
         refused = replace_subgraph(
             ctx,
             _PATTERN,
@@ -326,23 +330,14 @@ class EinsumRecognitionPass(FusionPass):
             return
         for reread in rereads:  # placed at the Einsum; their readers may come before it
             move_before_readers(graph, reread.reading)
-        remove_dead(graph, [node for node in read if node not in members])
 
 
-# Nodes a site's size reads are followed through at most: tf2onnx's are a dozen.
-_MAX_SIZE_READS = 64
-
-
-def _size_reads(
-    ctx: PassContext, site: list[ir.Node], end: ir.Node
-) -> tuple[list[ir.Node], list[ir.Node]] | str:
-    """The Shapes outside the site that read its intermediates: (those that, with the shape
-    arithmetic on them, go only into the site's own Reshape targets and go with it, in graph
-    order; the others, to be read again from what stays). Why not, where anything but a Shape
-    reads an intermediate."""
-    members = set(site)
-    cone: set[ir.Node] = set()
-    elsewhere: list[ir.Node] = []
+def _read_elsewhere(
+    site: list[ir.Node], end: ir.Node, members: set[ir.Node]
+) -> list[ir.Node] | str:
+    """The Shapes outside ``members`` that read the site's intermediates, to be read again
+    from what stays; why not, where anything but a Shape reads one."""
+    found: list[ir.Node] = []
     for node in site:
         if node is end:
             continue
@@ -350,41 +345,9 @@ def _size_reads(
             if value.is_graph_output():
                 return "an intermediate of the site is a graph output"
             for reader, _ in value.uses():
-                if reader in members or reader in cone or reader in elsewhere:
+                if reader in members or reader in found:
                     continue
                 if reader.op_type != "Shape":
                     return f"an intermediate of the site is read by {reader.op_type} outside it"
-                closure = _confined(ctx, reader, members)
-                if closure is None:
-                    elsewhere.append(reader)
-                else:
-                    cone |= closure
-    graph = end.graph
-    assert graph is not None
-    return [node for node in graph if node in cone], elsewhere
-
-
-def _confined(ctx: PassContext, shape: ir.Node, members: set[ir.Node]) -> set[ir.Node] | None:
-    """``shape`` and the shape arithmetic reading it, where all of it goes into ``members``
-    (the site's Reshape targets); None where some of it is read elsewhere."""
-    closure = {shape}
-    pending = list(shape.outputs)
-    while pending:
-        value = pending.pop()
-        if value.is_graph_output():
-            return None
-        for reader, _ in value.uses():
-            if reader in members or reader in closure:
-                continue
-            if len(closure) >= _MAX_SIZE_READS or not all(_sizes(ctx, v) for v in reader.outputs):
-                return None
-            closure.add(reader)
-            pending.extend(reader.outputs)
-    return closure
-
-
-def _sizes(ctx: PassContext, value: ir.Value) -> bool:
-    """Whether ``value`` is shape arithmetic: an integer scalar or vector."""
-    shape = ctx.shape(value)
-    integer = ctx.dtype(value) in (ir.DataType.INT64, ir.DataType.INT32)
-    return integer and shape is not None and len(shape) <= 1
+                found.append(reader)
+    return found

@@ -9,7 +9,13 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import constant_value, node_axes, producer_of, transpose_perm
+from fusectl.rewrite.graph import (
+    constant_value,
+    node_axes,
+    producer_of,
+    shape_of,
+    transpose_perm,
+)
 from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
@@ -389,10 +395,7 @@ def _gathered_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] |
     another integer type: tf2onnx's batch axes of an einsum, read together to be multiplied,
     and the leading axes of a Keras Dense layer's tensordot."""
     gather = producer_of(value, "Gather")
-    shape = gather.inputs[0].producer() if gather is not None and gather.inputs[0] else None
-    while shape is not None and shape.op_type == "Cast" and shape.inputs[0] is not None:
-        shape = shape.inputs[0].producer()
-    shape = shape if shape is not None and shape.op_type == "Shape" else None
+    shape = shape_of(gather.inputs[0]) if gather is not None else None
     if shape is None or shape.inputs[0] is None or shape.inputs[0].shape is None:
         return None
     index = constant_value(gather.inputs[1])  # type: ignore[union-attr]

@@ -229,6 +229,15 @@ def producer_of(value: ir.Value | None, op_type: str) -> ir.Node | None:
     return node
 
 
+def shape_of(value: ir.Value | None) -> ir.Node | None:
+    """The Shape node that computes ``value``, through Casts between integer types on the way
+    (tf2onnx reads a shape as int32 and casts it back)."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type == "Cast" and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    return node if node is not None and node.op_type == "Shape" else None
+
+
 def node_label(node: ir.Node) -> str:
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
 

@@ -286,6 +286,8 @@ def optimize(
             assert report_path is not None
             staged.write(report_path, lambda path: reports.write_report(path, document))
         staged.commit()
+    if gate is not None:  # once all is written: a bad input gets its one line, and only it
+        gate.warn()
 
     checked = None
     if verify:
@@ -580,6 +582,8 @@ class FusectlPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         gate = repository_gate(self.providers, self.repository)
+        if gate is not None:
+            gate.warn()
         result = run_plan(
             model,
             self.plan,

@@ -454,12 +454,15 @@ def test_unseen_classes_and_other_providers_keep_the_pass_default(
     repository = with_decision(
         tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.5, unfused_ms=0.1
     )
-    # A model whose sites are of other classes (another hidden size): nothing is declined.
-    gpt2 = optimize(
-        FIXTURES / "gpt2_tiny_ts17.onnx", subdir(tmp_path, "gpt2"), "--repository", repository
+    # A model whose sites are of other classes (other fused ops: RMS norms, rotary, grouped
+    # attention): nothing is declined. (GPT-2's skip norms are BERT's class but for their
+    # epsilon, which decides nothing: test_a_decision_holds_for_another_epsilon.)
+    llama = optimize(
+        FIXTURES / "llama_tiny_ts17.onnx", subdir(tmp_path, "llama"), "--repository", repository
     )
-    ub = gpt2.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
+    ub = llama.fusion_result["session_and_graph_id_0_0"]["ub_fusion"]
     assert all(entry["repository_hit_times"] == "0" for entry in ub.values())
+    assert sum(int(entry["effect_times"]) for entry in ub.values()) > 0
     # The repository measured CPU only: for CUDA (installed here or not) it decides nothing.
     cuda = optimize(
         BERT, subdir(tmp_path, "cuda"), "--providers", "cuda", "--repository", repository
@@ -624,3 +627,64 @@ def test_api_optimize_takes_providers_and_repository(
     assert ops["SkipLayerNormalization"] == 0
     with pytest.raises(FusectlError, match="not an onnxruntime execution provider"):
         fusectl.optimize(str(BERT), providers="abacus")
+
+
+def test_a_section_measured_on_another_device_warns_only_after_a_run(tmp_path: Path) -> None:
+    """The shipped CPU section measured on another CPU applies with a warning once the run has
+    succeeded; a bad input gets its one line and nothing before it (on a CPU other than the
+    one the shipped repository was measured on, the warning came first)."""
+    document = json.loads((Path(fusectl.__file__).parent / "data/repository.json").read_text())
+    for section in document["sections"]:
+        section["device"] = "a CPU no machine has"
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(document))
+    good = optimize(BERT, subdir(tmp_path, "good"), "--repository", elsewhere)
+    assert "measured on a CPU no machine has" in good.stderr
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(BERT.read_bytes()[:1000])
+    result = run_cli("optimize", broken, "-o", tmp_path / "out.onnx", "--repository", elsewhere)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusectl: error: "), result.stderr
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_decision_holds_for_another_epsilon(tuned: tuple[Path, Any], tmp_path: Path) -> None:
+    """A norm measured with BERT's epsilon of 1e-12 decides for the same norm with Flax's 1e-6:
+    a floating-point attribute changes what a kernel computes, not how long it takes. (A Flax
+    encoder's skip norms were fused, 5% slower, for want of a class with its epsilon.)"""
+    repository = with_decision(
+        tuned[0], tmp_path / "slow.json", SKIP_LN, decision=UNFUSED, fused_ms=0.49, unfused_ms=0.06
+    )
+    model = onnx.load(str(BERT))
+    for node in model.graph.node:
+        if node.op_type == "LayerNormalization":
+            for attribute in node.attribute:
+                if attribute.name == "epsilon":
+                    attribute.f = 1e-6
+    other = tmp_path / "bert_epsilon.onnx"
+    onnx.save(model, str(other))
+    kept = optimize(other, subdir(tmp_path, "kept"), "--repository", repository)
+    entry = kept.passed(SKIP_LN)
+    assert (entry["matched"], entry["effected"], entry["repository_hits"]) == (4, 0, 4)
+    assert kept.op_counts()["SkipLayerNormalization"] == 0
+    assert_same_outputs(other, kept.output)
+
+
+@pytest.mark.parametrize(("fused_ms", "declined"), [(0.49, 4), (0.07, 0)])
+def test_a_decisive_verdict_holds_for_another_spelling(
+    tuned: tuple[Path, Any], tmp_path: Path, fused_ms: float, declined: int
+) -> None:
+    """The skip norm measured where BERT's norm is a LayerNormalization (opset 17) decides
+    where the same norm is written out (opset 14: pattern AddLayerNormPow, its epsilon and
+    exponent inputs of the site) when the verdict is decisive (the kernel 8x slower), not
+    when it is close (a few element-wise ops more or less could turn it)."""
+    repository = with_decision(
+        tuned[0], tmp_path / "r.json", SKIP_LN, decision=UNFUSED, fused_ms=fused_ms, unfused_ms=0.06
+    )
+    written_out = FIXTURES / "bert_tiny_ts14.onnx"
+    run = optimize(written_out, tmp_path, "--input_shape", SHAPES, "--repository", repository)
+    entry = run.passed(SKIP_LN)
+    assert run.passed(SKIP_LN)["patterns"]["AddLayerNormPow"]["matched"] == 4
+    assert (entry["effected"], entry["repository_hits"]) == (4 - declined, declined)
+    assert run.op_counts()["SkipLayerNormalization"] == 4 - declined

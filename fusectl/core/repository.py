@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -302,10 +303,47 @@ def choose_repository(repository: str | os.PathLike[str] | None, provider: str) 
 
 
 def _family(pass_name: Any, pattern: Any, fused: Any, attributes: Any) -> tuple | None:
-    """Site classes that differ only in their input shapes: one fusion, one set of attributes."""
+    """Site classes that differ only in their input shapes and the values of floating-point
+    attributes: one fusion, one set of the attributes its cost may depend on."""
     if not all(isinstance(v, str) for v in (pass_name, pattern)) or not isinstance(fused, list):
         return None
-    return pass_name, pattern, tuple(fused), json.dumps(attributes, sort_keys=True)
+    return (
+        pass_name,
+        pattern,
+        tuple(fused),
+        json.dumps(_cost_attributes(attributes), sort_keys=True),
+    )
+
+
+# A verdict this decisive (the slower side at least this many times the faster) also decides
+# the same kernel matched in another spelling of what it computes: spellings one pass matches
+# differ by a few element-wise ops, which do not close such a gap.
+DECISIVE = 2.0
+
+
+def _decisive(entry: Mapping[str, Any]) -> bool:
+    fused, unfused = entry.get("fused_ms"), entry.get("unfused_ms")
+    if entry.get("decision") not in (FUSED, UNFUSED) or not fused or not unfused:
+        return False
+    slower, faster = (fused, unfused) if entry["decision"] == UNFUSED else (unfused, fused)
+    return slower >= DECISIVE * faster
+
+
+def _tensor_inputs(inputs: Sequence[str]) -> list[str]:
+    """A site's inputs but its scalar constants (an epsilon, an exponent: what one spelling
+    reads as inputs and another as attributes)."""
+    return [signature for signature in inputs if not re.fullmatch(r"const \S+\[\]", signature)]
+
+
+def _cost_attributes(attributes: Any) -> Any:
+    """The attributes a kernel's time may depend on: all but the floating-point ones (an
+    epsilon, a scale), which change what it computes, not how long it takes (a norm measured
+    with BERT's epsilon of 1e-12 decides for Flax's 1e-6)."""
+    if isinstance(attributes, list):
+        return [_cost_attributes(item) for item in attributes]
+    if isinstance(attributes, Mapping):
+        return {k: v for k, v in attributes.items() if not isinstance(v, float)}
+    return attributes
 
 
 def _text_attributes(attributes: Any) -> frozenset:
@@ -371,12 +409,10 @@ def repository_gate(
     providers: str | Sequence[str] | None, repository: str | os.PathLike[str] | None
 ) -> RepositoryGate | None:
     """A fresh gate applying the repository's verdicts for the first provider, if it has a
-    section for it; one measured elsewhere is used with a warning in the log."""
+    section for it; one measured elsewhere is used with a warning (RepositoryGate.warn)."""
     provider = parse_provider_list(providers)[0]
     section, warning = choose_repository(repository, provider).section(provider)
-    if warning is not None:
-        logs.logger.warning("%s", warning)
-    return RepositoryGate(section) if section is not None else None
+    return RepositoryGate(section, warning=warning) if section is not None else None
 
 
 def ms(value: float) -> str:
@@ -391,11 +427,15 @@ class RepositoryGate:
     context as ``repository_hits``); ``decisions`` keeps one line per hit for the report."""
 
     section: Section
+    # Where the section was measured, when not with this onnxruntime on this device.
+    warning: str | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
     _passes: frozenset[str] = frozenset()
     _vetoed: dict[tuple[str, ir.Node], str] = field(default_factory=dict)
 
     _families: dict[tuple, list[tuple[list[str], str]]] = field(default_factory=dict)
+    # Decisive verdicts (DECISIVE), by kernel: (pass, fused ops, attributes) with any pattern.
+    _kernels: dict[tuple, list[tuple[list[str], str]]] = field(default_factory=dict)
     _refusals: dict[tuple, str] = field(default_factory=dict)  # unsupported, by _refusal
     # lookup's answers: a model's sites fall in a handful of classes.
     _found: dict[SiteClass, tuple[str, dict[str, Any]] | None] = field(default_factory=dict)
@@ -408,17 +448,27 @@ class RepositoryGate:
             )
             if family is not None and isinstance(entry.get("inputs"), list):
                 self._families.setdefault(family, []).append((entry["inputs"], key))
+                if _decisive(entry):
+                    kernel = (family[0], *family[2:])
+                    tensors = _tensor_inputs(entry["inputs"])
+                    self._kernels.setdefault(kernel, []).append((tensors, key))
             if entry["decision"] == UNSUPPORTED:
                 refusal = _refusal(*(entry.get(k) for k in _REFUSAL_FIELDS))
                 if refusal is not None:
                     self._refusals.setdefault(refusal, key)
 
+    def warn(self) -> None:
+        """Log where the verdicts were measured, if elsewhere (once a run has succeeded, so
+        that a bad input still gets its one line)."""
+        if self.warning is not None:
+            logs.logger.warning("%s", self.warning)
+
     def lookup(self, found: SiteClass) -> tuple[str, dict[str, Any]] | None:
         """The measurement that decides a site of class ``found``: its own class, else the
-        most specific measured class of the same fusion whose inputs cover the site's (a
-        dimension measured symbolic, ``?``, covers any size: a class measured for every
-        batch size holds for batch 1), else a refusal of the same fused ops with the same text
-        attributes and element types at other sizes."""
+        most specific measured class of the same fusion (floating-point attributes aside)
+        whose inputs cover the site's (a dimension measured symbolic, ``?``, covers any size:
+        a class measured for every batch size holds for batch 1), else a refusal of the same
+        fused ops with the same text attributes and element types at other sizes."""
         if found not in self._found:
             self._found[found] = self._measured(found)
         return self._found[found]
@@ -435,6 +485,13 @@ class RepositoryGate:
             for inputs, key in self._families.get(family, [])
             if _covers(inputs, found.inputs)
         ]
+        if not covering and family is not None:  # the same kernel matched in another spelling
+            tensors = _tensor_inputs(found.inputs)
+            covering = [
+                (sum(s.count("?") for s in inputs), key)
+                for inputs, key in self._kernels.get((family[0], *family[2:]), [])
+                if _covers(inputs, tensors)
+            ]
         if not covering:
             # By the types the kernels compute on, else as an entry without them reads.
             for types in (found.kernel_types, ()):

@@ -1070,13 +1070,15 @@ def _scaled_bias(
 
 def _widened(
     ctx: PassContext,
+    graph: ir.Graph,
     bias: ir.Value,
     shared: dict[object, tuple[ir.Value, ...]],
     single_head: bool,
 ) -> tuple[ir.Value, list[ir.Node]]:
     """A bias of rank < 4 ([query, key], a causal mask) broadcasts as [1, ..., query, key]:
-    the fused op takes it 4-D, Unsqueezed once for every layer that adds it. Added to 3-D
-    scores [X, S, L] read as one head over a batch of X, a 3-D bias is [X or 1, 1, S, L]."""
+    the fused op takes it 4-D, Unsqueezed once for every layer that adds it (in ``graph``, the
+    fused op's: the bias may be one the rewrite builds). Added to 3-D scores [X, S, L] read as
+    one head over a batch of X, a 3-D bias is [X or 1, 1, S, L]."""
     shape = ctx.shape(bias)
     assert shape is not None
     missing = 4 - len(shape)
@@ -1086,8 +1088,6 @@ def _widened(
     key = ("4-D bias", bias, tuple(leading))
     if key in shared:
         return shared[key][0], []
-    graph = bias.graph
-    assert graph is not None
     name = f"{ctx.spec.name}/unsqueeze_axes_{'_'.join(map(str, leading))}"
     unsqueeze = new_unsqueeze(ctx, graph, bias, leading, name)
     widened = list(shape)
@@ -1712,7 +1712,9 @@ class _AttentionFusion(FusionPass):
             clamped = [_clamped(b, match.root, shared) for b in biases]
             biases = [value for value, _ in clamped]
             new_nodes += [node for _, nodes in clamped for node in nodes]
-        widened = [_widened(ctx, bias, shared, match.single_head) for bias in biases]
+        graph = match.root.graph
+        assert graph is not None
+        widened = [_widened(ctx, graph, bias, shared, match.single_head) for bias in biases]
         biases = widened_biases = [value for value, _ in widened]
         new_nodes += [node for _, nodes in widened for node in nodes]
         computed, prelude = self._prelude(ctx, match, shared)

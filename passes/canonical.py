@@ -32,7 +32,9 @@ from fusectl.rewrite.graph import (
     bypass,
     bypass_refusal,
     constant_value,
+    element_count,
     new_constant,
+    node_label,
     remove_dead,
     replace_subgraph,
     shape_of,
@@ -40,6 +42,14 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.shapes import named
+from fusectl.rewrite.spread import (
+    ARITHMETIC,
+    BROADCASTING,
+    SHAPE_KEEPING,
+    splat,
+    spread_sources,
+    uniform,
+)
 
 
 def _sliced_lengths(ctx: PassContext, node: ir.Node) -> list[tuple[int, int, bool]] | None:
@@ -368,15 +378,6 @@ _RANDOM = frozenset(
 )
 
 
-# Element-wise ops that broadcast their inputs to one shape, and one-input element-wise ops that
-# keep a shape (what may stand between an Expand and the op that broadcasts it anyway).
-_BROADCASTING = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal",
-     "Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
-)  # fmt: skip
-_SHAPE_KEEPING = frozenset({"Cast", "Not", "Neg", "Identity"})
-
-
 @register_pass
 class BroadcastExpandEliminationPass(FusionPass):
     """Not a pattern: each Expand to another tensor's run-time shape is judged alone."""
@@ -434,10 +435,207 @@ def _broadcast_reader(
         reader = reader or (node, index)
         if node.domain not in ("", "ai.onnx"):
             return None
-        if node.op_type in _BROADCASTING and target is not None and target in node.inputs:
+        if node.op_type in BROADCASTING and target is not None and target in node.inputs:
             return (*reader, between)
-        if node.op_type not in _BROADCASTING and node.op_type not in _SHAPE_KEEPING:
+        if node.op_type not in BROADCASTING and node.op_type not in SHAPE_KEEPING:
             return None
         current = node.outputs[0]  # broadcast with others first (Keras's And of a mask)
         between.append(current)
     return None
+
+
+@register_pass
+class BroadcastZeroEliminationPass(FusionPass):
+    """Not a pattern: each Add of a zero spread at run time is judged alone."""
+
+    spec = PassSpec(
+        name="BroadcastZeroEliminationPass",
+        category=Category.GRAPH,
+        description="x + zeros spread to other tensors' shapes (zeros_like(a) + zeros_like(b)"
+        "), read (through Casts) by an element-wise op that reads those tensors too -> x: the "
+        "op broadcasts to their shape anyway (paddle's where, as paddle2onnx writes it)",
+        aliases=("ZeroBroadcastElimination",),
+        priority=3036,
+        emits=(),
+        canonical=True,
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        seen: dict[ir.Value, np.ndarray | None] = {}
+        reached = _spread_readers(ctx, graph)
+        for add in list(ctx.op_index.of_type(graph, "Add", ("", "ai.onnx"))):
+            if add not in reached or len(add.inputs) != 2 or None in add.inputs:
+                continue
+            for index, zeros in enumerate(add.inputs):
+                if not _is_zero(zeros, seen) or add.outputs[0].is_graph_output():  # type: ignore[arg-type]
+                    continue
+                if _is_zero(add.inputs[1 - index], seen):  # type: ignore[arg-type]
+                    break  # the zeros' own sum, which goes once nothing reads it
+                sources = spread_sources(zeros)  # type: ignore[arg-type]
+                ranks = [len(shape) for shape in map(ctx.shape, sources or []) if shape]
+                if not ranks:
+                    break  # a constant zero (NeutralOperandElimination's), or one of rank 0
+                site = node_label(add)
+                found = _broadcasting_reader(add.outputs[0])
+                if found is None or not _covered(sources, found[0]):
+                    ctx.pattern("BroadcastZero").decline(
+                        "the zeros widen the value to a shape its reader does not broadcast to",
+                        site,
+                    )
+                    break
+                if not ctx.may_rewrite("BroadcastZero", site):
+                    break
+                for value_on_the_way in found[1]:  # narrower now: inferred again
+                    value_on_the_way.shape = None
+                bypass(add, 1 - index)
+                ctx.record_fusion("BroadcastZero", [add], [])
+                remove_dead(graph, [zeros.producer()])  # type: ignore[union-attr]
+                break
+        if ctx.changed and ctx.shapes is not None:
+            ctx.shapes.invalidate()
+
+
+def _spread_readers(ctx: PassContext, graph: ir.Graph) -> set[ir.Node]:
+    """The nodes of ``graph`` that read a value spread at run time (an Expand's or a
+    ConstantOfShape's, through Casts and arithmetic): where a zero spread can be added, found
+    from the few spreads rather than by asking each Add of the graph."""
+    pending = [
+        node.outputs[0]
+        for op_type in ("Expand", "ConstantOfShape")
+        for node in ctx.op_index.of_type(graph, op_type, ("", "ai.onnx"))
+        if node.graph is graph
+    ]
+    reached: set[ir.Node] = set()
+    while pending:
+        for user, _ in pending.pop().uses():
+            if user not in reached and user.graph is graph:
+                reached.add(user)
+                if user.op_type in ("Cast", "Identity", *ARITHMETIC):
+                    pending.append(user.outputs[0])
+    return reached
+
+
+def _covered(sources: list[ir.Value], reader: ir.Node) -> bool:
+    """Whether ``reader`` reads each source, or what it computes with shape-keeping ops, widened
+    by nothing but shape-keeping ops and Adds: its output is then no narrower than any source,
+    and a zero spread to their shapes adds nothing to its shape."""
+    read = {_origin(value, widening=True) for value in reader.inputs if value is not None}
+    return all(_origin(source, widening=False) in read for source in sources)
+
+
+def _broadcasting_reader(value: ir.Value) -> tuple[ir.Node, list[ir.Value]] | None:
+    """(the broadcasting op that reads ``value`` through shape-keeping ops only, each the only
+    reader of the last; the values on the way)."""
+    between: list[ir.Value] = []
+    for _ in range(4):
+        uses = list(value.uses())
+        if len(uses) != 1 or value.is_graph_output():
+            return None
+        node = uses[0][0]
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type in BROADCASTING:
+            return node, between
+        if node.op_type not in SHAPE_KEEPING:
+            return None
+        value = node.outputs[0]
+        between.append(value)
+    return None
+
+
+def _origin(value: ir.Value, *, widening: bool) -> ir.Value:
+    """The value ``value`` is computed from by shape-keeping ops (and, ``widening``, by Adds of
+    a zero spread at run time, which can only widen it)."""
+    seen: dict[ir.Value, np.ndarray | None] = {}
+    for _ in range(8):
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            break
+        if node.op_type in SHAPE_KEEPING and node.inputs and node.inputs[0] is not None:
+            value = node.inputs[0]
+            continue
+        if not widening or node.op_type != "Add" or len(node.inputs) != 2 or None in node.inputs:
+            break
+        zero = [_is_zero(operand, seen) for operand in node.inputs]  # type: ignore[arg-type]
+        if zero[0] == zero[1]:
+            break
+        value = node.inputs[1 if zero[0] else 0]  # type: ignore[assignment]
+    return value
+
+
+def _is_zero(value: ir.Value, seen: dict[ir.Value, np.ndarray | None]) -> bool:
+    found = splat(value, seen)
+    return found is not None and found == 0
+
+
+# Constants larger than this are not read to test whether their elements are all equal.
+_SPLAT_ELEMENTS = 1 << 24
+
+
+@register_pass
+class SplatConstantCanonicalizationPass(FusionPass):
+    """Not a pattern: each Where reading a constant whose elements are all equal is judged
+    alone. (Only Where: a constant of one value read by arithmetic is a scale or a bias the
+    fusions take as it is, or NeutralOperandElimination's.)"""
+
+    spec = PassSpec(
+        name="SplatConstantCanonicalizationPass",
+        category=Category.GRAPH,
+        description="a Where's constant whose elements are all equal, where its other inputs "
+        "broadcast to the constant's shape or larger -> its one element: MindSpore's masked "
+        "fill, Where(mask, full([2, 4, 16, 16], -1e9), scores), which the attention passes read "
+        "with a scalar fill",
+        aliases=("ScalarSplatConstant",),
+        priority=3036,
+        emits=(),
+        canonical=True,
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        graph = model.graph
+        inputs = {value.name for value in graph.inputs}
+        for constant in list(graph.initializers.values()):
+            tensor = constant.const_value
+            if tensor is None or constant.name in inputs or constant.is_graph_output():
+                continue
+            if not 1 < element_count(tensor) <= _SPLAT_ELEMENTS:
+                continue
+            readers = [
+                (node, index)
+                for node, index in constant.uses()
+                if node.op_type == "Where"
+                and node.domain in ("", "ai.onnx")
+                and node.graph is graph
+            ]
+            element = splat(constant, {}) if readers and uniform(tensor) else None
+            if element is None:
+                continue
+            scalar = None
+            for node, index in readers:
+                others = [ctx.shape(v) for i, v in enumerate(node.inputs) if i != index and v]
+                if not _static_cover(others, list(tensor.shape)):
+                    continue
+                site = node_label(node)
+                if not ctx.may_rewrite("SplatConstant", site):
+                    continue
+                if scalar is None:
+                    scalar = new_constant(graph, f"{constant.name}/element", element)
+                node.replace_input_with(index, scalar)
+                ctx.record_fusion("SplatConstant", [node], [node])
+            if scalar is not None and not constant.uses():
+                graph.initializers.pop(constant.name)
+
+
+def _static_cover(shapes: list[ir.Shape | None], target: list[int]) -> bool:
+    """Whether the broadcast of ``shapes`` has ``target``'s shape or a larger one: each axis of
+    ``target`` larger than 1 is, counted from the end, that static size in one of them."""
+    known = [list(shape) for shape in shapes if shape is not None]
+    for offset, size in enumerate(reversed(target), 1):
+        if size == 1:
+            continue
+        if not any(len(shape) >= offset and shape[-offset] == size for shape in known):
+            return False
+    return any(len(shape) >= len(target) for shape in known)

@@ -55,12 +55,15 @@ def _site(node: ir.Node) -> _Layer | None:
     return _Layer(node, gemm, flatten)
 
 
-def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
+def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int, list[int]]:
     """Why the layer cannot be written as MatMul + Add on the activation; else its [in, out]
-    weights and the rank of its output (the activation's trailing axes beyond it are the
-    ones the first Reshape merged with the last: heads merged and flattened at once)."""
+    weights, the rank of its output (the activation's trailing axes beyond it are the
+    ones the first Reshape merged with the last: heads merged and flattened at once) and the
+    sizes its outputs are split into after (heads split at once; none where they are not)."""
     gemm, x = layer.gemm, layer.x
-    shared = uses_outside([layer.flatten, gemm, layer.unflatten], [layer.unflatten.outputs[0]])
+    # The flatten may be shared (MindSpore flattens once for the query, key and value): it
+    # stays for its other readers, each rewritten in turn.
+    shared = uses_outside([gemm, layer.unflatten], [layer.unflatten.outputs[0]])
     if shared is not None:
         return shared
     if gemm.attributes.get_int("transA", 0):
@@ -83,6 +86,18 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
             return "the Gemm bias does not broadcast along the output's last axis only"
     shape = ctx.shape(x)
     parts = target_parts(ctx, layer.unflatten.inputs[1])
+    split: list[int] = []
+    if shape is not None and parts is not None and len(parts) > len(shape) >= 2:
+        # The outputs split as they are restored ([..., heads, head_size]: a projection that
+        # reshapes to heads at once, jax2onnx's): the split is its own Reshape after.
+        split = parts[len(shape) - 1 :]  # type: ignore[assignment]
+        known = [p for p in split if p != -1]
+        if not all(isinstance(p, int) and p > 0 for p in known) or len(split) - len(known) > 1:
+            return "the second Reshape splits the outputs into sizes not known before run time"
+        if n % int(np.prod(known)) or (len(known) == len(split) and np.prod(known) != n):
+            return f"the second Reshape splits the outputs into sizes that are not the Gemm's {n}"
+        split = [n // int(np.prod(known)) if p == -1 else p for p in split]
+        parts = [*parts[: len(shape) - 1], n]
     if shape is None or parts is None or not 3 <= len(parts) <= len(shape):
         return "the second Reshape does not restore the activation's leading axes"
     # Gemm takes 2-D input only, so the first Reshape made [rows, k]. The second restoring the
@@ -105,7 +120,7 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int]:
             restored = same_dimension(part, size, x, position, shape)
         if not restored:
             return f"the second Reshape's size {position} is not the activation's"
-    return weight, len(parts)
+    return weight, len(parts), split
 
 
 @register_pass
@@ -146,7 +161,13 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
 
     @staticmethod
     def _rewrite(
-        ctx: PassContext, graph: ir.Graph, layer: _Layer, weight: np.ndarray, rank: int, site: str
+        ctx: PassContext,
+        graph: ir.Graph,
+        layer: _Layer,
+        weight: np.ndarray,
+        rank: int,
+        split: list[int],
+        site: str,
     ) -> None:
         gemm = layer.gemm
         transposed = bool(gemm.attributes.get_int("transB", 0))
@@ -165,20 +186,30 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
             new_nodes.append(ir.node("Reshape", [activation, merge]))
             activation = new_nodes[-1].outputs[0]
         output = layer.unflatten.outputs[0]
+        # The layer's own output shape; the split's Reshape gives the site's.
+        unsplit = None if split else output.shape
         result = ir.node("MatMul", [activation, weights]).outputs[0]
         layer_nodes = [result.producer()]
         if layer.bias is not None:
-            typed(result, output.dtype, output.shape)
+            typed(result, output.dtype, unsplit)
             result = ir.node("Add", [result, layer.bias]).outputs[0]
             layer_nodes.append(result.producer())
-        typed(result, output.dtype, output.shape)
+        typed(result, output.dtype, unsplit)
+        if split:
+            target = new_constant(
+                graph, f"{ctx.spec.name}/{site}/split", np.array([0] * (rank - 1) + split)
+            )
+            layer_nodes.append(ir.node("Reshape", [result, target]))
+            result = typed(layer_nodes[-1].outputs[0], output.dtype, output.shape)
         new_nodes += layer_nodes
         # The targets' shape arithmetic, read before the Reshapes go: removed once unread.
         targets = [layer.unflatten.inputs[1], layer.flatten.inputs[1]]
         shape_code = [target.producer() for target in targets if target is not None]
-        old = [layer.flatten, gemm, layer.unflatten]
+        flattened = layer.flatten.outputs[0]
+        alone = all(user is gemm for user, _ in flattened.uses())
+        old = [layer.flatten, gemm, layer.unflatten] if alone else [gemm, layer.unflatten]
         declined = replace_subgraph(
             ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result]
         )
         if declined is None:
-            remove_dead(graph, shape_code)
+            remove_dead(graph, [*shape_code, layer.flatten])

@@ -1,4 +1,5 @@
-"""Arithmetic with a neutral operand removed: ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0`` -> ``x``.
+"""Arithmetic with a neutral operand removed: ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0`` -> ``x``;
+and with a sign operand, ``x * -1`` and ``x / -1`` -> ``Neg(x)``.
 
 TorchScript keeps diffusers' ``output_scale_factor`` and ``rescale_output_factor`` (1.0 by
 default) as ``Div(x, 1.0)``: 16 in a Stable Diffusion UNet, one between each attention's output
@@ -14,13 +15,15 @@ goes where it provably leaves ``x``'s shape: a constant operand no larger than `
 axis, and of no more axes; a run-time one where the op's result provably has ``x``'s shape. Exact:
 ``x * 1``, ``x / 1`` and ``x - 0`` are ``x`` bit for bit, ``x + 0`` too but that a negative zero
 becomes a positive one.
+
+paddle2onnx writes ``paddle.scale`` as a Mul and an Add, so a negation is ``x * -1 + 0``: the
+rotate-half of a rotary embedding then has no Neg for the rotary passes to find. ``x * -1`` is
+``-x`` bit for bit, and is written so.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
-from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -33,74 +36,25 @@ from fusectl.rewrite.graph import (
     element_count,
     node_label,
     remove_dead,
+    replace_subgraph,
+    typed,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 from fusectl.rewrite.shapes import equal_shapes
+from fusectl.rewrite.spread import ARITHMETIC, splat
 
 # op -> (its neutral value, the input positions that value may take)
 _NEUTRAL = {"Mul": (1, (0, 1)), "Div": (1, (1,)), "Add": (0, (0, 1)), "Sub": (0, (1,))}
-_ARITHMETIC: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "Mul": operator.mul,
-    "Add": operator.add,
-    "Sub": operator.sub,
-    "Div": operator.truediv,
-}
-_SPLAT_DEPTH = 6
+# op -> the input positions where a -1 makes it a negation
+_NEGATING = {"Mul": (0, 1), "Div": (1,)}
+_NEGATION = "SignProduct"
 # The ops whose output is a spread constant when their inputs are (splat follows them).
 _SPREADING = frozenset(
-    {"Expand", "Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", *_ARITHMETIC}
+    {"Expand", "Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", *ARITHMETIC}
 )
 # Initializers larger than this are weights, not the constants exporters write for a scale
-# (walks start from small initializers of zeros or ones).
+# (walks start from small initializers of zeros, ones or minus ones).
 _SEED_ELEMENTS = 1 << 16
-
-
-def splat(
-    value: ir.Value | None, seen: dict[ir.Value, np.ndarray | None], depth: int = 0
-) -> np.ndarray | None:
-    """The one value every element of ``value`` has (0-d, of its element type) where that is
-    known before run time, whatever the shape: a constant, an Expand or ConstantOfShape of one,
-    a Cast or element-wise arithmetic of such; else None. ``seen`` holds the answers so far
-    (a chain of arithmetic is walked once, not from each of its nodes)."""
-    if value is None or depth > _SPLAT_DEPTH:
-        return None
-    if value not in seen:
-        seen[value] = _splat(value, seen, depth)
-    return seen[value]
-
-
-def _splat(
-    value: ir.Value, seen: dict[ir.Value, np.ndarray | None], depth: int
-) -> np.ndarray | None:
-    array = constant_value(value)
-    if array is not None:
-        flat = array.reshape(-1)
-        if flat.size == 0 or not (flat == flat[0]).all():
-            return None
-        return flat[:1].reshape(())
-    producer = value.producer()
-    if producer is None or producer.domain not in ("", "ai.onnx"):
-        return None
-    inputs = producer.inputs
-    if producer.op_type == "Expand":
-        return splat(inputs[0], seen, depth + 1)
-    if producer.op_type == "ConstantOfShape":
-        attribute = producer.attributes.get("value")
-        if attribute is None:
-            return np.zeros((), np.float32)
-        return attribute.as_tensor().numpy().reshape(-1)[:1].reshape(())
-    if producer.op_type == "Cast":
-        inner = splat(inputs[0], seen, depth + 1)
-        target = ir.DataType(producer.attributes.get_int("to", 0)).numpy()
-        return None if inner is None else inner.astype(target)
-    if producer.op_type in _ARITHMETIC and len(inputs) == 2:
-        a = splat(inputs[0], seen, depth + 1)
-        b = None if a is None else splat(inputs[1], seen, depth + 1)
-        if a is None or b is None or a.dtype != b.dtype or a.dtype.kind != "f":
-            return None  # integer Div truncates; keep to what numpy computes alike
-        with np.errstate(all="ignore"):
-            return np.asarray(_ARITHMETIC[producer.op_type](a, b), dtype=a.dtype)
-    return None
 
 
 def _keeps_shape(ctx: PassContext, node: ir.Node, x: ir.Value, operand: ir.Value) -> bool:
@@ -121,18 +75,19 @@ def _keeps_shape(ctx: PassContext, node: ir.Node, x: ir.Value, operand: ir.Value
 
 
 def _seeds(ctx: PassContext, initializer: ir.Value) -> bool:
-    """Whether the initializer is a small constant of zeros or ones to walk from. The answer
-    is kept across rounds, and read from the stored bytes where it can: converting each of a
-    100k-node graph's 23k initializers to an array took 0.9 s, most of it naming its type."""
+    """Whether the initializer is a small constant of zeros, ones or minus ones to walk from.
+    The answer is kept across rounds, and read from the stored bytes where it can: converting
+    each of a 100k-node graph's 23k initializers to an array took 0.9 s, most of it naming
+    its type."""
     key = ("neutral operand seed", initializer)
     found = ctx.facts.get(key)
     if found is None:
-        found = ctx.facts[key] = _zeros_or_ones(initializer.const_value)
+        found = ctx.facts[key] = _seed_values(initializer.const_value)
     return bool(found)
 
 
-def _zeros_or_ones(tensor: ir.TensorProtocol | None) -> bool:
-    """Whether the tensor is small and all zeros or all ones."""
+def _seed_values(tensor: ir.TensorProtocol | None) -> bool:
+    """Whether the tensor is small and all zeros, all ones or all minus ones."""
     if tensor is None or not 0 < element_count(tensor) <= _SEED_ELEMENTS:
         return False
     if isinstance(tensor, ir.serde.TensorProtoTensor):
@@ -150,21 +105,24 @@ def _zeros_or_ones(tensor: ir.TensorProtocol | None) -> bool:
         return False
     return (
         array.dtype.kind in "fiub"
-        and (array.flat[0] == 0 or array.flat[0] == 1)
+        and array.flat[0] in (0, 1, -1)
         and bool((array == array.flat[0]).all())
     )
 
 
 @functools.cache
 def _neutral_bytes(data_type: int) -> tuple[bytes, ...]:
-    """How a 0 and a 1 of this element type are stored (none for types numpy lacks)."""
+    """How a 0, a 1 and (signed types) a -1 of this element type are stored (none for types
+    numpy lacks)."""
     try:
         dtype = ir.DataType(data_type).numpy()
     except (TypeError, ValueError):
         return ()
-    if np.dtype(dtype).kind not in "fiub":
+    kind = np.dtype(dtype).kind
+    if kind not in "fiub":
         return ()
-    return tuple(np.array([value], dtype).tobytes() for value in (0, 1))
+    values = (0, 1, -1) if kind in "fi" else (0, 1)
+    return tuple(np.array([value], dtype).tobytes() for value in values)
 
 
 @register_pass
@@ -180,11 +138,11 @@ class NeutralOperandEliminationPass(FusionPass):
         description="x * 1, x / 1, x + 0, x - 0 -> x, the neutral operand a constant or a "
         "constant spread at run time (Expand, ConstantOfShape), where the op keeps x's shape: "
         "TorchScript's Div by diffusers' output scale factors, the zero baddbmm term of "
-        "diffusers' classic attention scores",
+        "diffusers' classic attention scores; x * -1 -> Neg(x) (paddle2onnx's negation)",
         aliases=("neutral_operand_elimination", "EliminateNeutralOperand"),
         priority=3012,  # beside IdentityElimination, before any fusion reads through them
         canonical=True,
-        emits=(),
+        emits=("Neg",),
     )
     counts_changes = True
     pattern = "NeutralOperand"
@@ -248,4 +206,28 @@ class NeutralOperandEliminationPass(FusionPass):
                 remove_dead(graph, [source])
             ctx.record_fusion(self.pattern, [node], [])
             return None
+        for position in _NEGATING.get(node.op_type, ()):
+            operand, x = node.inputs[position], node.inputs[1 - position]
+            value = splat(operand, seen)
+            if value is None or x is None or value != -1:
+                continue
+            assert operand is not None
+            if _keeps_shape(ctx, node, x, operand):
+                self._negate(ctx, node, x, operand)
+            return None
         return None
+
+    @staticmethod
+    def _negate(ctx: PassContext, node: ir.Node, x: ir.Value, operand: ir.Value) -> None:
+        """``node`` (x * -1, x / -1) written as Neg(x)."""
+        graph = node.graph
+        assert graph is not None
+        negation = ir.node("Neg", [x])
+        output = node.outputs[0]
+        typed(negation.outputs[0], ctx.dtype(output), output.shape)
+        source = operand.producer()
+        replaced = replace_subgraph(
+            ctx, _NEGATION, node, [node], [negation], node.outputs, negation.outputs
+        )
+        if replaced is None and source is not None:
+            remove_dead(graph, [source])

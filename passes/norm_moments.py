@@ -17,17 +17,17 @@ from there.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_scalar,
     constant_value,
-    new_constant,
+    new_reduce_mean,
     node_axes,
     node_label,
     replace_subgraph,
+    squared,
     typed,
 )
 from fusectl.rewrite.registry import (
@@ -39,9 +39,6 @@ from fusectl.rewrite.registry import (
 )
 
 _ONNX = ("", "ai.onnx")
-# From this opset ReduceMean takes its axes as an input.
-_AXES_INPUT_OPSET = 18
-_LAST = np.array([-1], np.int64)
 
 
 class _Declined(Exception):
@@ -130,7 +127,7 @@ class _Norm:
         if variance_mean is None or _trailing_mean_axes(ctx, variance_mean) is None:
             raise _Declined("the variance is not a mean over the trailing axes")
         square = variance_mean.inputs[0].producer() if variance_mean.inputs[0] else None
-        centred = _squared(square)
+        centred = squared(square)
         difference = _producer(centred, "Sub")
         if difference is None:
             raise _Declined("the variance is not the mean of (x - mean) squared")
@@ -200,17 +197,6 @@ class _Norm:
         return gamma[0], beta, root, [*tree, of_x, of_mean, *negations, scale, reciprocal]
 
 
-def _squared(node: ir.Node | None) -> ir.Value | None:
-    """d where the node is d * d or Pow(d, 2)."""
-    if node is None or node.domain not in _ONNX:
-        return None
-    if node.op_type == "Mul" and node.inputs[0] is node.inputs[1]:
-        return node.inputs[0]
-    if node.op_type == "Pow" and constant_scalar(node.inputs[1]) == 2.0:
-        return node.inputs[0]
-    return None
-
-
 @register_pass
 class MomentsNormCanonicalizationPass(FusionPass):
     """Not a pattern: each Reciprocal is asked whether it is the heart of a moments-form norm,
@@ -273,11 +259,7 @@ def _as_reduce_mean(model: ir.Model, ctx: PassContext, pool: ir.Node) -> None:
     """GlobalAveragePool of a rank-3 value -> ReduceMean over its last axis, kept."""
     x = pool.inputs[0]
     assert x is not None
-    if ctx.opset >= _AXES_INPUT_OPSET:
-        name = f"{MomentsNormCanonicalizationPass.spec.name}/last_axis"
-        axes = model.graph.initializers.get(name) or new_constant(model.graph, name, _LAST)
-        mean = ir.node("ReduceMean", [x, axes], attributes={"keepdims": 1})
-    else:
-        mean = ir.node("ReduceMean", [x], attributes={"axes": [-1], "keepdims": 1})
+    name = f"{MomentsNormCanonicalizationPass.spec.name}/last_axis"
+    mean = new_reduce_mean(ctx, model.graph, x, [-1], name)
     typed(mean.outputs[0], ctx.dtype(pool.outputs[0]), ctx.shape(pool.outputs[0]))
     replace_subgraph(ctx, "MomentsMean", pool, [pool], [mean], pool.outputs, mean.outputs)

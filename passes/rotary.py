@@ -50,6 +50,7 @@ from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
     Size,
     axis_size,
+    last_axis_positions,
     last_axis_slice,
     shape_element,
     slice_operands,
@@ -186,9 +187,12 @@ def _keeps_leading(
     return all(_same_dim(before[axis], after[axis]) or copied(axis) for axis in range(count))
 
 
-def _rotate_half_of(value: ir.Value, head_size: int) -> tuple[ir.Value, list, bool] | None:
+def _rotate_half_of(
+    ctx: PassContext, value: ir.Value, head_size: int
+) -> tuple[ir.Value, list, bool] | None:
     """x from Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1) or its negation Concat(x[...,
-    H/2:], Neg(x[..., :H/2])), the nodes doing it and whether it is negated."""
+    H/2:], Neg(x[..., :H/2])), the nodes doing it and whether it is negated. The halves are
+    read by which elements they hold (two Slices, a Split, Gathers), not by the op."""
     concat = producer_of(value, "Concat")
     if (
         concat is None
@@ -200,16 +204,14 @@ def _rotate_half_of(value: ir.Value, head_size: int) -> tuple[ir.Value, list, bo
     if signed is None:
         return None
     high_value, low_value, negate, flipped = signed
-    high, low = producer_of(high_value, "Slice"), producer_of(low_value, "Slice")
-    if high is None or low is None or high.inputs[0] is not low.inputs[0]:
+    high, low = last_axis_positions(ctx, high_value), last_axis_positions(ctx, low_value)
+    if high is None or low is None or high[0] is not low[0]:
         return None
     half = head_size // 2
-    high_range, low_range = last_axis_slice(high, 4), last_axis_slice(low, 4)
-    if high_range is None or low_range is None:
+    if high[1] != list(range(half, head_size)) or low[1] != list(range(half)):
         return None
-    if high_range[0] != half or high_range[1] < head_size or low_range != (0, half):
-        return None
-    return low.inputs[0], [concat, negate, high, low], flipped
+    halves = list(dict.fromkeys(v.producer() for v in (high_value, low_value)))
+    return low[0], [concat, negate, *halves], flipped
 
 
 def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
@@ -223,7 +225,7 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
             if shape is None or len(shape) != 4 or not isinstance(shape[3], int):
                 continue
             for half_turn, sin in (rotated.inputs, rotated.inputs[::-1]):
-                halves = _rotate_half_of(half_turn, int(shape[3]))
+                halves = _rotate_half_of(ctx, half_turn, int(shape[3]))
                 pairs = None if halves is not None else _rotate_every_two_of(ctx, half_turn)
                 for found, interleaved in ((halves, False), (pairs, True)):
                     if found is not None and found[0] is x:

@@ -5,6 +5,7 @@ leaves alone what it must, and keeps outputs equal on onnxruntime (optimize_chec
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,9 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import Run
+from tests.conftest import Run, digest, optimize
 from tests.pass_helpers import (
+    compare_on_feeds,
     const,
     fixture_path,
     optimize_checked,
@@ -221,7 +223,9 @@ def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
     )
 
 
-def _flatten_model(tmp_path: Path, name: str, leading: list[onnx.NodeProto]) -> Path:
+def _flatten_model(
+    tmp_path: Path, name: str, leading: list[onnx.NodeProto], extra: Sequence = ()
+) -> Path:
     """y = Reshape(x, Concat(leading, [-1])), x [batch, 4, 2, 3]: ``x.flatten(2)`` as the
     exporters write it, the leading sizes read from x as one run ("lead")."""
     nodes = [
@@ -237,6 +241,7 @@ def _flatten_model(tmp_path: Path, name: str, leading: list[onnx.NodeProto]) -> 
         const("four", [4], np.int64),
         const("minus_four", [-4], np.int64),
         const("minus_two", [-2], np.int64),
+        *extra,
     ]
     inputs = [value("x", ["batch", 4, 2, 3])]
     return save_model(
@@ -275,6 +280,29 @@ def test_a_strided_read_of_sizes_stays(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(RESHAPE) == (0, 0)
     assert run.op_counts()["Shape"] == 1
+
+
+def test_a_size_read_through_views_becomes_zero(tmp_path: Path) -> None:
+    """paddle2onnx reads one size as Unsqueeze(Reshape(Squeeze(Slice(Shape(x), [i], [i + 1])),
+    [])): views of the one element, which is x's size i all the same. x [batch, 4, 2, 3] ->
+    [batch, 4, 6]: the target is [0, 4, -1], as for the other spellings."""
+    leading = [
+        helper.make_node("Slice", ["shape", "zero", "one"], ["first"]),
+        helper.make_node("Squeeze", ["first", "zero"], ["scalar"]),
+        helper.make_node("Reshape", ["scalar", "scalar_shape"], ["size"]),
+        helper.make_node("Unsqueeze", ["size", "zero"], ["batch"]),
+        helper.make_node("Concat", ["batch", "four"], ["lead"], axis=0),
+    ]
+    model = _flatten_model(
+        tmp_path,
+        "views",
+        leading,
+        [const("one", [1], np.int64), const("scalar_shape", np.zeros(0), np.int64)],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    assert _target(run) == [0, 4, -1]
+    assert run.op_counts() == Counter({"Reshape": 1})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,3 +386,161 @@ def test_expand_to_another_tensors_shape_stays(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert EXPAND not in {p["name"] for p in run.report["passes"] if p.get("effected")}
     assert run.op_counts()["Expand"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# x + zeros spread to run-time shapes, read by an op that broadcasts to them anyway (paddle's
+# where, as paddle2onnx writes it).
+# ---------------------------------------------------------------------------------------------
+
+ZERO = "BroadcastZeroEliminationPass"
+PADDLE_GPT = fixture_path("paddle_gpt_paddle2onnx")
+
+
+def _ids(batch: int, length: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(length)
+    return {"input_ids": rng.integers(0, 64, (batch, length)).astype(np.int64)}
+
+
+def test_paddle_where_broadcast_goes_and_the_attention_fuses(tmp_path: Path) -> None:
+    """paddle's where(causal, scores, full_like(scores, -1e9)) in a GPT block
+    (tests/fixtures/make_paddle_fixtures.py): the zeros it adds to its three operands go, the
+    mask's bool -> float -> bool round trip with them (CastCastFusionPass), and the attention
+    reads the Where as a masked fill and fuses. Before, the attention stayed written out (and
+    its rank-2 mask then reached a bias widening that assumed a bias already in the graph)."""
+    run = optimize_checked(PADDLE_GPT, tmp_path)
+    assert pattern_counts(run, ZERO) == {"BroadcastZero": (3, 3)}
+    assert reasons(run, ZERO) == {}
+    ops = run.op_counts()
+    assert (ops["MultiHeadAttention"], ops["Where"], ops["Softmax"], ops["Expand"]) == (1, 1, 0, 1)
+    assert run.report["model"]["after"]["nodes"] == 22
+    for batch, length in ((1, 1), (2, 7), (3, 16)):
+        compare_on_feeds(PADDLE_GPT, run.output, _ids(batch, length))
+    second = tmp_path / "second"
+    second.mkdir()
+    again = optimize(run.output, second)
+    assert again.counts(ZERO) == (0, 0)
+    assert digest(again.output) == digest(run.output)
+
+
+def _broadcast_where(tmp_path: Path, zeros_of: tuple[str, ...]) -> Path:
+    """y = Where(Cast(Cast(c) + z, bool), s + z, f + z), z the sum of Expand(0, Shape(t)) for t
+    in ``zeros_of`` (paddle's broadcasting where): c bool [seq, len], s [batch, 2, seq, len], f
+    a [1] fill, w [3, batch, 2, seq, len] a tensor no operand is."""
+    nodes = [helper.make_node("Cast", ["c"], ["c_float"], to=onnx.TensorProto.FLOAT)]
+    zeros = []
+    for tensor in zeros_of:
+        nodes += [
+            helper.make_node("Shape", [tensor], [f"{tensor}_shape"]),
+            helper.make_node("Expand", ["zero", f"{tensor}_shape"], [f"{tensor}_zeros"]),
+        ]
+        zeros.append(f"{tensor}_zeros")
+    total = zeros[0]
+    for index, other in enumerate(zeros[1:]):
+        nodes.append(helper.make_node("Add", [total, other], [f"sum{index}"]))
+        total = f"sum{index}"
+    nodes += [
+        helper.make_node("Add", ["c_float", total], ["c_wide"]),
+        helper.make_node("Cast", ["c_wide"], ["c_flag"], to=onnx.TensorProto.BOOL),
+        helper.make_node("Add", ["s", total], ["s_wide"]),
+        helper.make_node("Add", ["f", total], ["f_wide"]),
+        helper.make_node("Where", ["c_flag", "s_wide", "f_wide"], ["y"]),
+    ]
+    inputs = [
+        value("c", ["seq", "len"], onnx.TensorProto.BOOL),
+        value("s", ["batch", 2, "seq", "len"]),
+        value("w", [3, "batch", 2, "seq", "len"]),
+    ]
+    inits = [const("zero", 0.0), const("f", [-1e9])]
+    wide = [3, "batch", 2, "seq", "len"] if "w" in zeros_of else ["batch", 2, "seq", "len"]
+    out = [value("y", wide)]
+    return save_model(tmp_path / "where.onnx", nodes, inputs, out, inits)
+
+
+def _where_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "c": rng.random((3, 4)) < 0.5,
+        "s": rng.standard_normal((2, 2, 3, 4)).astype(np.float32),
+        "w": rng.standard_normal((3, 2, 2, 3, 4)).astype(np.float32),
+    }
+
+
+def test_zeros_spread_to_the_where_operands_go(tmp_path: Path) -> None:
+    """Spread to the shapes of the Where's own operands, the zeros add nothing the Where does
+    not broadcast to: all three Adds go, and the Where reads c, s and f. (s, the widest, is
+    provably as wide as the zeros: NeutralOperandEliminationPass takes its Add first.)"""
+    model = _broadcast_where(tmp_path, ("s", "f", "c_float"))
+    run = optimize_checked(model, tmp_path, compare=False)  # a bool input: fed below
+    assert pattern_counts(run, "NeutralOperandEliminationPass")["NeutralOperand"][1] == 1
+    assert pattern_counts(run, ZERO) == {"BroadcastZero": (2, 2)}
+    assert run.op_counts() == Counter({"Where": 1})
+    compare_on_feeds(model, run.output, _where_feeds())
+
+
+def test_zeros_spread_to_another_tensor_stay(tmp_path: Path) -> None:
+    """Spread to the shape of w as well, which the Where does not read: the zeros widen its
+    output, so they stay."""
+    model = _broadcast_where(tmp_path, ("s", "f", "w"))
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert reasons(run, ZERO) == {
+        "the zeros widen the value to a shape its reader does not broadcast to": 3
+    }
+    assert run.counts(ZERO) == (3, 0)
+    compare_on_feeds(model, run.output, _where_feeds())
+
+
+# ---------------------------------------------------------------------------------------------
+# A constant of one value spread to a full shape, read by an op that broadcasts to it anyway.
+# ---------------------------------------------------------------------------------------------
+
+SPLAT = "SplatConstantCanonicalizationPass"
+MINDSPORE_GPT = fixture_path("mindspore_gpt_ms")
+
+
+def test_mindspore_full_fill_becomes_a_scalar_and_the_attention_fuses(tmp_path: Path) -> None:
+    """MindSpore's ops.select(mask, full([2, 4, 8, 8], -1e9), scores) in a GPT block
+    (tests/fixtures/make_mindspore_fixtures.py): the fill is one value as large as the scores,
+    which the Where broadcasts to anyway. As a scalar, the Where is a masked fill the attention
+    reads, and it fuses; before, it stayed written out."""
+    run = optimize_checked(MINDSPORE_GPT, tmp_path)
+    assert pattern_counts(run, SPLAT) == {"SplatConstant": (1, 1)}
+    ops = run.op_counts()
+    assert (ops["MultiHeadAttention"], ops["Softmax"], ops["Where"]) == (1, 0, 0)
+    rng = np.random.default_rng(5)
+    compare_on_feeds(
+        MINDSPORE_GPT, run.output, {"input_ids": rng.integers(0, 64, (2, 8)).astype(np.int32)}
+    )
+
+
+def _filled(tmp_path: Path, fill_shape: list[int]) -> Path:
+    """y = Where(c, full(fill_shape, -1e9), s), c bool [2, 3, 4], s [2, 3, 4]."""
+    nodes = [helper.make_node("Where", ["c", "fill", "s"], ["y"], name="fill")]
+    out = list(np.broadcast_shapes(tuple(fill_shape), (2, 3, 4)))
+    inputs = [value("c", [2, 3, 4], onnx.TensorProto.BOOL), value("s", [2, 3, 4])]
+    inits = [const("fill", np.full(fill_shape, -1e9, np.float32))]
+    return save_model(tmp_path / "filled.onnx", nodes, inputs, [value("y", out)], inits)
+
+
+def test_a_full_constant_the_op_broadcasts_to_becomes_its_element(tmp_path: Path) -> None:
+    model = _filled(tmp_path, [2, 3, 4])
+    run = optimize_checked(model, tmp_path, compare=False)  # a bool input: fed below
+    assert pattern_counts(run, SPLAT) == {"SplatConstant": (1, 1)}
+    (fill,) = onnx.load(str(run.output)).graph.initializer
+    assert list(fill.dims) == []
+    rng = np.random.default_rng(0)
+    feeds = {
+        "c": rng.random((2, 3, 4)) < 0.5,
+        "s": rng.standard_normal((2, 3, 4)).astype(np.float32),
+    }
+    compare_on_feeds(model, run.output, feeds)
+
+
+def test_a_full_constant_that_widens_the_output_stays(tmp_path: Path) -> None:
+    """A fill of [5, 2, 3, 4] makes the Where's output larger than its other operands: it is
+    the fill's shape that the output takes, so the constant stays."""
+    model = _filled(tmp_path, [5, 2, 3, 4])
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(SPLAT) == (0, 0)
+    (fill,) = onnx.load(str(run.output)).graph.initializer
+    assert list(fill.dims) == [5, 2, 3, 4]

@@ -229,7 +229,7 @@ def test_a_shared_scalar_expanded_to_a_large_shape_stays(tmp_path: Path) -> None
         [value("x", [1024, 1024])],
         [value("y", [1024, 1024]), value("z", [1024, 1024])],
         [
-            const("fill", np.array(-1.0, np.float32)),
+            const("fill", np.array(-2.0, np.float32)),
             const("shape", np.array([1024, 1024], np.int64), np.int64),
         ],
     )

@@ -66,8 +66,10 @@ def _layer(
     last: int = N,
     weight_shape: tuple[int, int] = (K, N),
     gemm_output_read: bool = False,
+    split: tuple[int | str, ...] = (),
 ) -> Path:
-    """x[B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [x.size(i), x.size(j), last]."""
+    """x[B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [x.size(i), x.size(j), last], or
+    to [x.size(i), x.size(j), *split] (a split entry "fed": the size of another input)."""
     rng = np.random.default_rng(0)
     nodes = [
         helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
@@ -81,8 +83,11 @@ def _layer(
             helper.make_node("Unsqueeze", [f"size{position}", "zero"], [f"part{position}"]),
         ]
         parts.append(f"part{position}")
+    tail = [f"split{i}" if size != "fed" else "fed" for i, size in enumerate(split)] or ["last"]
+    if "fed" in split:
+        nodes.append(helper.make_node("Shape", ["h"], ["fed"]))
     nodes += [
-        helper.make_node("Concat", [*parts, "last"], ["target"], axis=0),
+        helper.make_node("Concat", [*parts, *tail], ["target"], axis=0),
         helper.make_node("Reshape", ["y2", "target"], ["y"]),
     ]
     initializers = [
@@ -92,12 +97,15 @@ def _layer(
         const("zero", [0], np.int64),
         const("last", [last], np.int64),
         *(const(f"axis{i}", axis, np.int64) for i, axis in enumerate(restored)),
+        *(const(f"split{i}", [size], np.int64) for i, size in enumerate(split) if size != "fed"),
     ]
+    fed = [value("h", ["H"])] if "fed" in split else []
+    outputs = [value("y", [f"d{i}" for i in range(len(restored) + max(len(split), 1))])]
     return save_model(
         path,
         nodes,
-        [value("x", ["B", "S", K])],
-        [value("y", ["d0", "d1", "d2"]), *([value("y2", ["r", N])] if gemm_output_read else [])],
+        [value("x", ["B", "S", K]), *fed],
+        [*outputs, *([value("y2", ["r", N])] if gemm_output_read else [])],
         initializers,
     )
 
@@ -130,6 +138,16 @@ def test_transposed_weights_are_transposed_once(tmp_path: Path) -> None:
             False,
         ),
         ({"last": 3}, "the second Reshape's last size is not the Gemm's 6 outputs", False),
+        (
+            {"split": (2, "fed")},
+            "the second Reshape splits the outputs into sizes not known before run time",
+            False,
+        ),
+        (
+            {"split": (4, 3)},
+            "the second Reshape splits the outputs into sizes that are not the Gemm's 6",
+            False,
+        ),
     ],
 )
 def test_near_misses_keep_the_gemm(options: dict, reason: str, runs: bool, tmp_path: Path) -> None:
@@ -138,3 +156,38 @@ def test_near_misses_keep_the_gemm(options: dict, reason: str, runs: bool, tmp_p
     assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
     assert reasons(run, PASS) == {reason: 1}
     assert run.op_counts()["Gemm"] == 1
+
+
+@pytest.mark.parametrize("split", [(2, 3), (-1, 3), (3, 2, 1)])
+def test_outputs_split_into_heads_at_once(split: tuple[int, ...], tmp_path: Path) -> None:
+    """Restored to the leading axes and split ([B, S, heads, head_size]) in one Reshape: the
+    layer is MatMul + Add on x, and the split its own Reshape after it."""
+    model = _layer(tmp_path / "split.onnx", split=split)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"MatMul": 1, "Add": 1, "Reshape": 1}
+
+
+def test_flax_projections_split_to_heads(tmp_path: Path) -> None:
+    """Flax's encoder block through jax2onnx (tests/fixtures/make_jax_fixtures.py): every
+    dense layer is Reshape -> Gemm -> Reshape, the attention's query, key and value reshaped
+    straight to [B, 8, heads, head_size]. All six become MatMul + Add on the activation, and the
+    attention fuses on the projections."""
+    run = optimize_checked(fixture_path("flax_encoder_jax2onnx"), tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (6, 6)}
+    assert reasons(run, PASS) == {}
+    ops = run.op_counts()
+    assert (ops["Gemm"], ops["MatMul"], ops["Attention"]) == (0, 6, 1)
+    assert run.report["model"]["after"]["nodes"] == 14
+
+
+def test_mindspore_query_key_value_share_one_flatten(tmp_path: Path) -> None:
+    """A BERT layer through MindSpore's exporter (tests/fixtures/make_mindspore_fixtures.py):
+    the query, key and value read one flatten of their input. Each layer becomes MatMul + Add
+    on the input, the shared flatten staying until the last of them, and the attention fuses
+    on the projections."""
+    run = optimize_checked(fixture_path("mindspore_bert_ms"), tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (6, 6)}
+    assert reasons(run, PASS) == {}
+    ops = run.op_counts()
+    assert (ops["Gemm"], ops["Attention"]) == (0, 1)

@@ -179,3 +179,50 @@ def test_a_graph_input_straight_to_a_graph_output_stays(tmp_path: Path) -> None:
     assert reasons(run, PASS) == {
         "it links a graph input or initializer straight to a graph output": 1
     }
+
+
+@pytest.mark.parametrize(
+    ("op", "operands", "constant"),
+    [
+        ("Mul", ["x", "c"], np.array(-1.0, np.float32)),
+        ("Mul", ["c", "x"], -np.ones((1, 4), np.float32)),
+        ("Div", ["x", "c"], np.array([-1.0], np.float32)),
+    ],
+)
+def test_a_product_with_minus_one_is_a_negation(
+    op: str, operands: list[str], constant: np.ndarray, tmp_path: Path
+) -> None:
+    """``x * -1`` (paddle2onnx's ``paddle.scale`` by -1) and ``x / -1`` are Neg(x), bit for bit."""
+    source = _model(tmp_path, op, operands, constant)
+    run = optimize_checked(source, tmp_path)
+    assert run.passed(PASS)["patterns"]["SignProduct"] == {"matched": 1, "effected": 1}
+    assert [node.op_type for node in onnx.load(str(run.output)).graph.node] == ["Neg", "Relu"]
+    feeds = random_feeds(source)
+    np.testing.assert_array_equal(run_model(run.output, feeds)[0], run_model(source, feeds)[0])
+
+
+@pytest.mark.parametrize(
+    ("operands", "constant", "shape"),
+    [
+        (["c", "x"], np.array(-1.0, np.float32), (2, 3, 4)),  # -1 / x is no negation
+        (["x", "c"], -np.ones((1, 4), np.float32), (2, 3, 1)),  # x spread to [2, 3, 4]
+    ],
+)
+def test_what_is_no_negation_stays(
+    operands: list[str], constant: np.ndarray, shape: tuple[int, ...], tmp_path: Path
+) -> None:
+    op = "Div" if operands[0] == "c" else "Mul"
+    run = optimize_checked(_model(tmp_path, op, operands, constant, shape=shape), tmp_path)
+    assert run.counts(PASS) == (0, 0)
+    assert [node.op_type for node in onnx.load(str(run.output)).graph.node] == [op, "Relu"]
+
+
+def test_paddle_rotate_half_negation_becomes_neg(tmp_path: Path) -> None:
+    """A LLaMA block through paddle2onnx (tests/fixtures/make_paddle_fixtures.py): each
+    rotate_half negates its half as ``x * -1 + 0``; both become Neg, and the rotary
+    embeddings of q and k fuse (tests/test_pass_rotary.py)."""
+    run = optimize_checked(fixture_path("paddle_llama_paddle2onnx"), tmp_path)
+    patterns = run.passed(PASS)["patterns"]
+    assert patterns["SignProduct"] == {"matched": 2, "effected": 2}
+    assert patterns["NeutralOperand"] == {"matched": 5, "effected": 5}
+    assert reasons(run, PASS) == {}

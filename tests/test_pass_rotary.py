@@ -31,6 +31,26 @@ MS = "com.microsoft"
 # Real exports: tiny LLaMA (two layers; q and k rotated in each), TorchScript and dynamo.
 # ---------------------------------------------------------------------------------------------
 
+
+def test_paddle_llama_rotates_q_and_k(tmp_path: Path) -> None:
+    """A LLaMA block through paddle2onnx (tests/fixtures/make_paddle_fixtures.py): its
+    rotate_half negates with ``x * -1 + 0`` (Neg once NeutralOperandEliminationPass has read
+    it) and its head splits read the batch and sequence through views of one size
+    (Unsqueeze(Reshape(Squeeze(Slice(Shape))))). With the head size known from those, q and k
+    are rotated by RotaryEmbedding; before, the rotary was not even counted."""
+    model = fixture_path("paddle_llama_paddle2onnx")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (2, 2)
+    assert reasons(run, ROTARY) == {}
+    assert run.report["coverage"]["rotary"] == {"fused": 2, "total": 2, "unfused": []}
+    ops = run.op_counts()
+    assert (ops["RotaryEmbedding"], ops["MultiHeadAttention"], ops["Softmax"]) == (2, 1, 0)
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (2, 5), (3, 12)):
+        feeds = {"input_ids": rng.integers(0, 64, (batch, length)).astype(np.int64)}
+        compare_on_feeds(model, run.output, feeds)
+
+
 LLAMA = ["llama_tiny_ts14", "llama_tiny_ts17", "llama_tiny_dynamo"]
 # With a KV cache the angles are computed for positions past..past+S-1; the query rows are
 # still 0..S-1 of the cache, so position offset 0 stays right.
@@ -293,19 +313,25 @@ def _rotate(
     concat_axis: int = -1,
     swap: bool = False,
     negate: str = "first",
+    halves: str = "slices",
 ) -> list[onnx.NodeProto]:
     """x_out = x * cos + Concat(Neg(x[split:]), x[:split]) * sin, slicing along ``axis``;
     ``swap`` writes every commutative operand the other way round; ``negate`` says which part
-    of the Concat is negated."""
+    of the Concat is negated; ``halves="split"`` takes the halves with one Split (jax2onnx)."""
     products = [[x, "cos"], [f"{x}_rot", "sin"]]
     sums = [f"{x}_cos", f"{x}_sin"]
     if swap:
         products = [pair[::-1] for pair in products]
         sums = sums[::-1]
     high, low = _part(f"{x}_hi", negate, "first"), _part(f"{x}_lo", negate, "second")
-    return [
+    taken = [
         _n("Slice", [x, "zero", split, axis], f"{x}_lo"),
         _n("Slice", [x, split, "max", axis], f"{x}_hi"),
+    ]
+    if halves == "split":
+        taken = [helper.make_node("Split", [x, "halves"], [f"{x}_lo", f"{x}_hi"], axis=-1)]
+    return [
+        *taken,
         *_negated_parts(f"{x}_hi", f"{x}_lo", negate),
         _n("Concat", [high, low], f"{x}_rot", axis=concat_axis),
         _n("Mul", products[0], f"{x}_cos"),
@@ -335,6 +361,7 @@ def _constants(
         "zero": [0],
         "half": [HALF],
         "half_plus_one": [HALF + 1],
+        "halves": [HALF, HALF],
         "max": [INT64_MAX],
         "q_target": [0, 0, heads, HEAD],
         "k_target": [0, 0, 1, HEAD],
@@ -466,6 +493,16 @@ def test_commuted_operands_and_positive_axes(tmp_path: Path) -> None:
     assert run.counts(ROTARY) == (1, 1)
     assert run.op_counts()["Neg"] == 0
     _compare(model, run, batch=1, seq=6)
+
+
+def test_halves_taken_by_a_split(tmp_path: Path) -> None:
+    """rotate_half with its halves from one Split (jax2onnx's ``jnp.split``): the halves are
+    read by the elements they hold, not by the op that takes them."""
+    model = _q_model(tmp_path / "split.onnx", rotate={"halves": "split"})
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY) == (1, 1)
+    assert (run.op_counts()["Neg"], run.op_counts()["Split"]) == (0, 0)
+    _compare(model, run, batch=2, seq=7)
 
 
 def test_cos_and_sin_scaled_by_a_scalar(tmp_path: Path) -> None:

@@ -308,22 +308,25 @@ def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     return total // known if known and total % known == 0 else None
 
 
-def target_parts(ctx: PassContext, target: ir.Value) -> list | None:
+def target_parts(ctx: PassContext, target: ir.Value, depth: int = 4) -> list | None:
     """A Reshape target element by element: an int, or (value, axis) for a size read from a
-    value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)))."""
+    value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)), a Concat of
+    such Concats read as one)."""
     array = constant_value(target)
     if array is not None:
         return [int(v) for v in array.reshape(-1)]
     concat = producer_of(target, "Concat")
-    if concat is None:
+    if concat is None or depth == 0:
         return None
     parts: list = []
     for part in concat.inputs:
-        array = constant_value(part)
+        array = constant_value(part) if part is not None else None
         if array is not None:
             parts += [int(v) for v in array.reshape(-1)]
             continue
         copied = copied_dimensions(part)
+        if copied is None and producer_of(part, "Concat") is not None:
+            copied = target_parts(ctx, part, depth - 1)  # type: ignore[arg-type]
         if copied is None:
             return None
         parts += copied
@@ -350,7 +353,34 @@ def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | No
     """[(x, i), (x, i+1), ...] when ``value`` is a run of x's sizes: one copied size (below),
     Shape(x, start, end) (the end x's rank unless given, where that is known), or
     Slice(Shape(x), start, end) with constant bounds on axis 0 and step 1 (``x.flatten(2)``:
-    the leading sizes kept)."""
+    the leading sizes kept); any of them viewed through ops that keep the elements in order
+    (paddle2onnx reads one size as Unsqueeze(Reshape(Squeeze(Slice(Shape(x))), []))."""
+    found = _copied_run(value)
+    viewed = _viewed(value)
+    return found if found is not None or viewed is value else _copied_run(viewed)
+
+
+# Ops whose output holds their first input's elements in the same order.
+_VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _viewed(value: ir.Value | None) -> ir.Value | None:
+    """The value a chain of views (_VIEWS) of ``value`` starts from."""
+    node = value.producer() if value is not None else None
+    while (
+        node is not None
+        and node.op_type in _VIEWS
+        and node.domain in ("", "ai.onnx")
+        and node.inputs
+        and node.inputs[0] is not None
+    ):
+        value = node.inputs[0]
+        node = value.producer()
+    return value
+
+
+def _copied_run(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
+    """copied_dimensions without looking through views."""
     single = _copied_dimension(value)
     if single is not None:
         return [single]

@@ -23,7 +23,7 @@ import onnx_ir as ir
 if TYPE_CHECKING:
     from fusectl.core.engine import PassRun
 
-from fusectl.rewrite.graph import constant_value, within
+from fusectl.rewrite.graph import constant_value, squared, within
 
 FUSED_OPS: dict[str, frozenset[str]] = {
     "attention": frozenset(
@@ -139,8 +139,12 @@ def _written_out(node: ir.Node) -> str | None:
     if node.op_type == "Softmax":
         return "attention" if attention_shaped(node) else None
     if node.op_type == "ReduceMean":
-        # The variance (or mean square) a norm takes the square root of.
-        variance = within(node.outputs[0], _SQRT, upward=False, depth=3) and _squares(node)
+        # The variance (or mean square) a norm takes the square root of; 4 ops down when the
+        # variance is the mean square less the squared mean, clamped (Flax's LayerNorm).
+        source = node.inputs[0].producer() if node.inputs[0] is not None else None
+        variance = squared(source) is not None and within(
+            node.outputs[0], _SQRT, upward=False, depth=4
+        )
         return "norms" if variance else None
     if node.op_type == "Erf":
         return "GELU"
@@ -176,17 +180,6 @@ def _negated(value: ir.Value | None) -> bool:
 def _producer_type(value: ir.Value | None) -> str | None:
     node = value.producer() if value is not None else None
     return node.op_type if node is not None else None
-
-
-def _squares(reduce: ir.Node) -> bool:
-    """Whether the ReduceMean averages a square (Pow(x, 2) or x * x)."""
-    source = reduce.inputs[0].producer() if reduce.inputs[0] is not None else None
-    if source is None:
-        return False
-    if source.op_type == "Pow":
-        exponent = constant_value(source.inputs[1])
-        return exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2
-    return source.op_type == "Mul" and source.inputs[0] is source.inputs[1]
 
 
 def _has_cube(value: ir.Value | None, depth: int = 4) -> bool:

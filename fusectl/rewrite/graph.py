@@ -204,6 +204,17 @@ def node_axes(node: ir.Node) -> list[int] | None:
     return None if axes is None else list(axes)
 
 
+def squared(node: ir.Node | None) -> ir.Value | None:
+    """d where the node is d * d or Pow(d, 2) (a variance's square, a norm's)."""
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    if node.op_type == "Pow" and len(node.inputs) == 2 and constant_scalar(node.inputs[1]) == 2.0:
+        return node.inputs[0]
+    return None
+
+
 def transpose_perm(node: ir.Node, rank: int | None) -> list[int] | None:
     """A Transpose's perm: its attribute, else the reversal of ``rank`` axes (ONNX's default);
     None where neither is known."""
@@ -575,6 +586,25 @@ def new_unsqueeze(
     if ctx.opset < _AXES_INPUT_OPSET:
         return ir.node("Unsqueeze", [value], attributes={"axes": axes})
     return ir.node("Unsqueeze", [value, new_constant(graph, name, np.array(axes, np.int64))])
+
+
+# From this opset ReduceMean takes its axes as an input; before, as an attribute.
+_REDUCE_AXES_INPUT_OPSET = 18
+
+
+def new_reduce_mean(
+    ctx: PassContext, graph: ir.Graph, value: ir.Value, axes: list[int], name: str
+) -> ir.Node:
+    """A new ReduceMean(value, axes) keeping its axes, in the form of the model's opset: the
+    axes a constant named ``name`` (shared, where one holds them already) from opset 18, an
+    attribute before."""
+    if ctx.opset < _REDUCE_AXES_INPUT_OPSET:
+        return ir.node("ReduceMean", [value], attributes={"axes": axes, "keepdims": 1})
+    constant = graph.initializers.get(name)
+    held = constant_value(constant) if constant is not None else None
+    if held is None or held.tolist() != axes:
+        constant = new_constant(graph, name, np.array(axes, np.int64))
+    return ir.node("ReduceMean", [value, constant], attributes={"keepdims": 1})
 
 
 def new_transpose(ctx: PassContext, value: ir.Value, perm: list[int]) -> tuple[ir.Value, ir.Node]:

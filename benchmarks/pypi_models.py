@@ -110,6 +110,7 @@ def _feeds(model: Path) -> list[str]:
 
 
 def _fusectl(checkout: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    OUT.mkdir(parents=True, exist_ok=True)  # where fusion_result.json lands
     env = dict(os.environ, PYTHONPATH=str(checkout))
     command = [sys.executable, "-m", "fusectl", *args]
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=OUT)

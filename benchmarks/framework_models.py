@@ -1,0 +1,103 @@
+"""PaddlePaddle, JAX/Flax and MindSpore transformers, as their users convert them to ONNX.
+
+    /path/to/paddle-venv/bin/python benchmarks/framework_models.py build paddle
+    /path/to/jax-venv/bin/python benchmarks/framework_models.py build jax
+    /path/to/mindspore-venv/bin/python benchmarks/framework_models.py build mindspore
+    python benchmarks/framework_models.py bench --baseline /path/to/older/fusectl/checkout
+
+``build paddle`` (a virtual environment with paddlepaddle, paddle2onnx and onnx-graphsurgeon),
+``build jax`` (jax, flax, jax2onnx) and ``build mindspore`` (mindspore, numpy < 2) export, with
+the model code of the test fixtures' scripts (tests/fixtures/make_paddle_fixtures.py,
+make_jax_fixtures.py, make_mindspore_fixtures.py) at BERT-base width (4 layers, hidden 768, 12
+heads, random weights), into benchmarks/out/frameworks/:
+
+- ``paddle_gpt4``: a GPT-style decoder through paddle2onnx (opset 17, batch and length
+  dynamic), its causal mask applied with ``paddle.where``, which broadcasts by adding zeros;
+- ``paddle_llama4``: a LLaMA-style decoder (RMS norms, rotate_half rotary, 4 key/value heads,
+  SiLU-gated MLP) through paddle2onnx;
+- ``flax_encoder4``: a Flax NNX encoder through jax2onnx (opset 23, batch symbolic, 128
+  tokens), its LayerNorms' variance the mean square less the squared mean, its projections
+  reshaped straight to heads;
+- ``mindspore_bert4`` and ``mindspore_gpt4``: a BERT-style encoder and a GPT-style decoder
+  through MindSpore's exporter (opset 11, static 1 x 128 tokens), their norms' variances
+  sums of squares over their count, the query, key and value reading one shared flatten, the
+  decoder's mask a Where of full-size constants.
+
+``bench`` runs each through ``fusectl optimize``, the full checker, ``fusectl verify`` and
+``fusectl bench`` (1 thread, interleaved, 1 x 128 tokens), with ``--baseline``'s output too,
+as pypi_models.py does for the wheels' models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out" / "frameworks"
+LENGTH, HIDDEN, HEADS, LAYERS = 128, 768, 12, 4
+# name: fusectl's input options for it
+MODELS = {
+    "paddle_gpt4": ["--input_shape", f"input_ids:1,{LENGTH}"],
+    "paddle_llama4": ["--input_shape", f"input_ids:1,{LENGTH}"],
+    "flax_encoder4": ["--input_shape", f"x:1,{LENGTH},{HIDDEN}"],
+    "mindspore_bert4": [],
+    "mindspore_gpt4": [],
+}
+
+
+def build(framework: str) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    if framework == "paddle":
+        import paddle
+        from make_paddle_fixtures import Decoder, export
+
+        paddle.seed(0)
+        sizes = {"vocab": 32000, "hidden": HIDDEN, "heads": HEADS, "layers": LAYERS}
+        export(Decoder(**sizes), OUT / "paddle_gpt4.onnx")
+        export(Decoder(**sizes, kv_heads=4), OUT / "paddle_llama4.onnx")
+    elif framework == "jax":
+        from make_jax_fixtures import Encoder, export
+
+        encoder = Encoder(hidden=HIDDEN, heads=HEADS, layers=LAYERS)
+        export(encoder, OUT / "flax_encoder4.onnx", sequence=LENGTH, hidden=HIDDEN)
+    else:
+        from make_mindspore_fixtures import Bert, Gpt, Sizes, export
+
+        sizes = Sizes(1, LENGTH, 30522, HIDDEN, HEADS, LAYERS)
+        export(Bert(sizes), sizes, OUT / "mindspore_bert4.onnx")
+        export(Gpt(sizes), sizes, OUT / "mindspore_gpt4.onnx")
+
+
+def bench(args: argparse.Namespace) -> None:
+    from pypi_models import _row
+
+    args.bench = True
+    for name, feeds in MODELS.items():
+        model = OUT / f"{name}.onnx"
+        if model.exists():
+            print(json.dumps(_row(model, args, feeds), indent=1), flush=True)
+        else:
+            print(f"{model} is missing: run `build` first", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=["build", "bench"])
+    parser.add_argument("framework", nargs="?", choices=["paddle", "jax", "mindspore"])
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--baseline", type=Path, help="another fusectl checkout to compare with")
+    args = parser.parse_args()
+    if args.step == "build":
+        if args.framework is None:
+            parser.error("build takes the framework: paddle, jax or mindspore")
+        build(args.framework)
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -112,9 +112,10 @@ def _count(ctx: PassContext, total: ir.Node) -> tuple[list[int], int] | None:
     if shape is None or total.attributes.get_int("keepdims", 1) != 1:
         return None
     axes = node_axes(total)
-    if axes is None:  # none given: every axis, unless the op then reduces nothing
-        computed = len(total.inputs) > 1 and total.inputs[1] is not None
-        if computed or total.attributes.get_int("noop_with_empty_axes", 0):
+    if axes is None and len(total.inputs) > 1 and total.inputs[1] is not None:
+        return None  # axes computed at run time
+    if not axes:  # none given: every axis, unless the op then reduces nothing
+        if total.attributes.get_int("noop_with_empty_axes", 0):
             return None
         axes = list(range(len(shape)))
     if not all(-len(shape) <= a < len(shape) for a in axes):

@@ -227,3 +227,29 @@ def test_a_sum_over_another_number_stays(tmp_path: Path, options: dict) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(PASS) == (0, 0)
     assert run.op_counts()[options.get("op", "ReduceSumSquare")] == 1
+
+
+@pytest.mark.parametrize(
+    ("axes", "divisor", "means"), [(None, 48.0, 1), ([], 48.0, 1), ([], 8.0, 0)]
+)
+def test_a_sum_over_every_axis_counts_them_all(
+    tmp_path: Path, axes: list[int] | None, divisor: float, means: int
+) -> None:
+    """ReduceSum without axes (or with an empty list) adds up every element of x [2, 3, 8]:
+    divided by 48 it is the mean of all, by 8 (one axis's size) no mean."""
+    inputs = ["x"] if axes is None else ["x", "axes"]
+    nodes = [
+        helper.make_node("ReduceSum", inputs, ["total"], keepdims=1),
+        helper.make_node("Div", ["total", "n"], ["y"]),
+    ]
+    initializers = [const("n", divisor), const("axes", np.array(axes or [], np.int64), np.int64)]
+    model = save_model(
+        tmp_path / "all.onnx",
+        nodes,
+        [value("x", [2, 3, 8])],
+        [value("y", [1, 1, 1])],
+        initializers if axes is not None else initializers[:1],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert run.op_counts().get("ReduceMean", 0) == means
+    assert run.counts(PASS) == (means, means)

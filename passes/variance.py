@@ -41,17 +41,25 @@ class _Declined(Exception):
     """A raw-moment candidate that is not a variance, with the reason the report gives."""
 
 
-def _kept_axes(ctx: PassContext, mean: ir.Node) -> tuple[int, ...]:
-    """The axes a ReduceMean averages and keeps, negative where ``x``'s rank is known."""
-    if mean.attributes.get_int("keepdims", 1) != 1:
+def _kept_axes(ctx: PassContext, reduction: ir.Node) -> tuple[int, ...]:
+    """The axes a Reduce* reduces and keeps (every axis where none are given), negative where
+    its input's rank is known; raises _Declined where it drops them or its axes are unknown."""
+    if reduction.attributes.get_int("keepdims", 1) != 1:
         raise _Declined("a mean does not keep its axes")
-    axes = node_axes(mean)
-    if not axes:
-        raise _Declined("a mean has no constant axes")
-    shape = ctx.shape(mean.inputs[0]) if mean.inputs[0] is not None else None
+    x = reduction.inputs[0]
+    shape = ctx.shape(x) if x is not None else None
+    axes = node_axes(reduction)
+    if axes is None and len(reduction.inputs) > 1 and reduction.inputs[1] is not None:
+        raise _Declined("a mean's axes are computed at run time")
+    if not axes:  # none given: every axis, unless the op then reduces nothing
+        if reduction.attributes.get_int("noop_with_empty_axes", 0) or shape is None:
+            raise _Declined("a mean reduces no known axes")
+        axes = list(range(len(shape)))
     if shape is not None:
-        axes = [a - len(shape) if a >= 0 else a for a in axes]
-    return tuple(sorted(axes))
+        if not all(-len(shape) <= a < len(shape) for a in axes):
+            raise _Declined("a mean's axes are out of its input's rank")
+        axes = [a % len(shape) - len(shape) for a in axes]
+    return tuple(sorted(set(axes)))
 
 
 def _variance(ctx: PassContext, difference: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node] | None:
@@ -107,21 +115,12 @@ _MEAN = "SumOverCount"
 def _count(ctx: PassContext, total: ir.Node) -> tuple[list[int], int] | None:
     """(the axes, as negative indices, and how many elements each output element adds up)
     for a Reduce* that keeps its axes, over static sizes; None otherwise."""
-    x = total.inputs[0]
-    shape = ctx.shape(x) if x is not None else None
-    if shape is None or total.attributes.get_int("keepdims", 1) != 1:
+    shape = ctx.shape(total.inputs[0]) if total.inputs[0] is not None else None
+    try:
+        axes = list(_kept_axes(ctx, total))
+    except _Declined:
         return None
-    axes = node_axes(total)
-    if axes is None and len(total.inputs) > 1 and total.inputs[1] is not None:
-        return None  # axes computed at run time
-    if not axes:  # none given: every axis, unless the op then reduces nothing
-        if total.attributes.get_int("noop_with_empty_axes", 0):
-            return None
-        axes = list(range(len(shape)))
-    if not all(-len(shape) <= a < len(shape) for a in axes):
-        return None
-    axes = sorted({a % len(shape) - len(shape) for a in axes})
-    sizes = [shape[a] for a in axes]
+    sizes = [shape[a] for a in axes] if shape is not None else [None]
     if not all(isinstance(size, int) for size in sizes):
         return None
     return axes, math.prod(sizes)  # type: ignore[arg-type]

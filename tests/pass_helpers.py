@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tests.conftest import FIXTURES, Run, assert_same_outputs, optimize, run_model
+from tests.conftest import FIXTURES, Run, assert_same_outputs, digest, optimize, run_model
 
 # onnx 1.23 writes IR version 14 by default, which onnxruntime 1.31 does not load.
 IR_VERSION = 8
@@ -162,3 +162,12 @@ def compare_on_feeds(original: Path, optimized: Path, feeds: dict[str, np.ndarra
     for want, got in zip(expected, actual, strict=True):
         assert np.isnan(got).sum() == np.isnan(want).sum() == 0
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def assert_second_run_changes_nothing(run: Run, tmp_path: Path, name: str) -> None:
+    """fusectl on its own output: the pass ``name`` finds nothing, the bytes are the same."""
+    second = tmp_path / "second"
+    second.mkdir()
+    again = optimize(run.output, second)
+    assert again.counts(name) == (0, 0)
+    assert digest(again.output) == digest(run.output)

@@ -13,8 +13,9 @@ import onnx
 import pytest
 from onnx import helper
 
-from tests.conftest import Run, digest, optimize
+from tests.conftest import Run
 from tests.pass_helpers import (
+    assert_second_run_changes_nothing,
     compare_on_feeds,
     const,
     fixture_path,
@@ -416,11 +417,7 @@ def test_paddle_where_broadcast_goes_and_the_attention_fuses(tmp_path: Path) -> 
     assert run.report["model"]["after"]["nodes"] == 22
     for batch, length in ((1, 1), (2, 7), (3, 16)):
         compare_on_feeds(PADDLE_GPT, run.output, _ids(batch, length))
-    second = tmp_path / "second"
-    second.mkdir()
-    again = optimize(run.output, second)
-    assert again.counts(ZERO) == (0, 0)
-    assert digest(again.output) == digest(run.output)
+    assert_second_run_changes_nothing(run, tmp_path, ZERO)
 
 
 def _broadcast_where(tmp_path: Path, zeros_of: tuple[str, ...]) -> Path:

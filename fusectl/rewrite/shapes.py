@@ -11,7 +11,7 @@ import operator
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import onnx
 import onnx.version_converter
@@ -131,6 +131,24 @@ def apply_input_shapes(model: ir.Model, shapes: dict[str, list[int]], path: Path
         value.shape = ir.Shape(new_dims)
 
 
+_R = TypeVar("_R")
+
+
+def _in_order(func: Callable[[onnx.ModelProto], _R], model: ir.Model) -> _R:
+    """onnx-ir's call_onnx_api, the initializers kept in their order: it puts the large ones
+    back last, and an output's bytes would then depend on when a pass asked for shapes (a
+    second run would move the initializers added after the first run's last inference)."""
+    initializers = model.graph.initializers
+    order = list(initializers)
+    try:
+        return _c_api_utils.call_onnx_api(func, model)
+    finally:
+        if list(initializers) != order:
+            values = [initializers.pop(name) for name in order]
+            for value in values:
+                initializers.add(value)
+
+
 class ShapeOracle:
     """Fills in unknown value shapes with onnx shape inference, run once and only if asked.
 
@@ -224,7 +242,7 @@ class ShapeOracle:
         quiet.setLevel(logging.CRITICAL)  # it warns of every broadcast it cannot resolve
         try:
             if self._original is None:
-                proto = _c_api_utils.call_onnx_api(lambda p: p, self._model)
+                proto = _in_order(lambda p: p, self._model)
             else:
                 loaded = self._original() if callable(self._original) else self._original
                 proto = _without_weights(loaded, self._model)
@@ -260,7 +278,7 @@ class ShapeOracle:
                 loaded = self._proto() if callable(self._proto) else self._proto
                 inferred = infer(_without_weights(loaded, self._model))
             else:  # onnx-ir's helper serialises the current graph without its large weights
-                inferred = _c_api_utils.call_onnx_api(infer, self._model)
+                inferred = _in_order(infer, self._model)
         except Exception as error:  # inference is a best effort; passes decline without it
             logger.debug("shape inference failed: %s", error)
             inferred = None

@@ -1,8 +1,10 @@
-"""PaddlePaddle, JAX/Flax and MindSpore transformers, as their users convert them to ONNX.
+"""PaddlePaddle, JAX/Flax, MindSpore and hand-written PyTorch transformers, as their users
+convert them to ONNX.
 
     /path/to/paddle-venv/bin/python benchmarks/framework_models.py build paddle
     /path/to/jax-venv/bin/python benchmarks/framework_models.py build jax
     /path/to/mindspore-venv/bin/python benchmarks/framework_models.py build mindspore
+    python benchmarks/framework_models.py build torch
     python benchmarks/framework_models.py bench --baseline /path/to/older/fusectl/checkout
 
 ``build paddle`` (a virtual environment with paddlepaddle, paddle2onnx and onnx-graphsurgeon),
@@ -21,7 +23,12 @@ heads, random weights), into benchmarks/out/frameworks/:
 - ``mindspore_bert4`` and ``mindspore_gpt4``: a BERT-style encoder and a GPT-style decoder
   through MindSpore's exporter (opset 11, static 1 x 128 tokens), their norms' variances
   sums of squares over their count, the query, key and value reading one shared flatten, the
-  decoder's mask a Where of full-size constants.
+  decoder's mask a Where of full-size constants;
+- ``llama2c4_*`` and ``torchtune4_*`` (``build torch``, this project's environment): decoders
+  written outside transformers, as llama2.c and torchtune write them (complex-pair rotary,
+  llama2.c's key / value heads repeated before their transpose; 12 query and 4 key / value
+  heads, a vocabulary of 1,024), with tests/fixtures/make_handwritten_lm_fixtures.py's model
+  code, through the TorchScript (``_ts17``) and dynamo (``_dynamo``) exporters.
 
 ``bench`` runs each through ``fusectl optimize``, the full checker, ``fusectl verify`` and
 ``fusectl bench`` (1 thread, interleaved, 1 x 128 tokens), with ``--baseline``'s output too,
@@ -45,6 +52,11 @@ MODELS = {
     "flax_encoder4": ["--input_shape", f"x:1,{LENGTH},{HIDDEN}"],
     "mindspore_bert4": [],
     "mindspore_gpt4": [],
+    **{
+        f"{style}4_{exporter}": ["--input_shape", f"input_ids:1,{LENGTH}"]
+        for style in ("llama2c", "torchtune")
+        for exporter in ("ts17", "dynamo")
+    },
 }
 
 
@@ -59,6 +71,12 @@ def build(framework: str) -> None:
         sizes = {"vocab": 32000, "hidden": HIDDEN, "heads": HEADS, "layers": LAYERS}
         export(Decoder(**sizes), OUT / "paddle_gpt4.onnx")
         export(Decoder(**sizes, kv_heads=4), OUT / "paddle_llama4.onnx")
+    elif framework == "torch":
+        from make_handwritten_lm_fixtures import Sizes
+        from make_handwritten_lm_fixtures import build as export_styles
+
+        sizes = Sizes(1024, HIDDEN, HEADS, 4, LAYERS, 2 * LENGTH, 2048)
+        export_styles(OUT, sizes, suffix=str(LAYERS))
     elif framework == "jax":
         from make_jax_fixtures import Encoder, export
 
@@ -76,7 +94,10 @@ def bench(args: argparse.Namespace) -> None:
     from pypi_models import _row
 
     args.bench = True
+    chosen = set(args.only.split(",")) if args.only else set(MODELS)
     for name, feeds in MODELS.items():
+        if name not in chosen:
+            continue
         model = OUT / f"{name}.onnx"
         if model.exists():
             print(json.dumps(_row(model, args, feeds), indent=1), flush=True)
@@ -87,13 +108,14 @@ def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=["build", "bench"])
-    parser.add_argument("framework", nargs="?", choices=["paddle", "jax", "mindspore"])
+    parser.add_argument("framework", nargs="?", choices=["paddle", "jax", "mindspore", "torch"])
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--baseline", type=Path, help="another fusectl checkout to compare with")
+    parser.add_argument("--only", default="", help="bench: comma-separated model names [all]")
     args = parser.parse_args()
     if args.step == "build":
         if args.framework is None:
-            parser.error("build takes the framework: paddle, jax or mindspore")
+            parser.error("build takes the framework: paddle, jax, mindspore or torch")
         build(args.framework)
     else:
         bench(args)

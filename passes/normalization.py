@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import size_sources, symbolic_size
+from fusectl.rewrite.axes import same_dim, size_sources, symbolic_size
 from fusectl.rewrite.graph import constant_value, node_axes
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
@@ -216,14 +216,6 @@ class LayerNormFusionPass(PatternPass):
 _Dim = int | ir.SymbolicDim | None  # None: unknown
 
 
-def _same_dim(a: _Dim, b: _Dim) -> bool:
-    """Equal sizes, or one named symbol (an unnamed dim proves nothing: ir compares it equal
-    to any other unnamed one)."""
-    if isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim):
-        return a.value is not None and a.value == b.value
-    return isinstance(a, int) and isinstance(b, int) and a == b
-
-
 _SHAPE_DEPTH = 8
 _INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
 
@@ -330,7 +322,7 @@ def _same_shape(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:
     if len(a) != len(b):
         return False
     axes = zip(a, b, strict=True)
-    return all(any(_same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
+    return all(any(same_dim(x, y) for x in sizes_a for y in sizes_b) for sizes_a, sizes_b in axes)
 
 
 def _fits(a: list[list[_Dim]], b: list[list[_Dim]]) -> bool:

@@ -50,9 +50,10 @@ from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
     Size,
     axis_size,
+    keeps_leading,
     last_axis_positions,
     last_axis_slice,
-    shape_element,
+    same_dim,
     slice_operands,
     symbolic_size,
 )
@@ -170,21 +171,7 @@ def _stacked_back(ctx: PassContext, x: ir.Value, concat: ir.Node, reshape: ir.No
         return None
     if list(pairs[3:]) != [shape[3] // 2, 2]:
         return None
-    return shape[3] if _keeps_leading(ctx, reshape, pairs, rotated, 3) else None
-
-
-def _keeps_leading(
-    ctx: PassContext, reshape: ir.Node, before: ir.Shape, after: ir.Shape, count: int
-) -> bool:
-    """Whether the Reshape keeps its data's first ``count`` sizes: the same size or name on
-    both sides, or a target element 0 that copies it."""
-    target = reshape.inputs[1]
-    copying = not reshape.attributes.get_int("allowzero", 0) and target is not None
-
-    def copied(axis: int) -> bool:
-        return copying and shape_element(ctx, target, axis) == 0  # type: ignore[arg-type]
-
-    return all(_same_dim(before[axis], after[axis]) or copied(axis) for axis in range(count))
+    return shape[3] if keeps_leading(ctx, reshape, pairs, rotated, 3) else None
 
 
 def _rotate_half_of(
@@ -504,7 +491,7 @@ def _position_axis(
     there is none. A table varying along the batch must have x's batch."""
     padded = [1] * (4 - len(table)) + list(table)
     per_batch = padded[0] != 1
-    if per_batch and not _same_dim(padded[0], x[0]):
+    if per_batch and not same_dim(padded[0], x[0]):
         return "cos / sin have a batch axis that is not provably the input's batch"
     fitting = [
         axis
@@ -518,13 +505,6 @@ def _position_axis(
         if rows == positions or (rows != 1 and not isinstance(positions, int)):
             return _Rows(axis, rows, per_batch)
     return "cos / sin do not have one row per query position"
-
-
-def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
-    """Whether two dimensions are known to be equal (the same size, or the same named symbol)."""
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a.value is not None and a.value == b.value
 
 
 def _head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None:
@@ -541,7 +521,7 @@ def _head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None
     before, after = ctx.shape(reshape.inputs[0]), ctx.shape(reshape.outputs[0])
     if before is None or after is None or len(before) != 3 or len(after) != 4:
         return None
-    if not (_same_dim(before[0], after[0]) and _same_dim(before[1], after[1])):
+    if not (same_dim(before[0], after[0]) and same_dim(before[1], after[1])):
         return None
     return reshape, transpose
 

@@ -349,6 +349,28 @@ def same_dimension(
     return named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value  # type: ignore[union-attr]
 
 
+def same_dim(a: int | ir.SymbolicDim | None, b: int | ir.SymbolicDim | None) -> bool:
+    """Equal sizes, or one named symbol (an unnamed dim proves nothing: ir compares it equal
+    to any other unnamed one); an unknown size (None) equals nothing."""
+    if isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim):
+        return a.value is not None and a.value == b.value
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def keeps_leading(
+    ctx: PassContext, reshape: ir.Node, before: ir.Shape, after: ir.Shape, count: int
+) -> bool:
+    """Whether the Reshape keeps its data's first ``count`` sizes: the same size or name on
+    both sides, or a target element 0 that copies it."""
+    target = reshape.inputs[1]
+    copying = not reshape.attributes.get_int("allowzero", 0) and target is not None
+
+    def copied(axis: int) -> bool:
+        return copying and shape_element(ctx, target, axis) == 0  # type: ignore[arg-type]
+
+    return all(same_dim(before[axis], after[axis]) or copied(axis) for axis in range(count))
+
+
 def copied_dimensions(value: ir.Value | None) -> list[tuple[ir.Value, int]] | None:
     """[(x, i), (x, i+1), ...] when ``value`` is a run of x's sizes: one copied size (below),
     Shape(x, start, end) (the end x's rank unless given, where that is known), or

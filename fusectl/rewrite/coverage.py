@@ -158,14 +158,21 @@ def _written_out(node: ir.Node) -> str | None:
 
 def _rotated_halves(concat: ir.Node) -> bool:
     """Concat(a*c - b*s, b*c + a*s), maybe among other parts: a rotation computed half by half
-    (GPT-OSS, DeepSeek; TorchScript flattens DeepSeek's Concat(q_pass, rotated halves))."""
-    for first, second in itertools.pairwise(concat.inputs):
+    (GPT-OSS, DeepSeek; TorchScript flattens DeepSeek's Concat(q_pass, rotated halves)), or
+    pair by pair, each part unsqueezed to be stacked (llama2.c's complex pairs)."""
+    for first, second in itertools.pairwise(_unstacked(v) for v in concat.inputs):
         if [_producer_type(first), _producer_type(second)] != ["Sub", "Add"]:
             continue
         parts = [v.producer() for v in (first, second) if v is not None]
         if all(_producer_type(v) == "Mul" for part in parts if part for v in part.inputs):
             return True
     return False
+
+
+def _unstacked(value: ir.Value | None) -> ir.Value | None:
+    """The value an Unsqueeze stacks, else the value itself."""
+    node = value.producer() if value is not None else None
+    return node.inputs[0] if node is not None and node.op_type == "Unsqueeze" else value
 
 
 def _negated(value: ir.Value | None) -> bool:

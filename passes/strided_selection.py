@@ -1,0 +1,169 @@
+"""Every m-th element of the last axis, read through a view that splits it, written as the
+strided Slice it is.
+
+Code that treats pairs of a head as complex numbers (llama2.c, torchtune, gpt-fast, Meta's
+reference rotary in real arithmetic) views the last axis as [..., L/m, m] and takes one
+position of the new axis:
+
+    x_r, x_i = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)     # or x_pairs[..., 0], [..., 1]
+
+Exporters spell the selection three ways: Split + Squeeze (TorchScript's unbind), Slice of
+one + Squeeze (dynamo's), Gather of one scalar index (``[..., 0]``). Each is x[..., k::m]:
+element j of the selection is element j*m + k of x's last axis. Written as that Slice of x,
+the view goes, and the passes that read strided elements (the rotary fusion's pair-by-pair
+rotation) see one form. Pure data movement: exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusectl.rewrite.axes import keeps_leading, slice_operands
+from fusectl.rewrite.context import PassContext
+from fusectl.rewrite.graph import (
+    constant_value,
+    new_constant,
+    node_axes,
+    node_label,
+    producer_of,
+    replace_subgraph,
+    typed,
+)
+from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+# Slice takes its steps as an input from this opset.
+_STEPS_OPSET = 10
+
+
+def _dropped_position(ctx: PassContext, node: ir.Node) -> tuple[ir.Value, int] | None:
+    """(view, k) where ``node`` takes position k of the view's last axis and drops that axis:
+    Gather of one scalar index, or Squeeze of that axis after a Slice of one position or a
+    Split into ones. k is not negative."""
+    data = node.inputs[0]
+    shape = ctx.shape(data) if data is not None else None
+    if data is None or shape is None or not shape:
+        return None
+    rank, last = len(shape), len(shape) - 1
+    if node.op_type == "Gather":
+        index = constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
+        size = shape[-1]
+        if index is None or index.ndim != 0 or index.dtype.kind not in "iu":
+            return None
+        if node.attributes.get_int("axis", 0) % rank != last or not isinstance(size, int):
+            return None
+        return (data, int(index) % size) if -size <= int(index) < size else None
+    axes = node_axes(node)
+    if axes is None or [a % rank for a in axes] != [last]:
+        return None
+    split, sliced = producer_of(data, "Split"), producer_of(data, "Slice")
+    view = (split or sliced).inputs[0] if (split or sliced) is not None else None  # type: ignore[union-attr]
+    viewed = ctx.shape(view) if view is not None else None
+    if view is None or viewed is None or len(viewed) != rank or not isinstance(viewed[-1], int):
+        return None
+    if split is not None:
+        ones = len(split.outputs) == viewed[-1] and _split_into_ones(split)
+        on_last = split.attributes.get_int("axis", 0) % rank == last
+        return (view, list(split.outputs).index(data)) if ones and on_last else None
+    assert sliced is not None
+    operands = slice_operands(sliced, rank)
+    if operands is None or len(operands) != 1:
+        return None
+    axis, start, end, step = operands[0]
+    size = viewed[-1]
+    start += size if start < 0 else 0
+    one = axis == last and step == 1 and 0 <= start < size and min(end, size) == start + 1
+    return (view, start) if one else None
+
+
+def _split_into_ones(split: ir.Node) -> bool:
+    """Whether the Split's parts are one element each (given sizes, or an even split)."""
+    sizes = constant_value(split.inputs[1]) if len(split.inputs) > 1 else None
+    if sizes is None:
+        given = split.attributes.get_ints("split", None)
+        sizes = None if given is None else np.array(given)
+    return sizes is None or bool(np.all(sizes == 1))
+
+
+@register_pass
+class StridedSelectionCanonicalizationPass(FusionPass):
+    """Not a pattern: each selection is judged alone, its view read by what it keeps."""
+
+    spec = PassSpec(
+        name="StridedSelectionCanonicalizationPass",
+        category=Category.GRAPH,
+        description="position k of the last axis of Reshape(x, [..., L/m, m]) (Gather of a "
+        "scalar index, Squeeze of a Slice of one or of a Split into ones: unbind, [..., k]) -> "
+        "Slice(x, k::m) on x's last axis (complex-pair rotary as llama2.c and torchtune write "
+        "it)",
+        aliases=("PairSelectionToSlice",),
+        priority=3044,  # before RotaryHalvesCanonicalization and the rotary fusion
+        canonical=True,
+        emits=("Slice",),
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        stats = ctx.pattern("StridedSelection")
+        graph = model.graph
+        nodes = [
+            *ctx.op_index.of_type(graph, "Gather", _DEFAULT_DOMAINS),
+            *ctx.op_index.of_type(graph, "Squeeze", _DEFAULT_DOMAINS),
+        ]
+        for node in nodes:
+            if node.graph is not graph:
+                continue
+            found = _dropped_position(ctx, node)
+            reshape = producer_of(found[0], "Reshape") if found is not None else None
+            if found is None or reshape is None or reshape.inputs[0] is None:
+                continue
+            view, position = found
+            x = reshape.inputs[0]
+            reason = self._unsplit(ctx, reshape, x, view)
+            if reason is None and ctx.opset < _STEPS_OPSET:
+                reason = f"a strided Slice needs opset >= {_STEPS_OPSET}, model has {ctx.opset}"
+            if reason is not None:
+                stats.decline(reason, node_label(node))
+                continue
+            self._rewrite(ctx, graph, node, x, position, ctx.shape(view)[-1])  # type: ignore[index]
+
+    @staticmethod
+    def _unsplit(ctx: PassContext, reshape: ir.Node, x: ir.Value, view: ir.Value) -> str | None:
+        """Why the view is not x with its last axis split into [L/m, m], if it is not."""
+        shape, viewed = ctx.shape(x), ctx.shape(view)
+        if shape is None or viewed is None or len(viewed) != len(shape) + 1:
+            return "the view does not add one axis to its data"
+        size, groups, group = shape[-1], viewed[-2], viewed[-1]
+        if not all(isinstance(n, int) for n in (size, groups, group)) or groups * group != size:  # type: ignore[operator]
+            return "the view does not split the data's last axis (sizes unknown or other)"
+        if not keeps_leading(ctx, reshape, shape, viewed, len(shape) - 1):
+            return "the view does not provably keep the data's leading axes"
+        return None
+
+    def _rewrite(
+        self,
+        ctx: PassContext,
+        graph: ir.Graph,
+        node: ir.Node,
+        x: ir.Value,
+        position: int,
+        group: int,
+    ) -> None:
+        rank = len(ctx.shape(x))  # type: ignore[arg-type]
+        size = ctx.shape(x)[-1]  # type: ignore[index]
+        name = f"{self.spec.name}/{node_label(node)}"
+        operands = [
+            new_constant(graph, f"{name}_{part}", np.array([value], dtype=np.int64))
+            for part, value in (
+                ("starts", position),
+                ("ends", size),
+                ("axes", rank - 1),
+                ("steps", group),
+            )
+        ]
+        sliced = ir.node("Slice", [x, *operands])
+        typed(sliced.outputs[0], ctx.dtype(node.outputs[0]), ctx.shape(node.outputs[0]))
+        replace_subgraph(
+            ctx, "StridedSelection", node, [node], [sliced], node.outputs, sliced.outputs
+        )

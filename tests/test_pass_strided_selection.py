@@ -1,0 +1,155 @@
+"""StridedSelectionCanonicalizationPass: position k of the last axis of a view that splits x's
+last axis into [L/m, m] is x[..., k::m], written as that Slice. The complex-pair rotary of
+llama2.c and torchtune under both exporters (then fused by the rotary pass), the three
+spellings of the selection, the near misses it declines with their reasons, and numerics on
+onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from tests.pass_helpers import (
+    assert_declined,
+    assert_second_run_changes_nothing,
+    compare_on_feeds,
+    const,
+    fixture_path,
+    optimize_checked,
+    pattern_counts,
+    reasons,
+    save_model,
+    value,
+)
+
+STRIDED = "StridedSelectionCanonicalizationPass"
+ROTARY = "RotaryEmbeddingFusionPass"
+# The cos / sin cache torchtune holds as pairs, [S, H/2, 2], viewed as [1, S, 1, H/2, 2]: two
+# axes added, so no split of a last axis (its [..., 0] stays a Gather).
+CACHE_VIEW = "the view does not add one axis to its data"
+
+
+@pytest.mark.parametrize(
+    ("model", "declined"),
+    [("llama2c_ts17", 0), ("llama2c_dynamo", 0), ("torchtune_ts17", 8), ("torchtune_dynamo", 2)],
+)
+def test_complex_pair_rotary_is_fused_in_every_layer(
+    tmp_path: Path, model: str, declined: int
+) -> None:
+    """q and k of both layers: the real and imaginary parts of each are strided Slices, and
+    the four rotations are RotaryEmbedding (interleaved)."""
+    run = optimize_checked(fixture_path(model), tmp_path)
+    assert pattern_counts(run, STRIDED) == {"StridedSelection": (8 + declined, 8)}
+    assert reasons(run, STRIDED) == ({CACHE_VIEW: declined} if declined else {})
+    assert run.counts(ROTARY) == (4, 4)
+    assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
+    assert run.op_counts()["RotaryEmbedding"] == 4
+
+
+def test_without_the_pass_the_rotary_stays_written_out_and_counted(tmp_path: Path) -> None:
+    """The coverage line counts the complex-pair rotations (Concat of the stacked a*c - b*s
+    and a*s + b*c) whether or not they are fused: before the pass, they were not even counted."""
+    run = optimize_checked(fixture_path("llama2c_dynamo"), tmp_path, "--disable_pass", STRIDED)
+    assert run.counts(ROTARY) == (0, 0)
+    assert run.op_counts()["RotaryEmbedding"] == 0
+    rotary = run.report["coverage"]["rotary"]
+    assert (rotary["fused"], rotary["total"], len(rotary["unfused"])) == (0, 4, 4)
+
+
+def test_a_second_run_changes_nothing(tmp_path: Path) -> None:
+    run = optimize_checked(fixture_path("llama2c_ts17"), tmp_path)
+    assert_second_run_changes_nothing(run, tmp_path, STRIDED)
+
+
+ROWS, HEADS, SIZE = 3, 2, 8
+
+
+def _model(
+    path: Path, select: str, *, view: tuple[int, ...] = (ROWS, HEADS, SIZE // 2, 2), opset: int = 17
+) -> Path:
+    """x [2, 3, 2, 8] viewed as [2, *view], its last axis position 0 and 1 taken by
+    ``select`` (gather, slice, split), each scaled so the two parts differ: out = 2 a + b."""
+    nodes = [helper.make_node("Reshape", ["x", "view"], ["pairs"])]
+    if select == "gather":
+        nodes += [
+            helper.make_node("Gather", ["pairs", "zero"], ["a"], axis=-1),
+            helper.make_node("Gather", ["pairs", "one"], ["b"], axis=-1),
+        ]
+    elif select == "slice":
+        nodes += [
+            helper.make_node("Slice", ["pairs", "zeros", "ones", "last"], ["a1"]),
+            helper.make_node("Slice", ["pairs", "ones", "twos", "last"], ["b1"]),
+            helper.make_node("Squeeze", ["a1", "last"], ["a"]),
+            helper.make_node("Squeeze", ["b1", "last"], ["b"]),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Split", ["pairs", "split"], ["a1", "b1"], axis=-1),
+            helper.make_node("Squeeze", ["a1", "last"], ["a"]),
+            helper.make_node("Squeeze", ["b1", "last"], ["b"]),
+        ]
+    nodes += [
+        helper.make_node("Mul", ["a", "two"], ["doubled"]),
+        helper.make_node("Add", ["doubled", "b"], ["out"]),
+    ]
+    initializers = [
+        const("view", [0, *view], np.int64),
+        const("zero", np.array(0), np.int64),
+        const("one", np.array(1), np.int64),
+        const("zeros", [0], np.int64),
+        const("ones", [1], np.int64),
+        const("twos", [2], np.int64),
+        const("split", [1, 1], np.int64),
+        const("last", [-1], np.int64),
+        const("two", np.array(2.0)),
+    ]
+    return save_model(
+        path,
+        nodes,
+        [value("x", ["batch", ROWS, HEADS, SIZE])],
+        [value("out", [None] * len(view))],
+        initializers,
+        opset=opset,
+    )
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(0).normal(size=(2, ROWS, HEADS, SIZE)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("select", ["gather", "slice", "split"])
+def test_every_spelling_of_the_selection_is_a_strided_slice(tmp_path: Path, select: str) -> None:
+    model = _model(tmp_path / f"{select}.onnx", select)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, STRIDED) == {"StridedSelection": (2, 2)}
+    counts = run.op_counts()
+    assert (counts["Slice"], counts["Reshape"], counts["Squeeze"], counts["Gather"]) == (2, 0, 0, 0)
+    compare_on_feeds(model, run.output, _feeds())
+
+
+def test_a_view_that_moves_the_leading_sizes_stays(tmp_path: Path) -> None:
+    """[2, 3, 2, 8] viewed as [2, 2, 3, 4, 2]: the element count is kept and the last axis is
+    split, but rows and heads trade places, so a position of the pairs is no Slice of x."""
+    model = _model(tmp_path / "moved.onnx", "gather", view=(HEADS, ROWS, SIZE // 2, 2))
+    run = optimize_checked(model, tmp_path)
+    reason = "the view does not provably keep the data's leading axes"
+    assert_declined(run, STRIDED, reason, "a", count=2)
+
+
+def test_a_view_that_splits_the_last_axis_twice_stays(tmp_path: Path) -> None:
+    """[..., 8] viewed as [..., 2, 2, 2]: a position of the last axis is every second element
+    of every second pair, not one stride of x."""
+    model = _model(tmp_path / "deeper.onnx", "gather", view=(ROWS, HEADS, 2, 2, 2))
+    run = optimize_checked(model, tmp_path)
+    assert_declined(run, STRIDED, CACHE_VIEW, "a", count=2)
+
+
+def test_below_opset_10_the_selection_stays(tmp_path: Path) -> None:
+    """A Slice takes steps from opset 10; the Gathers of an opset 9 model stay, with the reason."""
+    model = _model(tmp_path / "old.onnx", "gather", opset=9)
+    run = optimize_checked(model, tmp_path)
+    reason = "a strided Slice needs opset >= 10, model has 9"
+    assert_declined(run, STRIDED, reason, "a", count=2)

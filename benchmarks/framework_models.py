@@ -24,11 +24,12 @@ heads, random weights), into benchmarks/out/frameworks/:
   through MindSpore's exporter (opset 11, static 1 x 128 tokens), their norms' variances
   sums of squares over their count, the query, key and value reading one shared flatten, the
   decoder's mask a Where of full-size constants;
-- ``llama2c4_*`` and ``torchtune4_*`` (``build torch``, this project's environment): decoders
-  written outside transformers, as llama2.c and torchtune write them (complex-pair rotary,
-  llama2.c's key / value heads repeated before their transpose; 12 query and 4 key / value
-  heads, a vocabulary of 1,024), with tests/fixtures/make_handwritten_lm_fixtures.py's model
-  code, through the TorchScript (``_ts17``) and dynamo (``_dynamo``) exporters.
+- ``llama2c4_*``, ``torchtune4_*`` and ``lucidrains4_*`` (``build torch``, this project's
+  environment): decoders written outside transformers, as llama2.c, torchtune and
+  rotary-embedding-torch write them (complex-pair rotary, rotate_half of pairs, llama2.c's key
+  / value heads repeated before their transpose; 12 query and 4 key / value heads, 12 for
+  lucidrains, a vocabulary of 1,024), with tests/fixtures/make_handwritten_lm_fixtures.py's
+  model code, through the TorchScript (``_ts17``) and dynamo (``_dynamo``) exporters.
 
 ``bench`` runs each through ``fusectl optimize``, the full checker, ``fusectl verify`` and
 ``fusectl bench`` (1 thread, interleaved, 1 x 128 tokens), with ``--baseline``'s output too,
@@ -54,7 +55,7 @@ MODELS = {
     "mindspore_gpt4": [],
     **{
         f"{style}4_{exporter}": ["--input_shape", f"input_ids:1,{LENGTH}"]
-        for style in ("llama2c", "torchtune")
+        for style in ("llama2c", "torchtune", "lucidrains")
         for exporter in ("ts17", "dynamo")
     },
 }

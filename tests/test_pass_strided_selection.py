@@ -1,6 +1,7 @@
 """StridedSelectionCanonicalizationPass: position k of the last axis of a view that splits x's
 last axis into [L/m, m] is x[..., k::m], written as that Slice. The complex-pair rotary of
-llama2.c and torchtune under both exporters (then fused by the rotary pass), the three
+llama2.c and torchtune and rotary-embedding-torch's rotate_half of pairs under both exporters
+(then fused by the rotary pass), the three
 spellings of the selection, the near misses it declines with their reasons, and numerics on
 onnxruntime."""
 
@@ -34,13 +35,20 @@ CACHE_VIEW = "the view does not add one axis to its data"
 
 @pytest.mark.parametrize(
     ("model", "declined"),
-    [("llama2c_ts17", 0), ("llama2c_dynamo", 0), ("torchtune_ts17", 8), ("torchtune_dynamo", 2)],
+    [
+        ("llama2c_ts17", 0),
+        ("llama2c_dynamo", 0),
+        ("torchtune_ts17", 8),
+        ("torchtune_dynamo", 2),
+        ("lucidrains_ts17", 0),  # rotate_half of pairs: GPT-J's rotate_every_two once sliced
+        ("lucidrains_dynamo", 0),
+    ],
 )
 def test_complex_pair_rotary_is_fused_in_every_layer(
     tmp_path: Path, model: str, declined: int
 ) -> None:
-    """q and k of both layers: the real and imaginary parts of each are strided Slices, and
-    the four rotations are RotaryEmbedding (interleaved)."""
+    """q and k of both layers: the two parts of each pair are strided Slices, and the four
+    rotations are RotaryEmbedding (interleaved), whichever way the model then rotates them."""
     run = optimize_checked(fixture_path(model), tmp_path)
     assert pattern_counts(run, STRIDED) == {"StridedSelection": (8 + declined, 8)}
     assert reasons(run, STRIDED) == ({CACHE_VIEW: declined} if declined else {})

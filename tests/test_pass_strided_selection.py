@@ -147,6 +147,15 @@ def test_a_view_that_moves_the_leading_sizes_stays(tmp_path: Path) -> None:
     assert_declined(run, STRIDED, reason, "a", count=2)
 
 
+def test_a_view_whose_last_axes_are_not_the_split_last_axis_stays(tmp_path: Path) -> None:
+    """[2, 3, 2, 8] viewed as [2, 3, 1, 4, 4]: one axis added, but the last two are 16
+    elements, not x's last axis of 8 taken apart."""
+    model = _model(tmp_path / "regrouped.onnx", "gather", view=(ROWS, 1, 4, 4))
+    run = optimize_checked(model, tmp_path)
+    reason = "the view does not split the data's last axis (sizes unknown or other)"
+    assert_declined(run, STRIDED, reason, "a", count=2)
+
+
 def test_a_view_that_splits_the_last_axis_twice_stays(tmp_path: Path) -> None:
     """[..., 8] viewed as [..., 2, 2, 2]: a position of the last axis is every second element
     of every second pair, not one stride of x."""

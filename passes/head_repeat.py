@@ -230,7 +230,7 @@ class HeadRepeatTransposeCanonicalizationPass(FusionPass):
         if second != list(range(rank)):
             add(ir.node("Transpose", [result], attributes={"perm": second}), [])
         typed(data[-1].outputs[0], dtype, ctx.shape(transpose.outputs[0]))
-        new = [*data[:-1], *sizes, data[-1]] if second == list(range(rank)) else [*data, *sizes]
+        new = [*data[:3], *sizes, *data[3:]]  # the merge's sizes before the Reshape reads them
         replace_subgraph(
             ctx,
             "HeadRepeatTranspose",

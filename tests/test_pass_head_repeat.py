@@ -133,11 +133,16 @@ def test_the_moved_merge_is_a_constant_where_one_size_is_inferred(tmp_path: Path
     compare_on_feeds(model, run.output, _feeds())
 
 
-def test_sizes_a_constant_cannot_spell_are_read_from_the_moved_heads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 2, 3, 1)])
+def test_sizes_a_constant_cannot_spell_are_read_from_the_moved_heads(
+    tmp_path: Path, perm: tuple[int, ...]
+) -> None:
     """Length and head size both unknown: the merge reads them from the transposed heads (a
-    Gather of their Shape), where the size proofs of the attention fusions trace them."""
+    Gather of their Shape), where the size proofs of the attention fusions trace them; for
+    K^T too, whose last-two swap comes after the merge."""
     unknown = ["batch", "length", KV, "size"]
-    model = _model(tmp_path / "unknown.onnx", z_shape=unknown, merged=(0, 0, KV * TIMES, -1))
+    merged = (0, 0, KV * TIMES, -1)
+    model = _model(tmp_path / "unknown.onnx", z_shape=unknown, merged=merged, perm=perm)
     run = optimize_checked(model, tmp_path)
     assert run.counts(REPEAT) == (1, 1)
     assert run.op_counts()["Shape"] == 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import lossless, replace_subgraph, typed
+from fusectl.rewrite.graph import DEFAULT_DOMAINS, lossless, replace_subgraph, typed
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 # Floats only: a wider integer does not wrap where the narrow one does (Neg of int8's -128).
@@ -42,12 +42,11 @@ _MOVING = frozenset({"Slice", "Neg", "Concat"})
 _BACK = frozenset({"Slice", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 # Ops a widening Cast that they alone read moves below (the op's input is cast instead).
 _UNDER = frozenset({"Transpose"})
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _widening(cast: ir.Node, ctx: PassContext) -> ir.DataType | None:
     """The type an exactly widening Cast casts to, else None."""
-    if cast.domain not in _DEFAULT_DOMAINS or cast.inputs[0] is None:
+    if cast.domain not in DEFAULT_DOMAINS or cast.inputs[0] is None:
         return None
     to = ir.DataType(cast.attributes.get_int("to", 0))
     source = ctx.dtype(cast.inputs[0])
@@ -114,7 +113,7 @@ class WideningCastHoistPass(FusionPass):
         """Cast(Move(Cast(x) to a wider type) back to x's type) -> Move(x): widening is exact,
         so the values come back as they were (the privacy filter's sink, sliced off in float32)."""
         mover = cast.inputs[0].producer() if cast.inputs[0] is not None else None
-        if mover is None or mover.op_type not in _BACK or mover.domain not in _DEFAULT_DOMAINS:
+        if mover is None or mover.op_type not in _BACK or mover.domain not in DEFAULT_DOMAINS:
             return False
         widen = mover.inputs[0].producer() if mover.inputs[0] is not None else None
         if widen is None or widen.op_type != "Cast" or _widening(widen, ctx) is None:
@@ -131,7 +130,7 @@ class WideningCastHoistPass(FusionPass):
     def _hoist(self, cast: ir.Node, ctx: PassContext) -> bool:
         to = _widening(cast, ctx)
         mover = cast.inputs[0].producer() if to is not None else None
-        if mover is None or mover.op_type not in _MOVING or mover.domain not in _DEFAULT_DOMAINS:
+        if mover is None or mover.op_type not in _MOVING or mover.domain not in DEFAULT_DOMAINS:
             return False
         if not _read_only_by(mover.outputs[0], cast):
             return False
@@ -157,7 +156,7 @@ class WideningCastHoistPass(FusionPass):
         to = _widening(cast, ctx)
         users = [user for user, _ in cast.outputs[0].uses()]
         mover = users[0] if to is not None and len(users) == 1 else None
-        if mover is None or mover.op_type not in _UNDER or mover.domain not in _DEFAULT_DOMAINS:
+        if mover is None or mover.op_type not in _UNDER or mover.domain not in DEFAULT_DOMAINS:
             return False
         if not _read_only_by(cast.outputs[0], mover):
             return False  # the cast tensor is a graph output too

@@ -6,14 +6,12 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusectl.rewrite.context import PassContext
-from fusectl.rewrite.graph import replace_subgraph, uses_outside
+from fusectl.rewrite.graph import DEFAULT_DOMAINS, replace_subgraph, uses_outside
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _is_default_domain(node: ir.Node) -> bool:
-    return node.domain in _DEFAULT_DOMAINS
+    return node.domain in DEFAULT_DOMAINS
 
 
 def _axis(ctx: PassContext, node: ir.Node, attribute: str, default: int | None) -> int | None:
@@ -45,7 +43,7 @@ class SplitConcatFusionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("SplitConcat")
-        for concat in ctx.op_index.of_type(model.graph, "Concat", _DEFAULT_DOMAINS):
+        for concat in ctx.op_index.of_type(model.graph, "Concat", DEFAULT_DOMAINS):
             if concat.graph is not model.graph:
                 continue
             split = concat.inputs[0].producer() if concat.inputs[0] is not None else None
@@ -93,7 +91,7 @@ class ZConcatv2dFusionPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("ConcatConcat")
         created: set[ir.Node] = set()
-        for outer in ctx.op_index.of_type(model.graph, "Concat", _DEFAULT_DOMAINS):
+        for outer in ctx.op_index.of_type(model.graph, "Concat", DEFAULT_DOMAINS):
             if outer.graph is not model.graph or outer in created:
                 continue
             inner_nodes = {
@@ -164,7 +162,7 @@ class FusionVirtualOpSetSwitch(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("SplitVirtualOp")
-        for split in ctx.op_index.of_type(model.graph, "Split", _DEFAULT_DOMAINS):
+        for split in ctx.op_index.of_type(model.graph, "Split", DEFAULT_DOMAINS):
             if NO_TASK in split.metadata_props:
                 continue
             reason = _virtual_split_reason(ctx, split)

@@ -30,6 +30,7 @@ import onnx_ir as ir
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.einsum import plan
 from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
     absorb_shape_arithmetic,
     disconnect,
     node_label,
@@ -42,14 +43,13 @@ from fusectl.rewrite.size_reads import Part, move_before_readers, read_again, re
 
 _PATTERN = "EinsumRecognition"
 _LAYOUT_OPS = ("Reshape", "Transpose", "Unsqueeze", "Squeeze")
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _layout_op(node: ir.Node | None, graph: ir.Graph) -> bool:
     return (
         node is not None
         and node.op_type in _LAYOUT_OPS
-        and node.domain in _DEFAULT_DOMAINS
+        and node.domain in DEFAULT_DOMAINS
         and node.graph is graph
     )
 
@@ -261,7 +261,7 @@ class EinsumRecognitionPass(FusionPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         graph = model.graph
-        for matmul in list(ctx.op_index.of_type(graph, "MatMul", _DEFAULT_DOMAINS)):
+        for matmul in list(ctx.op_index.of_type(graph, "MatMul", DEFAULT_DOMAINS)):
             if matmul.graph is graph and None not in matmul.inputs[:2]:
                 self._recognize(ctx, graph, matmul)
         if ctx.changed and ctx.shapes is not None:

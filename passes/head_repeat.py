@@ -26,9 +26,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import keeps_leading, same_dim, target_parts
+from fusectl.rewrite.axes import keeps_leading, same_dim, same_dimension, target_parts
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
     new_constant,
     new_unsqueeze,
     node_axes,
@@ -39,8 +40,6 @@ from fusectl.rewrite.graph import (
     typed,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 class _Repeat:
@@ -63,15 +62,15 @@ def _view_parts(ctx: PassContext, target: ir.Value | None) -> list | None:
 
 def _keeps(ctx: PassContext, part: object, z: ir.Value, axis: int) -> bool:
     """Whether a target element is z's size along ``axis`` (at run time): the same static
-    size, or a size read from z there or from an axis named alike."""
-    size = ctx.shape(z)[axis]  # type: ignore[index]
+    size, or a size read from z there or from an axis named alike (same_dimension)."""
+    source = ctx.shape(z)
+    assert source is not None
     if isinstance(part, int):
-        return isinstance(size, int) and part == size
+        return isinstance(source[axis], int) and part == source[axis]
     value, read = part  # type: ignore[misc]
-    if value is z and read == axis:
-        return True
     shape = ctx.shape(value)
-    return shape is not None and -len(shape) <= read < len(shape) and same_dim(shape[read], size)
+    size = shape[read] if shape is not None and -len(shape) <= read < len(shape) else None
+    return same_dimension(part, size, z, axis, source)  # type: ignore[arg-type]
 
 
 def _unit_axis(ctx: PassContext, value: ir.Value | None) -> tuple[ir.Value, int] | None:
@@ -80,7 +79,7 @@ def _unit_axis(ctx: PassContext, value: ir.Value | None) -> tuple[ir.Value, int]
     node = value.producer() if value is not None else None
     z = node.inputs[0] if node is not None and node.inputs else None
     shape = ctx.shape(z) if z is not None else None
-    if node is None or z is None or shape is None or node.domain not in _DEFAULT_DOMAINS:
+    if node is None or z is None or shape is None or node.domain not in DEFAULT_DOMAINS:
         return None
     rank = len(shape)
     if node.op_type == "Unsqueeze":
@@ -179,7 +178,7 @@ class HeadRepeatTransposeCanonicalizationPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("HeadRepeatTranspose")
         graph = model.graph
-        for transpose in ctx.op_index.of_type(graph, "Transpose", _DEFAULT_DOMAINS):
+        for transpose in ctx.op_index.of_type(graph, "Transpose", DEFAULT_DOMAINS):
             if transpose.graph is not graph or transpose.inputs[0] is None:
                 continue
             found = _repeat(ctx, transpose)

@@ -24,12 +24,18 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.context import LINEAGE_PASSES, PassContext
-from fusectl.rewrite.graph import new_constant, node_label, remove_dead, replace_subgraph, typed
+from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
+    new_constant,
+    node_label,
+    remove_dead,
+    replace_subgraph,
+    typed,
+)
 from fusectl.rewrite.layout import Layout, follow
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
 _LAYOUT_OPS = ("Reshape", "Transpose")
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _inner(node: ir.Node) -> bool:
@@ -39,7 +45,7 @@ def _inner(node: ir.Node) -> bool:
     if result.is_graph_output() or len(uses) != 1:
         return False
     consumer, index = uses[0]
-    return index == 0 and consumer.op_type in _LAYOUT_OPS and consumer.domain in _DEFAULT_DOMAINS
+    return index == 0 and consumer.op_type in _LAYOUT_OPS and consumer.domain in DEFAULT_DOMAINS
 
 
 def _chain(end: ir.Node) -> list[ir.Node]:
@@ -50,7 +56,7 @@ def _chain(end: ir.Node) -> list[ir.Node]:
         if (
             producer is None
             or producer.op_type not in _LAYOUT_OPS
-            or producer.domain not in _DEFAULT_DOMAINS
+            or producer.domain not in DEFAULT_DOMAINS
             or producer.graph is not end.graph
             or not _inner(producer)
         ):
@@ -119,7 +125,7 @@ def _ends(ctx: PassContext, graph: ir.Graph) -> list[ir.Node]:
     return [
         node
         for op_type in _LAYOUT_OPS
-        for node in ctx.op_index.of_type(graph, op_type, _DEFAULT_DOMAINS)
+        for node in ctx.op_index.of_type(graph, op_type, DEFAULT_DOMAINS)
         if node.graph is graph and not _inner(node)
     ]
 

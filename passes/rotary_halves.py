@@ -25,6 +25,7 @@ import onnx_ir as ir
 from fusectl.rewrite.axes import last_axis_positions
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
     new_constant,
     node_label,
     producer_of,
@@ -33,8 +34,6 @@ from fusectl.rewrite.graph import (
     uses_outside,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def _products(value: ir.Value) -> list[tuple[ir.Value, ir.Value]] | None:
@@ -124,7 +123,7 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("RotaryHalves")
         graph = model.graph
-        for concat in ctx.op_index.of_type(graph, "Concat", _DEFAULT_DOMAINS):
+        for concat in ctx.op_index.of_type(graph, "Concat", DEFAULT_DOMAINS):
             if concat.graph is not graph:
                 continue
             located = _rotation_in(ctx, concat)  # op types first: most Concats fail there

@@ -31,6 +31,7 @@ from fusectl.rewrite.evaluate import (
     run_node,
 )
 from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
     constant_value,
     new_constant,
     node_label,
@@ -41,7 +42,6 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 _INT64_MAX = np.iinfo(np.int64).max
 _END = -1  # the range runs to the axis's end, whatever its size
 
@@ -75,7 +75,7 @@ def _shapers(updates: ir.Value) -> list[ir.Node]:
     chain: list[ir.Node] = []
     node = updates.producer()
     while node is not None and node.op_type in ("Reshape", "Expand") and len(node.inputs) > 1:
-        if node.domain not in _DEFAULT_DOMAINS or node.inputs[0] is None or node.inputs[1] is None:
+        if node.domain not in DEFAULT_DOMAINS or node.inputs[0] is None or node.inputs[1] is None:
             break
         chain.append(node)
         node = node.inputs[0].producer()
@@ -158,7 +158,7 @@ def _joined_parts(
     axis that data is, where the range falls on their boundaries."""
     lo, hi = bounds
     concat = _behind_cancelling_transposes(data).producer()
-    if concat is None or concat.op_type != "Concat" or concat.domain not in _DEFAULT_DOMAINS:
+    if concat is None or concat.op_type != "Concat" or concat.domain not in DEFAULT_DOMAINS:
         return None
     rank = len(ctx.shape(data))  # type: ignore[arg-type]
     widths = [ctx.shape(part) for part in concat.inputs if part is not None]
@@ -226,7 +226,7 @@ class SliceAssignmentCanonicalizationPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         stats = ctx.pattern("SliceAssignment")
         graph = model.graph
-        for scatter in ctx.op_index.of_type(graph, "ScatterND", _DEFAULT_DOMAINS):
+        for scatter in ctx.op_index.of_type(graph, "ScatterND", DEFAULT_DOMAINS):
             if scatter.graph is not graph or None in scatter.inputs[:3]:
                 continue
             data = scatter.inputs[0]

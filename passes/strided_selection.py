@@ -22,6 +22,7 @@ import onnx_ir as ir
 from fusectl.rewrite.axes import keeps_leading, slice_operands
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
+    DEFAULT_DOMAINS,
     constant_value,
     new_constant,
     node_axes,
@@ -32,7 +33,6 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 # Slice takes its steps as an input from this opset.
 _STEPS_OPSET = 10
 
@@ -108,8 +108,8 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         stats = ctx.pattern("StridedSelection")
         graph = model.graph
         nodes = [
-            *ctx.op_index.of_type(graph, "Gather", _DEFAULT_DOMAINS),
-            *ctx.op_index.of_type(graph, "Squeeze", _DEFAULT_DOMAINS),
+            *ctx.op_index.of_type(graph, "Gather", DEFAULT_DOMAINS),
+            *ctx.op_index.of_type(graph, "Squeeze", DEFAULT_DOMAINS),
         ]
         for node in nodes:
             if node.graph is not graph:

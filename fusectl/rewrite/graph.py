@@ -25,6 +25,10 @@ _FOLD_DEPTH = 4
 SEEN_THROUGH = frozenset({"Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape"})
 
 
+# The ONNX standard domain, as models name it (onnx-ir keeps an empty domain as "").
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
     """The value's constant contents, else None.
 

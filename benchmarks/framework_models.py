@@ -20,16 +20,20 @@ heads, random weights), into benchmarks/out/frameworks/:
 - ``flax_encoder4``: a Flax NNX encoder through jax2onnx (opset 23, batch symbolic, 128
   tokens), its LayerNorms' variance the mean square less the squared mean, its projections
   reshaped straight to heads;
+- ``flax_llama4``: a Flax LLaMA-style decoder through jax2onnx (RMS norms, rotate_half rotary,
+  12 query and 4 key / value heads repeated with ``jnp.repeat``, einsum attention, a
+  vocabulary of 1,024);
 - ``mindspore_bert4`` and ``mindspore_gpt4``: a BERT-style encoder and a GPT-style decoder
   through MindSpore's exporter (opset 11, static 1 x 128 tokens), their norms' variances
   sums of squares over their count, the query, key and value reading one shared flatten, the
   decoder's mask a Where of full-size constants;
-- ``llama2c4_*``, ``torchtune4_*`` and ``lucidrains4_*`` (``build torch``, this project's
-  environment): decoders written outside transformers, as llama2.c, torchtune and
-  rotary-embedding-torch write them (complex-pair rotary, rotate_half of pairs, llama2.c's key
-  / value heads repeated before their transpose; 12 query and 4 key / value heads, 12 for
-  lucidrains, a vocabulary of 1,024), with tests/fixtures/make_handwritten_lm_fixtures.py's
-  model code, through the TorchScript (``_ts17``) and dynamo (``_dynamo``) exporters.
+- ``llama2c4_*``, ``torchtune4_*``, ``lucidrains4_*`` and ``litgpt4_*`` (``build torch``,
+  this project's environment): decoders written outside transformers, as llama2.c,
+  torchtune, rotary-embedding-torch and litgpt write them (complex-pair rotary, rotate_half of
+  pairs, llama2.c's key / value heads repeated before their transpose, litgpt's query-group
+  QKV; 12 query and 4 key / value heads, 12 for lucidrains, a vocabulary of 1,024), with
+  tests/fixtures/make_handwritten_lm_fixtures.py's model code, through the TorchScript
+  (``_ts17``) and dynamo (``_dynamo``) exporters.
 
 ``bench`` runs each through ``fusectl optimize``, the full checker, ``fusectl verify`` and
 ``fusectl bench`` (1 thread, interleaved, 1 x 128 tokens), with ``--baseline``'s output too,
@@ -51,11 +55,12 @@ MODELS = {
     "paddle_gpt4": ["--input_shape", f"input_ids:1,{LENGTH}"],
     "paddle_llama4": ["--input_shape", f"input_ids:1,{LENGTH}"],
     "flax_encoder4": ["--input_shape", f"x:1,{LENGTH},{HIDDEN}"],
+    "flax_llama4": ["--input_shape", f"input_ids:1,{LENGTH}"],
     "mindspore_bert4": [],
     "mindspore_gpt4": [],
     **{
         f"{style}4_{exporter}": ["--input_shape", f"input_ids:1,{LENGTH}"]
-        for style in ("llama2c", "torchtune", "lucidrains")
+        for style in ("llama2c", "torchtune", "lucidrains", "litgpt")
         for exporter in ("ts17", "dynamo")
     },
 }
@@ -79,10 +84,14 @@ def build(framework: str) -> None:
         sizes = Sizes(1024, HIDDEN, HEADS, 4, LAYERS, 2 * LENGTH, 2048)
         export_styles(OUT, sizes, suffix=str(LAYERS))
     elif framework == "jax":
-        from make_jax_fixtures import Encoder, export
+        from make_jax_fixtures import Encoder, Llama, export, export_llama
 
         encoder = Encoder(hidden=HIDDEN, heads=HEADS, layers=LAYERS)
         export(encoder, OUT / "flax_encoder4.onnx", sequence=LENGTH, hidden=HIDDEN)
+        llama = Llama(
+            vocab=1024, hidden=HIDDEN, heads=HEADS, kv_heads=4, layers=LAYERS, length=LENGTH
+        )
+        export_llama(llama, OUT / "flax_llama4.onnx", sequence=LENGTH)
     else:
         from make_mindspore_fixtures import Bert, Gpt, Sizes, export
 

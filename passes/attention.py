@@ -1098,10 +1098,11 @@ def _widened(
     return unsqueeze.outputs[0], [unsqueeze]
 
 
-def _one_row(ctx: PassContext, bias: ir.Value) -> bool:
-    """Whether a 4-D bias holds one row for every query position ([.., 1, key])."""
-    shape = ctx.shape(bias)
-    return shape is not None and shape[2] == 1
+def _one_row(ctx: PassContext, value: ir.Value | None, axis: int = 2) -> bool:
+    """Whether a 4-D bias holds one row for every query position ([.., 1, key]); with
+    ``axis`` 1, whether a [B, S, D] query has one position."""
+    shape = ctx.shape(value) if value is not None else None
+    return shape is not None and len(shape) > axis and shape[axis] == 1
 
 
 def _one_column(ctx: PassContext, match: _Attention, biases: list[ir.Value]) -> bool:
@@ -1732,7 +1733,12 @@ class _AttentionFusion(FusionPass):
                 new_nodes.append(total)
                 shared[key] = (total.outputs[0],)
             biases = [shared[key][0], *biases[2:]]
-        if biases and domain == MS and all(_one_row(ctx, bias) for bias in widened_biases):
+        if (
+            biases
+            and domain == MS
+            and all(_one_row(ctx, bias) for bias in widened_biases)
+            and not _one_row(ctx, inputs[0], axis=1)  # one query row: every row there is
+        ):
             query_input = inputs[0]
             assert query_input is not None
             rows, expanding = _expanded_rows(ctx, match.root, biases[0], query_input, shared)

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite.axes import (
     axis_size,
+    inferred_dimension,
     kept_length,
     same_dimension,
     slice_operands,
@@ -152,7 +153,8 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
         category=Category.GRAPH,
         description="Reshape targets computed from Shape -> Gather -> Concat at run time -> "
         "constant targets, with 0 for a size copied from the same position of the data and "
-        "-1 for the one size left (the shape arithmetic goes with them)",
+        "-1 for the one size left, a -1 already there counted from the element count (the "
+        "shape arithmetic goes with them)",
         aliases=("ReshapeShapeFolding",),
         priority=3030,
         emits=("Reshape",),
@@ -178,6 +180,7 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
             target, dims = found
             if not ctx.may_rewrite("ReshapeTarget", site):
                 continue
+            ctx.pattern("ReshapeTarget").settle(site)
             graph = model.graph
             constant = new_constant(graph, f"{ctx.spec.name}/{site}/shape", target)
             computed = node.inputs[1]
@@ -195,10 +198,12 @@ def _constant_target(
     """The run-time target of this Reshape as a constant: each size copied from a dimension
     the data has at the same position becomes 0 (allowzero=0 only), a static one its value,
     and one size left unknown -1 (the reshape keeps the element count, so that size is what
-    -1 computes); why not when more than one size stays unknown; None when the target is not
-    built from constants and sizes read with Shape. With the target, the output's
-    dimensions as the computed target proved them (a size copied from another tensor keeps
-    that tensor's symbol, which the constant target no longer shows)."""
+    -1 computes; a -1 the target has already is counted from the element count, where the
+    symbols cancel, to free it: ``flatten(1, 2)`` of a repeat); why not when more than one
+    size stays unknown; None when the target is not built from constants and sizes read with
+    Shape. With the target, the output's dimensions as the computed target proved them (a
+    size copied from another tensor keeps that tensor's symbol, which the constant target no
+    longer shows)."""
     data = reshape.inputs[0]
     source = ctx.shape(data) if data is not None else None
     parts = target_parts(ctx, reshape.inputs[1])
@@ -229,6 +234,12 @@ def _constant_target(
         else:
             resolved.append(None)
     unknown = resolved.count(None)
+    if unknown == 1 and -1 in resolved:
+        # The -1 counted from the element count frees the -1 for the size left unknown.
+        counted = inferred_dimension(ctx, reshape)
+        if counted is not None:
+            position = resolved.index(-1)
+            resolved[position] = dims[position] = counted
     if unknown > 1 or (unknown == 1 and -1 in resolved):
         return (
             "more than one size of the target is read at run time from another tensor than "

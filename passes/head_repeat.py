@@ -49,17 +49,6 @@ class _Repeat:
         self.z, self.axis, self.heads, self.times = z, axis, heads, times
 
 
-def _view_parts(ctx: PassContext, target: ir.Value | None) -> list | None:
-    """target_parts of a shape, looked at through a Reshape of it (TorchScript's Expand)."""
-    if target is None:
-        return None
-    parts = target_parts(ctx, target)
-    reshape = producer_of(target, "Reshape")
-    if parts is None and reshape is not None and reshape.inputs[0] is not None:
-        parts = target_parts(ctx, reshape.inputs[0])
-    return parts
-
-
 def _keeps(ctx: PassContext, part: object, z: ir.Value, axis: int) -> bool:
     """Whether a target element is z's size along ``axis`` (at run time): the same static
     size, or a size read from z there or from an axis named alike (same_dimension)."""
@@ -73,9 +62,15 @@ def _keeps(ctx: PassContext, part: object, z: ir.Value, axis: int) -> bool:
     return same_dimension(part, size, z, axis, source)  # type: ignore[arg-type]
 
 
-def _unit_axis(ctx: PassContext, value: ir.Value | None) -> tuple[ir.Value, int] | None:
-    """(z, i) where ``value`` is z with a unit axis inserted at i: Unsqueeze(z, [i]), or a
-    Reshape to z's sizes with a 1 at i (Flax's ``jnp.repeat``), each other size kept."""
+def _repeats(part: object) -> bool:
+    """Whether a target element spreads a unit axis: a static size above 1."""
+    return isinstance(part, int) and part > 1
+
+
+def _unit_axes(ctx: PassContext, value: ir.Value | None) -> tuple[ir.Value, list[int]] | None:
+    """(z, [i, ...]) where ``value`` is z with a unit axis inserted at i: Unsqueeze(z, [i]), or
+    a Reshape to z's sizes with a 1 at i (Flax's ``jnp.repeat``), each other size kept. A
+    Reshape that puts a 1 beside a 1 of z (a single key/value head) inserts it at either."""
     node = value.producer() if value is not None else None
     z = node.inputs[0] if node is not None and node.inputs else None
     shape = ctx.shape(z) if z is not None else None
@@ -84,17 +79,18 @@ def _unit_axis(ctx: PassContext, value: ir.Value | None) -> tuple[ir.Value, int]
     rank = len(shape)
     if node.op_type == "Unsqueeze":
         axes = node_axes(node)
-        return (z, axes[0] % (rank + 1)) if axes is not None and len(axes) == 1 else None
+        return (z, [axes[0] % (rank + 1)]) if axes is not None and len(axes) == 1 else None
     viewed = ctx.shape(value) if node.op_type == "Reshape" else None  # type: ignore[arg-type]
     if viewed is None or len(viewed) != rank + 1:
         return None
+    found = []
     for inserted in range(rank + 1):
         rest = [*viewed[:inserted], *viewed[inserted + 1 :]]
         if viewed[inserted] != 1 or not keeps_leading(ctx, node, shape, rest, inserted):
             continue
         if all(same_dim(a, b) for a, b in zip(shape[inserted:], rest[inserted:], strict=True)):
-            return z, inserted
-    return None
+            found.append(inserted)
+    return (z, found) if found else None
 
 
 def _repeat(ctx: PassContext, transpose: ir.Node) -> tuple[_Repeat, list[int]] | str | None:
@@ -104,11 +100,17 @@ def _repeat(ctx: PassContext, transpose: ir.Node) -> tuple[_Repeat, list[int]] |
     value = transpose.inputs[0]
     reshape = producer_of(value, "Reshape")
     expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
-    found = _unit_axis(ctx, expand.inputs[0]) if expand is not None else None
+    found = _unit_axes(ctx, expand.inputs[0]) if expand is not None else None
     if found is None:
         return None
     assert reshape is not None and expand is not None
-    z, inserted = found
+    z, candidates = found
+    spread = target_parts(ctx, expand.inputs[1]) if expand.inputs[1] is not None else None
+    # Of two places for the unit axis, the one the Expand repeats along.
+    inserted = next(
+        (i for i in candidates if spread and i < len(spread) and _repeats(spread[i])),
+        candidates[0],
+    )
     shape = ctx.shape(z)
     assert shape is not None
     rank = len(shape)
@@ -118,7 +120,6 @@ def _repeat(ctx: PassContext, transpose: ir.Node) -> tuple[_Repeat, list[int]] |
     perm = transpose_perm(transpose, rank)
     if perm is None or sorted(perm) != list(range(rank)) or _first_move(perm, axis) is None:
         return None
-    spread = _view_parts(ctx, expand.inputs[1])
     if spread is None or len(spread) != rank + 1 or not isinstance(spread[inserted], int):
         return "the Expand's sizes are not known"
     times = spread[inserted]
@@ -126,7 +127,7 @@ def _repeat(ctx: PassContext, transpose: ir.Node) -> tuple[_Repeat, list[int]] |
     for part, along in zip(spread, source, strict=True):
         if along is not None and part != 1 and not _keeps(ctx, part, z, along):
             return "the Expand does not provably keep the sizes other than the repeat's"
-    merged = _view_parts(ctx, reshape.inputs[1])
+    merged = target_parts(ctx, reshape.inputs[1]) if reshape.inputs[1] is not None else None
     heads = shape[axis]
     if not isinstance(heads, int):
         return "the number of heads is not static"

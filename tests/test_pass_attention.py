@@ -1108,7 +1108,7 @@ def test_split_sizes_fed_at_run_time_keep_the_attention(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "nodes"), [("levit_ts17", 177), ("levit_dynamo", 128)])
+@pytest.mark.parametrize(("name", "nodes"), [("levit_ts17", 171), ("levit_dynamo", 121)])
 def test_levit_attention_with_learned_bias_fused_in_every_layer(
     name: str, nodes: int, tmp_path: Path
 ) -> None:
@@ -1118,7 +1118,9 @@ def test_levit_attention_with_learned_bias_fused_in_every_layer(
     before the permute: no Transpose is left but the classifier's one. The shapes the fused
     ops make static are folded after the fusions (182 -> 177 and 160 -> 154 nodes). The dynamo
     export keeps its Linear + BatchNorm1d layers (MLPLayerWithBN), which LinearBatchnormFusionPass
-    folds into their MatMuls: 154 -> 128 nodes."""
+    folds into their MatMuls: 154 -> 128 nodes. The last stage's query has one position: its
+    bias has every row already, so none is spread to the rows (177 -> 171, 128 -> 121: in the
+    dynamo export MultiHeadAttentionBiasFusionPass then takes one more bias Add, 2 sites)."""
     run = optimize_checked(FIXTURES / "arch" / f"{name}.onnx", tmp_path)
     assert run.counts(MHA) == (5, 5)
     assert reasons(run, MHA) == {}

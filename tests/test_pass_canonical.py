@@ -119,8 +119,9 @@ TWO_UNKNOWN = (
         # ConstantFoldingPass), and repeated shape arithmetic on equal ones merges.
         ("gpt2_tiny_ts17", (13, 7), (7, 7), 72),
         # LLaMA: its first RMS norm too fused (DoubledRmsNormFusionPass); the rotary's two
-        # Muls by its attention scaling of 1.0 go (NeutralOperandEliminationPass)
-        ("llama_tiny_ts17", (14, 6), (23, 23), 86),
+        # Muls by its attention scaling of 1.0 go (NeutralOperandEliminationPass); the value
+        # heads' merge after repeat_kv, its -1 counted from the element count, is constant too
+        ("llama_tiny_ts17", (14, 8), (23, 23), 86),
     ],
 )
 def test_torchscript_shape_arithmetic_folds(
@@ -192,6 +193,28 @@ def test_two_sizes_of_another_tensor_stay(tmp_path: Path) -> None:
     assert run.counts(RESHAPE) == (1, 0)
     assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
     assert run.op_counts()["Shape"] == 1
+
+
+def test_a_minus_one_counted_from_the_element_count_frees_it(tmp_path: Path) -> None:
+    """x [batch, 2, 3, sequence, 4] -> [batch, -1, sequence, 4] (``flatten(1, 2)`` of a head
+    repeat, the sequence read at another position): the -1 is 6 whatever the symbols, so the
+    sequence becomes the target's -1: [0, 6, -1, 4]."""
+    x, out = ["batch", 2, 3, "sequence", 4], ["batch", 6, "sequence", 4]
+    model = _reshape_model(tmp_path, "counted", ["s0", -1, "s1", 4], x, out)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    assert _target(run) == [0, 6, -1, 4]
+    assert run.op_counts() == Counter({"Reshape": 1})
+
+
+def test_a_minus_one_the_symbols_do_not_count_stays(tmp_path: Path) -> None:
+    """x [batch, 2, n, sequence, 4] -> [batch, -1, sequence, 4]: n is no size of the target,
+    so the -1 is not a number known before run time, and two sizes stay unknown."""
+    x, out = ["batch", 2, "n", "sequence", 4], ["batch", "m", "sequence", 4]
+    model = _reshape_model(tmp_path, "uncounted", ["s0", -1, "s1", 4], x, out)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 0)
+    assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
 
 
 def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ def _model(
     merged: tuple[int, ...] = (0, 0, KV * TIMES, SIZE),
     reader: str = "Transpose",
     z_shape: list[int | str] | None = None,
+    kv: int = KV,
 ) -> Path:
     """z [B, L, KV, H] with a unit axis after the heads (``unit``: Unsqueeze, or a Reshape to
     [0, 0, KV, 1, H]), expanded by ``spread``, reshaped to ``merged`` and read by a Transpose
@@ -93,16 +94,16 @@ def _model(
         outputs.append(value("also", [None] * 4))
     initializers = [
         const("axis", [3], np.int64),
-        const("unit_shape", [0, 0, KV, 1, SIZE], np.int64),
+        const("unit_shape", [0, 0, kv, 1, SIZE], np.int64),
         const("spread", list(spread), np.int64),
         const("merged", list(merged), np.int64),
     ]
-    inputs = [value("z", z_shape or ["batch", LENGTH, KV, SIZE])]
+    inputs = [value("z", z_shape or ["batch", LENGTH, kv, SIZE])]
     return save_model(path, nodes, inputs, outputs, initializers)
 
 
-def _feeds() -> dict[str, np.ndarray]:
-    return {"z": np.random.default_rng(0).normal(size=(2, LENGTH, KV, SIZE)).astype(np.float32)}
+def _feeds(kv: int = KV) -> dict[str, np.ndarray]:
+    return {"z": np.random.default_rng(0).normal(size=(2, LENGTH, kv, SIZE)).astype(np.float32)}
 
 
 @pytest.mark.parametrize(
@@ -121,6 +122,17 @@ def test_the_repeat_moves_behind_the_transpose(
     assert pattern_counts(run, REPEAT) == {"HeadRepeatTranspose": (1, 1)}
     assert run.op_counts()["Transpose"] == transposes
     compare_on_feeds(model, run.output, _feeds())
+
+
+def test_one_key_value_head_repeated_by_a_reshaped_unit_axis(tmp_path: Path) -> None:
+    """One key/value head (Flax's jnp.repeat of [B, L, 1, H]): the Reshape to [B, L, 1, 1, H]
+    puts its unit axis beside the head axis of 1, either place; the Expand repeats the second,
+    so that is the one inserted."""
+    merged = (0, 0, TIMES, SIZE)
+    model = _model(tmp_path / "one_head.onnx", unit="reshape", merged=merged, kv=1)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, REPEAT) == {"HeadRepeatTranspose": (1, 1)}
+    compare_on_feeds(model, run.output, _feeds(kv=1))
 
 
 def test_the_moved_merge_is_a_constant_where_one_size_is_inferred(tmp_path: Path) -> None:

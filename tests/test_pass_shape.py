@@ -90,7 +90,9 @@ def test_exported_views_fusion_result_and_alias(tmp_path: Path) -> None:
 def test_reshapes_the_fusions_make_adjacent_are_merged_after_them(tmp_path: Path) -> None:
     """GPT-BigCode (TorchScript): the attention fusion leaves the exporter's key Reshape next
     to another; ReshapeReshapeFusionPass runs again after the fusions (its switch as it is)
-    and merges them, where only a second run of fusectl used to (90 -> 76 nodes)."""
+    and merges them, where only a second run of fusectl used to (78 -> 76 nodes; without it
+    the two Reshapes stay, their targets constants once ReshapeTargetCanonicalizationPass
+    counts a -1 from the element count)."""
     model = fixture_path("arch/gpt_bigcode_ts17")
     (tmp_path / "on").mkdir()
     (tmp_path / "off").mkdir()
@@ -100,7 +102,7 @@ def test_reshapes_the_fusions_make_adjacent_are_merged_after_them(tmp_path: Path
     assert run.report["model"]["after"]["nodes"] == 76
     off = optimize(model, tmp_path / "off", "--disable_pass", RR)
     assert off.passed(RR)["state"] == "off"
-    assert off.report["model"]["after"]["nodes"] == 90
+    assert off.report["model"]["after"]["nodes"] == 78
     feeds = named_dim_feeds(model, {"batch": 3, "sequence": 5})
     for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)

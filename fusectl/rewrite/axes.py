@@ -204,7 +204,7 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         if element == 0 and not node.attributes.get_int("allowzero", 0):
             return axis_size(ctx, inputs[0], axis, depth - 1)
         if element == -1:
-            return _inferred_dimension(ctx, node)
+            return inferred_dimension(ctx, node)
         return element if element is not None and element > 0 else None
     return None
 
@@ -266,7 +266,7 @@ def last_axis_positions(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, li
     return None
 
 
-def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
+def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     """The size a Reshape infers for its -1: the data's element count over the target's other
     sizes, where the symbolic sizes cancel (the target copies them from the data with
     Shape -> Gather, or with 0)."""
@@ -309,14 +309,18 @@ def _inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
 
 
 def target_parts(ctx: PassContext, target: ir.Value, depth: int = 4) -> list | None:
-    """A Reshape target element by element: an int, or (value, axis) for a size read from a
-    value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)), a Concat of
-    such Concats read as one)."""
+    """A Reshape or Expand target element by element: an int, or (value, axis) for a size read
+    from a value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)), a Concat
+    of such Concats read as one), looked at through views of it (TorchScript flattens the
+    Concat with a Reshape to [-1]) and through TorchScript's -1 test of expand sizes."""
     array = constant_value(target)
     if array is not None:
         return [int(v) for v in array.reshape(-1)]
-    concat = producer_of(target, "Concat")
-    if concat is None or depth == 0:
+    where = producer_of(target, "Where")
+    if where is not None and depth > 0:
+        return _selected_parts(ctx, where, depth - 1)
+    concat = producer_of(_viewed(target), "Concat")
+    if concat is None or depth == 0 or concat.attributes.get_int("axis", 0) not in (0, -1):
         return None
     parts: list = []
     for part in concat.inputs:
@@ -331,6 +335,36 @@ def target_parts(ctx: PassContext, target: ir.Value, depth: int = 4) -> list | N
             return None
         parts += copied
     return parts
+
+
+def _selected_parts(ctx: PassContext, where: ir.Node, depth: int) -> list | None:
+    """target_parts of Where(Equal(s, c), t, s) with c and t constants, element by element:
+    t's element where s's is c, else s's; a size read at run time is never a negative c
+    (TorchScript writes ``expand(sizes)`` as Where(Equal(sizes, -1), 1, sizes))."""
+    equal = producer_of(where.inputs[0], "Equal")
+    sizes = where.inputs[2] if len(where.inputs) == 3 else None
+    if equal is None or sizes is None or sizes not in equal.inputs:
+        return None
+    flag_input = equal.inputs[1] if equal.inputs[0] is sizes else equal.inputs[0]
+    flag = constant_value(flag_input) if flag_input is not None else None
+    taken = constant_value(where.inputs[1]) if where.inputs[1] is not None else None
+    parts = target_parts(ctx, sizes, depth)
+    if flag is None or taken is None or parts is None:
+        return None
+    try:
+        flags = np.broadcast_to(flag.reshape(-1), (len(parts),))
+        takens = np.broadcast_to(taken.reshape(-1), (len(parts),))
+    except ValueError:
+        return None
+    selected: list = []
+    for part, c, t in zip(parts, flags, takens, strict=True):
+        if isinstance(part, int):
+            selected.append(int(t) if part == c else part)
+        elif c < 0:
+            selected.append(part)
+        else:
+            return None
+    return selected
 
 
 def same_dimension(

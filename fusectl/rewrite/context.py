@@ -50,6 +50,13 @@ class PatternStats:
         if len(examples) < DECLINE_EXAMPLES:
             examples.append(site)
 
+    def settle(self, site: str) -> None:
+        """Take back every decline of a site that a later round rewrote after all (a
+        canonicalization pass runs again as the graph settles, on better shapes)."""
+        for reason in list(self.declines):
+            if (reason, site) in self._declined:
+                self.withdraw(reason, site)
+
     def withdraw(self, reason: str, site: str) -> None:
         """Take a decline back: another pattern of the pass rewrote that candidate after all."""
         self._declined.discard((reason, site))

@@ -199,11 +199,12 @@ def _constant_target(
     the data has at the same position becomes 0 (allowzero=0 only), a static one its value,
     and one size left unknown -1 (the reshape keeps the element count, so that size is what
     -1 computes; a -1 the target has already is counted from the element count, where the
-    symbols cancel, to free it: ``flatten(1, 2)`` of a repeat); why not when more than one
-    size stays unknown; None when the target is not built from constants and sizes read with
-    Shape. With the target, the output's dimensions as the computed target proved them (a
-    size copied from another tensor keeps that tensor's symbol, which the constant target no
-    longer shows)."""
+    symbols cancel or bounded to 1, to free it: ``flatten(1, 2)`` of a repeat, torchtune's
+    view of its sliced rotary cache); why not when more than one size stays unknown; None
+    when the target is not built from constants and sizes read with Shape. With the target,
+    the output's dimensions as the computed target proved them (a size copied from another
+    tensor keeps that tensor's symbol, which the constant target no longer shows; a -1 the
+    size it counts to)."""
     data = reshape.inputs[0]
     source = ctx.shape(data) if data is not None else None
     parts = target_parts(ctx, reshape.inputs[1])
@@ -240,6 +241,8 @@ def _constant_target(
         if counted is not None:
             position = resolved.index(-1)
             resolved[position] = dims[position] = counted
+    elif unknown == 0 and -1 in resolved:
+        dims[resolved.index(-1)] = inferred_dimension(ctx, reshape)  # what the -1 is
     if unknown > 1 or (unknown == 1 and -1 in resolved):
         return (
             "more than one size of the target is read at run time from another tensor than "

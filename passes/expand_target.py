@@ -5,7 +5,7 @@ there gives the same output. Exporters that build the target from another tensor
 (jax2onnx's ``jnp.repeat`` of key/value heads reads the batch from the key for the value's
 repeat: ``Expand(v, Concat(Gather(Shape(k_repeated), 0), consts))``) leave a Shape reader on a
 value a fusion must own alone. Written as a constant, the read goes, and with it the reason a
-fusion declines; a target of ones the input's rank covers is the input itself.
+fusion declines; an Expand whose constant target changes nothing is the input itself.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class ExpandTargetCanonicalizationPass(FusionPass):
         category=Category.GRAPH,
         description="Expand targets computed from Shape -> Gather -> Concat at run time -> "
         "constant targets, with 1 for a size the input has on that axis (jax2onnx's repeat of "
-        "the value heads, sized by the key's); an Expand to ones is removed",
+        "the value heads, sized by the key's); an Expand that then changes nothing is removed",
         aliases=("ExpandShapeFolding",),
         priority=3034,  # after ShapeRunCanonicalizationPass's Expand(x, Shape(x)) -> x
         emits=("Expand",),

@@ -217,6 +217,60 @@ def test_a_minus_one_the_symbols_do_not_count_stays(tmp_path: Path) -> None:
     assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
 
 
+def _cache_view_model(tmp_path: Path, start: int) -> Path:
+    """torchtune's rotary cache view: ``cache[start:n].view(-1, n, 1, 4, 2)``, n the length of
+    x read at run time, the cache a [6, 4, 2] constant; y = that view times x's last axis."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+        helper.make_node("Slice", ["cache", "start", "length", "zero"], ["rows"]),
+        helper.make_node(
+            "Concat", ["minus_one", "length", "unit", "four", "two"], ["view"], axis=0
+        ),
+        helper.make_node("Reshape", ["rows", "view"], ["table"], name="reshape"),
+        helper.make_node("Reshape", ["x", "pairs"], ["xs"]),
+        helper.make_node("Mul", ["xs", "table"], ["y"]),
+    ]
+    cache = np.random.default_rng(0).normal(size=(6, 4, 2))
+    inits = [
+        const("cache", cache),
+        const("one", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("start", [start], np.int64),
+        const("minus_one", [-1], np.int64),
+        const("unit", [1], np.int64),
+        const("four", [4], np.int64),
+        const("two", [2], np.int64),
+        const("pairs", [0, 0, 1, 4, 2], np.int64),
+    ]
+    inputs = [value("x", ["batch", "length", 8])]
+    outputs = [value("y", ["batch", "length", 1, 4, 2])]
+    return save_model(tmp_path / f"cache_{start}.onnx", nodes, inputs, outputs, inits)
+
+
+def test_a_minus_one_bounded_by_a_slice_to_the_read_length_is_one(tmp_path: Path) -> None:
+    """cache[:n] has at most n rows, so its view as [-1, n, 1, 4, 2] can only be [1, n, ...]
+    wherever it runs: the -1 is 1, and n, read elsewhere, becomes the target's -1."""
+    model = _cache_view_model(tmp_path, start=0)
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(RESHAPE) == (1, 1)
+    table = onnx.load(str(run.output))
+    (reshape,) = [n for n in table.graph.node if n.input[0] == "rows"]
+    (target,) = [t for t in table.graph.initializer if t.name == reshape.input[1]]
+    assert onnx.numpy_helper.to_array(target).tolist() == [1, -1, 1, 4, 2]
+    feeds = {"x": np.random.default_rng(1).normal(size=(2, 5, 8)).astype(np.float32)}
+    compare_on_feeds(model, run.output, feeds)
+
+
+def test_a_slice_not_from_the_start_does_not_bound_the_minus_one(tmp_path: Path) -> None:
+    """cache[1:n] holds at most n - 1 rows, and a view of it as [-1, n, ...] is no proof:
+    nothing says which size the -1 is, and two stay unknown."""
+    model = _cache_view_model(tmp_path, start=1)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(RESHAPE) == (1, 0)
+    assert reasons(run, RESHAPE) == {TWO_UNKNOWN: 1}
+
+
 def test_merges_shape_arithmetic_not_activations(tmp_path: Path) -> None:
     """Two Shape(x) reads and two equal small Constants merge; two Relu(x) (an activation)
     and two equal 32-element constants do not."""

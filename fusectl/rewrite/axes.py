@@ -269,11 +269,74 @@ def last_axis_positions(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, li
 def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     """The size a Reshape infers for its -1: the data's element count over the target's other
     sizes, where the symbolic sizes cancel (the target copies them from the data with
-    Shape -> Gather, or with 0)."""
+    Shape -> Gather, or with 0); or 1 where the data provably holds no more elements than
+    the other sizes multiply to (_at_most_the_rest)."""
     data, target = reshape.inputs[0], reshape.inputs[1]
     source, parts = ctx.shape(data), target_parts(ctx, target)
     if source is None or parts is None or parts.count(-1) != 1:
         return None
+    counted = _counted_dimension(ctx, reshape, source, parts)
+    if counted is None and _at_most_the_rest(ctx, data, source, parts):  # type: ignore[arg-type]
+        return 1
+    return counted
+
+
+def _at_most_the_rest(ctx: PassContext, data: ir.Value, source: ir.Shape, parts: list) -> bool:
+    """Whether ``data`` holds at most as many elements as the target's sizes other than its -1
+    multiply to, so that the -1 is 1 wherever the Reshape runs: the data is a Slice from 0,
+    step 1, along one axis to a size read at run time that the target holds too (torchtune
+    views its rotary cache, sliced to the sequence length, as [-1, L, 1, H/2, 2]: at most L
+    rows), its other sizes static and multiplying to at most the target's static ones."""
+    node = data.producer()
+    if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx"):
+        return False
+    operands = [*node.inputs[1:], None, None][:4]
+    if len(node.inputs) < 3 or operands[0] is None or operands[1] is None:
+        return False
+    starts, axes = constant_value(operands[0]), constant_value(operands[2]) if operands[2] else None
+    steps = constant_value(operands[3]) if operands[3] is not None else np.ones(1, np.int64)
+    ends = copied_dimensions(operands[1])
+    if starts is None or steps is None or ends is None or len(ends) != 1:
+        return False
+    if starts.size != 1 or int(starts.reshape(-1)[0]) != 0 or int(steps.reshape(-1)[0]) != 1:
+        return False
+    if operands[2] is not None and (axes is None or axes.size != 1):
+        return False
+    axis = int(axes.reshape(-1)[0]) % len(source) if axes is not None else 0
+    end = _read_size(ctx, ends[0])
+    ours = [
+        i
+        for i, p in enumerate(parts)
+        if isinstance(p, tuple) and (p == ends[0] or same_dim(_read_size(ctx, p), end))
+    ]
+    if not ours:
+        return False
+    others = [
+        _read_size(ctx, p) if isinstance(p, tuple) else p
+        for i, p in enumerate(parts)
+        if i != ours[0] and p != -1
+    ]
+    sliced = ctx.shape(node.inputs[0]) if node.inputs[0] is not None else None
+    if sliced is None or len(sliced) != len(source):
+        return False
+    rest = [size for i, size in enumerate(sliced) if i != axis]  # the Slice keeps them
+    if not all(isinstance(p, int) and p > 0 for p in others):
+        return False
+    if not all(isinstance(size, int) for size in rest):
+        return False
+    return int(np.prod(rest, dtype=np.int64)) <= int(np.prod(others, dtype=np.int64))
+
+
+def _read_size(ctx: PassContext, read: tuple[ir.Value, int]) -> int | ir.SymbolicDim | None:
+    """The size read from axis ``read[1]`` of ``read[0]``, as its shape says."""
+    shape = ctx.shape(read[0])
+    return shape[read[1]] if shape is not None and -len(shape) <= read[1] < len(shape) else None
+
+
+def _counted_dimension(
+    ctx: PassContext, reshape: ir.Node, source: ir.Shape, parts: list
+) -> int | None:
+    """inferred_dimension by the element count, where the symbolic sizes cancel."""
     copying_zero = not reshape.attributes.get_int("allowzero", 0)
     remaining: list = list(source)
     known = 1

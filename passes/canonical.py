@@ -24,6 +24,7 @@ from fusectl.rewrite.axes import (
     axis_size,
     inferred_dimension,
     kept_length,
+    read_size,
     same_dimension,
     slice_operands,
     target_parts,
@@ -153,8 +154,8 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
         category=Category.GRAPH,
         description="Reshape targets computed from Shape -> Gather -> Concat at run time -> "
         "constant targets, with 0 for a size copied from the same position of the data and "
-        "-1 for the one size left, a -1 already there counted from the element count (the "
-        "shape arithmetic goes with them)",
+        "-1 for the one size left, a -1 already there counted from the element count or "
+        "bounded to 1 (the shape arithmetic goes with them)",
         aliases=("ReshapeShapeFolding",),
         priority=3030,
         emits=("Reshape",),
@@ -218,16 +219,14 @@ def _constant_target(
             resolved.append(part)
             dims.append(part if part > 0 else None)
             continue
-        value, axis = part
-        shape = ctx.shape(value)
-        size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        size = read_size(ctx, part)
         dims.append(size)
         if isinstance(size, int):
             resolved.append(size)
         elif (
             copying_zero
             and position < len(source)
-            and same_dimension((value, axis), size, data, position, source)
+            and same_dimension(part, size, data, position, source)
         ):
             resolved.append(0)
             if not isinstance(size, int) and not named(size):  # proven the same size: keep

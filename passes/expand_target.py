@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import same_dimension, target_parts
+from fusectl.rewrite.axes import read_size, same_dimension, target_parts
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
@@ -45,9 +45,7 @@ def _constant_target(ctx: PassContext, expand: ir.Node) -> np.ndarray | str | No
         if isinstance(part, int):
             resolved.append(part)
             continue
-        value, axis = part
-        shape = ctx.shape(value)
-        size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        size = read_size(ctx, part)
         aligned = position + offset
         if isinstance(size, int):
             resolved.append(size)

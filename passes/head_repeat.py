@@ -26,7 +26,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import keeps_leading, same_dim, same_dimension, target_parts
+from fusectl.rewrite.axes import (
+    keeps_leading,
+    read_size,
+    same_dim,
+    same_dimension,
+    target_parts,
+)
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
@@ -56,9 +62,7 @@ def _keeps(ctx: PassContext, part: object, z: ir.Value, axis: int) -> bool:
     assert source is not None
     if isinstance(part, int):
         return isinstance(source[axis], int) and part == source[axis]
-    value, read = part  # type: ignore[misc]
-    shape = ctx.shape(value)
-    size = shape[read] if shape is not None and -len(shape) <= read < len(shape) else None
+    size = read_size(ctx, part)  # type: ignore[arg-type]
     return same_dimension(part, size, z, axis, source)  # type: ignore[arg-type]
 
 

@@ -293,7 +293,8 @@ def _at_most_the_rest(ctx: PassContext, data: ir.Value, source: ir.Shape, parts:
     operands = [*node.inputs[1:], None, None][:4]
     if len(node.inputs) < 3 or operands[0] is None or operands[1] is None:
         return False
-    starts, axes = constant_value(operands[0]), constant_value(operands[2]) if operands[2] else None
+    starts = constant_value(operands[0])
+    axes = constant_value(operands[2]) if operands[2] is not None else None
     steps = constant_value(operands[3]) if operands[3] is not None else np.ones(1, np.int64)
     ends = copied_dimensions(operands[1])
     if starts is None or steps is None or ends is None or len(ends) != 1:
@@ -303,16 +304,16 @@ def _at_most_the_rest(ctx: PassContext, data: ir.Value, source: ir.Shape, parts:
     if operands[2] is not None and (axes is None or axes.size != 1):
         return False
     axis = int(axes.reshape(-1)[0]) % len(source) if axes is not None else 0
-    end = _read_size(ctx, ends[0])
+    end = read_size(ctx, ends[0])
     ours = [
         i
         for i, p in enumerate(parts)
-        if isinstance(p, tuple) and (p == ends[0] or same_dim(_read_size(ctx, p), end))
+        if isinstance(p, tuple) and (p == ends[0] or same_dim(read_size(ctx, p), end))
     ]
     if not ours:
         return False
     others = [
-        _read_size(ctx, p) if isinstance(p, tuple) else p
+        read_size(ctx, p) if isinstance(p, tuple) else p
         for i, p in enumerate(parts)
         if i != ours[0] and p != -1
     ]
@@ -327,8 +328,9 @@ def _at_most_the_rest(ctx: PassContext, data: ir.Value, source: ir.Shape, parts:
     return int(np.prod(rest, dtype=np.int64)) <= int(np.prod(others, dtype=np.int64))
 
 
-def _read_size(ctx: PassContext, read: tuple[ir.Value, int]) -> int | ir.SymbolicDim | None:
-    """The size read from axis ``read[1]`` of ``read[0]``, as its shape says."""
+def read_size(ctx: PassContext, read: tuple[ir.Value, int]) -> int | ir.SymbolicDim | None:
+    """The size a target part ``(value, axis)`` reads at run time, as the value's shape says;
+    None where the shape or the axis is unknown."""
     shape = ctx.shape(read[0])
     return shape[read[1]] if shape is not None and -len(shape) <= read[1] < len(shape) else None
 
@@ -346,12 +348,7 @@ def _counted_dimension(
         if part == 0 and copying_zero and index < len(source):
             size = source[index]
         elif isinstance(part, tuple):  # a size copied from some value's shape
-            shape = ctx.shape(part[0])
-            size = (
-                shape[part[1]]
-                if shape is not None and -len(shape) <= part[1] < len(shape)
-                else None
-            )
+            size = read_size(ctx, part)
         elif part > 0:
             size = part
         else:

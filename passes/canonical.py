@@ -43,7 +43,7 @@ from fusectl.rewrite.graph import (
     typed,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
-from fusectl.rewrite.shapes import named
+from fusectl.rewrite.shapes import keep_proven_dims, named
 from fusectl.rewrite.spread import (
     ARITHMETIC,
     BROADCASTING,
@@ -186,7 +186,7 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
             constant = new_constant(graph, f"{ctx.spec.name}/{site}/shape", target)
             computed = node.inputs[1]
             node.replace_input_with(1, constant)
-            _keep_proven_dims(node.outputs[0], dims)
+            keep_proven_dims(node.outputs[0], dims)
             ctx.record_fusion("ReshapeTarget", [node], [node])
             remove_dead(graph, [computed.producer() if computed is not None else None])
         if ctx.changed and ctx.shapes is not None:
@@ -249,22 +249,6 @@ def _constant_target(
         )
     target = np.array([-1 if size is None else size for size in resolved], dtype=np.int64)
     return target, dims
-
-
-def _keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) -> None:
-    """Record on the Reshape's output the sizes its computed target proved: a later pass can
-    then still prove that it matches the tensor those sizes were read from."""
-    shape = output.shape
-    if shape is None or len(shape) != len(dims):
-        return
-    output.shape = ir.Shape(
-        [
-            new
-            if new is not None and not (isinstance(new, ir.SymbolicDim) and new.value is None)
-            else old
-            for new, old in zip(dims, shape, strict=True)
-        ]
-    )
 
 
 @register_pass

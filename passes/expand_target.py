@@ -25,7 +25,7 @@ from fusectl.rewrite.graph import (
     remove_dead,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
-from fusectl.rewrite.shapes import named
+from fusectl.rewrite.shapes import keep_proven_dims, named
 
 
 def _constant_target(ctx: PassContext, expand: ir.Node) -> np.ndarray | str | None:
@@ -58,21 +58,17 @@ def _constant_target(ctx: PassContext, expand: ir.Node) -> np.ndarray | str | No
     return np.array(resolved, dtype=np.int64)
 
 
-def _keep_proven_dims(output: ir.Value, source: ir.Shape, target: np.ndarray) -> None:
-    """Record on the Expand's output the sizes the constant target proves: the input's where
-    it is 1, its own elsewhere. Inference on the graph as it was may have named a size the
-    target read anew, and a shape already recorded keeps such a name over a re-inferred one."""
-    old = output.shape
+def _proven_dims(source: ir.Shape, target: np.ndarray) -> list[int | ir.SymbolicDim | None]:
+    """The Expand's output sizes the constant target proves: the input's where the target is
+    1, the target's elsewhere; None where that is a name inference made up."""
     rank = max(len(source), len(target))
-    if old is None or len(old) != rank:
-        return
-    dims: list[int | ir.SymbolicDim] = []
+    dims: list[int | ir.SymbolicDim | None] = []
     for axis in range(rank):
         mine = source[axis - rank + len(source)] if axis >= rank - len(source) else 1
         spread = int(target[axis - rank + len(target)]) if axis >= rank - len(target) else 1
         new = mine if spread == 1 else spread
-        dims.append(new if isinstance(new, int) or named(new) else old[axis])
-    output.shape = ir.Shape(dims)
+        dims.append(new if isinstance(new, int) or named(new) else None)
+    return dims
 
 
 def _keeps_shape(source: ir.Shape, target: np.ndarray) -> bool:
@@ -128,7 +124,8 @@ class ExpandTargetCanonicalizationPass(FusionPass):
             else:
                 constant = new_constant(graph, f"{ctx.spec.name}/{site}/shape", found)
                 expand.replace_input_with(1, constant)
-                _keep_proven_dims(expand.outputs[0], ctx.shape(expand.inputs[0]), found)  # type: ignore[arg-type]
+                source = ctx.shape(expand.inputs[0])
+                keep_proven_dims(expand.outputs[0], _proven_dims(source, found))  # type: ignore[arg-type]
                 ctx.record_fusion("ExpandTarget", [expand], [expand])
             remove_dead(graph, [computed.producer() if computed is not None else None])
         if ctx.changed and ctx.shapes is not None:

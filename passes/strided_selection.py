@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import keeps_leading, slice_operands
+from fusectl.rewrite.axes import keeps_leading, last_axis_positions
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
@@ -39,8 +39,9 @@ _STEPS_OPSET = 10
 
 def _dropped_position(ctx: PassContext, node: ir.Node) -> tuple[ir.Value, int] | None:
     """(view, k) where ``node`` takes position k of the view's last axis and drops that axis:
-    Gather of one scalar index, or Squeeze of that axis after a Slice of one position or a
-    Split into ones. k is not negative."""
+    Gather of one scalar index, or Squeeze of that axis after any selection of one position
+    of it (a Slice, a Split part, a Gather of [k]: the toolkit's last_axis_positions). k is
+    not negative."""
     data = node.inputs[0]
     shape = ctx.shape(data) if data is not None else None
     if data is None or shape is None or not shape:
@@ -57,33 +58,11 @@ def _dropped_position(ctx: PassContext, node: ir.Node) -> tuple[ir.Value, int] |
     axes = node_axes(node)
     if axes is None or [a % rank for a in axes] != [last]:
         return None
-    split, sliced = producer_of(data, "Split"), producer_of(data, "Slice")
-    view = (split or sliced).inputs[0] if (split or sliced) is not None else None  # type: ignore[union-attr]
-    viewed = ctx.shape(view) if view is not None else None
-    if view is None or viewed is None or len(viewed) != rank or not isinstance(viewed[-1], int):
+    # Squeezing the last axis, of one element: the one position a Slice or Split kept.
+    kept = last_axis_positions(ctx, data)
+    if kept is None or len(kept[1]) != 1 or len(ctx.shape(kept[0]) or ()) != rank:
         return None
-    if split is not None:
-        ones = len(split.outputs) == viewed[-1] and _split_into_ones(split)
-        on_last = split.attributes.get_int("axis", 0) % rank == last
-        return (view, list(split.outputs).index(data)) if ones and on_last else None
-    assert sliced is not None
-    operands = slice_operands(sliced, rank)
-    if operands is None or len(operands) != 1:
-        return None
-    axis, start, end, step = operands[0]
-    size = viewed[-1]
-    start += size if start < 0 else 0
-    one = axis == last and step == 1 and 0 <= start < size and min(end, size) == start + 1
-    return (view, start) if one else None
-
-
-def _split_into_ones(split: ir.Node) -> bool:
-    """Whether the Split's parts are one element each (given sizes, or an even split)."""
-    sizes = constant_value(split.inputs[1]) if len(split.inputs) > 1 else None
-    if sizes is None:
-        given = split.attributes.get_ints("split", None)
-        sizes = None if given is None else np.array(given)
-    return sizes is None or bool(np.all(sizes == 1))
+    return kept[0], kept[1][0]
 
 
 @register_pass

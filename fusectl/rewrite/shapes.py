@@ -547,6 +547,23 @@ def equal_shapes(a: ir.Shape | None, b: ir.Shape | None) -> bool:
     return all(isinstance(dim, int) or dim.value for dim in a)
 
 
+def keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) -> None:
+    """Record on a rewritten op's output the sizes its new inputs prove (None: nothing
+    proven there): a later pass can then still prove that it matches the tensor those sizes
+    were read from, where a name inference made up and recorded would outlive re-inference."""
+    shape = output.shape
+    if shape is None or len(shape) != len(dims):
+        return
+    output.shape = ir.Shape(
+        [
+            new
+            if new is not None and not (isinstance(new, ir.SymbolicDim) and new.value is None)
+            else old
+            for new, old in zip(dims, shape, strict=True)
+        ]
+    )
+
+
 def named(dim: int | ir.SymbolicDim | None) -> bool:
     """Whether a symbolic dim has a name that ties it to other values: not none, and not one
     onnx shape inference made up for one value (``unk__N``)."""

@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
+    HEADS_PERM,
     axis_size,
     last_axis_slice,
     same_dimension,
@@ -74,7 +75,6 @@ from fusectl.rewrite.shapes import named
 from fusectl.rewrite.size_reads import move_before_readers, read_again, size_reads
 
 MS = "com.microsoft"
-_HEADS = [0, 2, 1, 3]
 
 
 def _perm(node: ir.Node) -> list[int] | None:
@@ -97,7 +97,7 @@ def _split_heads(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.
     the heads are read, or merged back, as they are."""
     value = _through_concat(value, nodes)
     transpose = producer_of(value, "Transpose")
-    if transpose is None or _perm(transpose) != _HEADS:
+    if transpose is None or _perm(transpose) != HEADS_PERM:
         return None
     reshape = producer_of(transpose.inputs[0], "Reshape")
     source = ctx.shape(reshape.inputs[0]) if reshape is not None else None  # type: ignore[arg-type]
@@ -758,16 +758,16 @@ def _match(ctx: PassContext, softmax: ir.Node) -> _Attention | str:
         return "the scores are unfolded from [batch*heads, ...] but the context is not"
     merge = _producer_user(result, "Transpose")
     perm = _perm(merge) if merge is not None else None
-    final = _producer_user(merge.outputs[0], "Reshape") if perm == _HEADS else None  # type: ignore[union-attr]
+    final = _producer_user(merge.outputs[0], "Reshape") if perm == HEADS_PERM else None  # type: ignore[union-attr]
     if final is None:
         if folds:  # the split-back reading below carries no folds to prove or biases to unfold
             return "the scores are unfolded from [batch*heads, ...] but the context is not"
         # Read in another layout: the fused op's [B, S, N*H] output goes back to the heads,
         # through the reader's Transpose where there is one (the two perms composed).
-        split_back = list(_HEADS)
+        split_back = list(HEADS_PERM)
         if merge is not None and perm is not None and len(perm) == 4:
             nodes.append(merge)
-            result, split_back = merge.outputs[0], [_HEADS[axis] for axis in perm]
+            result, split_back = merge.outputs[0], [HEADS_PERM[axis] for axis in perm]
         root, value_size = result.producer(), axis_size(ctx, context.outputs[0], 3)
         assert root is not None
         if value_size is None:
@@ -1238,11 +1238,11 @@ def _merged_heads(
     nodes: list[ir.Node] = []
     source = heads
     permuted = producer_of(heads, "Transpose") if transposed and not one_head else None
-    undone = permuted is not None and _perm(permuted) == _HEADS  # [B, S, N, H] permuted
+    undone = permuted is not None and _perm(permuted) == HEADS_PERM  # [B, S, N, H] permuted
     if undone and permuted is not None and permuted.inputs[0] is not None:
         source = permuted.inputs[0]  # read before the permute, which the merge would undo
     elif transposed and not one_head:  # typed with the sizes proven above, not inferred ones
-        swap = ir.node("Transpose", [heads], attributes={"perm": _HEADS})
+        swap = ir.node("Transpose", [heads], attributes={"perm": HEADS_PERM})
         typed(swap.outputs[0], heads.dtype, ir.Shape([shape[0], shape[2], count, size]))
         nodes.append(swap)
         source = swap.outputs[0]

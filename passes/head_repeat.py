@@ -1,4 +1,4 @@
-"""Key / value heads repeated before their heads are transposed, repeated after instead.
+"""Key / value heads repeated before their transpose or their rotary, repeated after instead.
 
 Grouped-query attention repeats each key / value head for the query heads it serves. transformers
 repeats the [B, KV, L, H] heads (``repeat_kv``); code that splits heads as [B, L, KV, H] and
@@ -19,6 +19,12 @@ What is checked is what each op computes, read from the shapes: the Unsqueeze in
 axis after the heads, the Expand sets it to r and keeps every other size (a target element of
 1, or the size itself: static, named alike, or read from z's shape), and the Reshape merges
 the two (each other size kept likewise; the merged one KV*r or the Reshape's one -1).
+
+RotaryHeadRepeatCanonicalizationPass takes the other order code writes: litgpt and Falcon's
+new decoder architecture repeat each group's key to its queries *before* the rotary, so the
+fused RotaryEmbedding reads repeated heads. A rotation depends on the position only, not on
+the head, so it commutes with copying heads: Rotary(repeat_kv(z)) is repeat_kv(Rotary(z)),
+exactly, and the grouped key is what GroupQueryAttention reads.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.axes import (
+    HEADS_PERM,
+    MS,
+    head_split,
     keeps_leading,
     read_size,
     same_dim,
@@ -44,6 +53,7 @@ from fusectl.rewrite.graph import (
     replace_subgraph,
     transpose_perm,
     typed,
+    uses_outside,
 )
 from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pass
 
@@ -275,3 +285,110 @@ class HeadRepeatTransposeCanonicalizationPass(FusionPass):
                 parts.append(new_constant(graph, f"{name}_heads", np.array([merged], np.int64)))
         nodes.append(ir.node("Concat", parts, attributes={"axis": 0}))
         return nodes[-1].outputs[0]
+
+
+def _repeat_kv(ctx: PassContext, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | str | None:
+    """(z, [Unsqueeze, Expand, Reshape]) where x [B, KV*r, L, H] is z [B, KV, L, H] with each
+    head repeated r times (transformers' repeat_kv), every size but the heads' proven kept;
+    why not where the ops are those but a size is not proven; else None."""
+    reshape = producer_of(x, "Reshape")
+    expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None or node_axes(unsqueeze) not in ([2], [-3]) or unsqueeze.inputs[0] is None:
+        return None
+    assert reshape is not None and expand is not None
+    z = unsqueeze.inputs[0]
+    shapes = [ctx.shape(value) for value in (z, expand.outputs[0], x)]
+    if any(shape is None for shape in shapes):
+        return "the repeat's sizes are not known"
+    source, spread, merged = shapes
+    assert source is not None and spread is not None and merged is not None
+    if len(source) != 4 or len(spread) != 5 or len(merged) != 4:
+        return None
+    kept = [(source[0], spread[0], merged[0]), (source[2], spread[3], merged[2])]
+    kept.append((source[3], spread[4], merged[3]))
+    heads, times = source[1], spread[2]
+    if not all(same_dim(a, b) and same_dim(a, c) for a, b, c in kept) or not same_dim(
+        spread[1], heads
+    ):
+        return "the repeat does not provably keep the batch, length and head size"
+    if not isinstance(heads, int) or not isinstance(times, int) or merged[1] != heads * times:
+        return "the repeat does not provably merge each head's copies"
+    return z, [unsqueeze, expand, reshape]
+
+
+def _copy(node: ir.Node, inputs: list[ir.Value | None], attributes: dict | None = None) -> ir.Node:
+    """A node like ``node`` reading ``inputs``: its op and attributes, or these."""
+    if attributes is None:
+        attributes = {name: attr.value for name, attr in node.attributes.items()}
+    return ir.node(node.op_type, inputs, attributes, domain=node.domain)
+
+
+@register_pass
+class RotaryHeadRepeatCanonicalizationPass(FusionPass):
+    """Not a pattern: each RotaryEmbedding of repeated heads is judged alone."""
+
+    spec = PassSpec(
+        name="RotaryHeadRepeatCanonicalizationPass",
+        category=Category.UB,  # after the rotary fusion, which is one
+        description="RotaryEmbedding of repeated key heads, Rotary(repeat_kv(z)) (litgpt and "
+        "Falcon repeat each group's key before the rotary) -> repeat_kv(Rotary(z)), the rotary "
+        "on z's projection where z is a plain head split: the grouped heads the "
+        "grouped-query fusion reads",
+        aliases=("RotaryBeforeRepeatKv",),
+        priority=4420,  # after RotaryEmbeddingFusionPass, before the attention fusions
+        canonical=True,
+        emits=("Unsqueeze", "Expand", "Reshape", "Transpose"),  # and the rotary, moved
+    )
+    counts_changes = True
+
+    def run(self, model: ir.Model, ctx: PassContext) -> None:
+        stats = ctx.pattern("RotaryHeadRepeat")
+        graph = model.graph
+        for rotary in ctx.op_index.of_type(graph, "RotaryEmbedding", (MS,)):
+            if rotary.graph is not graph or rotary.inputs[0] is None:
+                continue
+            found = _repeat_kv(ctx, rotary.inputs[0])
+            if found is None:
+                continue
+            if isinstance(found, str):
+                stats.decline(found, node_label(rotary))
+                continue
+            z, repeat = found
+            repeated = rotary.inputs[0]
+            if (
+                uses_outside(repeat, [repeated]) is not None
+                or len(repeated.uses()) != 1
+                or repeated.is_graph_output()
+            ):
+                stats.decline("the repeated heads are also read elsewhere", node_label(rotary))
+                continue
+            self._rewrite(ctx, graph, rotary, z, repeat)
+
+    def _rewrite(
+        self, ctx: PassContext, graph: ir.Graph, rotary: ir.Node, z: ir.Value, repeat: list
+    ) -> None:
+        """The rotary on z (on its projection X where z = Transpose(Reshape(X)), as the
+        rotary fusion writes it, split after), then z's repeat as it was."""
+        dtype = ctx.dtype(rotary.outputs[0])
+        attributes = {name: attr.value for name, attr in rotary.attributes.items()}
+        split = head_split(ctx, z)
+        source = z if split is None else split[0].inputs[0]
+        old = [rotary, *repeat]
+        if split is not None:
+            attributes["num_heads"] = ctx.shape(z)[1]  # type: ignore[index]
+            if uses_outside([*old, *split], [rotary.outputs[0]]) is None:
+                old += split
+        new = [_copy(rotary, [source, *rotary.inputs[1:]], attributes)]
+        typed(new[-1].outputs[0], dtype, ctx.shape(source))  # type: ignore[arg-type]
+        if split is not None:  # split into heads again, as z was
+            reshape = split[0]
+            new.append(_copy(reshape, [new[-1].outputs[0], reshape.inputs[1]]))
+            typed(new[-1].outputs[0], dtype, ctx.shape(reshape.outputs[0]))
+            new.append(ir.node("Transpose", new[-1].outputs, attributes={"perm": HEADS_PERM}))
+            typed(new[-1].outputs[0], dtype, ctx.shape(z))
+        for node in repeat:
+            new.append(_copy(node, [new[-1].outputs[0], *node.inputs[1:]]))
+            typed(new[-1].outputs[0], dtype, ctx.shape(node.outputs[0]))
+        typed(new[-1].outputs[0], dtype, ctx.shape(rotary.outputs[0]))
+        replace_subgraph(ctx, "RotaryHeadRepeat", rotary, old, new, rotary.outputs, new[-1].outputs)

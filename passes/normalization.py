@@ -899,8 +899,8 @@ def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Va
     if shape is None or len(shape) < 2:
         raise Decline("the rank of the normalised input is unknown or below 2")
     # The kernel takes 2-D or 3-D input: a 4-D one (per-head q/k norms: Qwen3's [B, S, N, H],
-    # Gemma-3's [B, N, S, H]) is normalised as [B, -1, H] and reshaped back, to its static
-    # axes after the second where they are known, else to its own shape read at run time.
+    # Gemma-3's [B, N, S, H]) is normalised as [B, -1, H] and reshaped back: to its static
+    # axes, the one size that is not inferred (-1), else to its own shape read at run time.
     inner = list(shape[2:])
     if len(shape) > 3 and not isinstance(shape[-1], int):
         raise Decline("the input is above 3-D with a last axis of unknown size")
@@ -915,8 +915,11 @@ def _to_doubled_skip(op: Any, site: Site, x: ir.Value, **bindings: Any) -> ir.Va
     if len(shape) > 3:
         source = op.Reshape(x, site.initializer(op, np.array([0, -1, hidden]), "as_3d"))
     output = op.SkipSimplifiedLayerNormalization(source, source, gamma, _domain=MS, epsilon=epsilon)
-    if len(shape) > 3 and all(isinstance(d, int) for d in inner):
-        output = op.Reshape(output, site.initializer(op, np.array([0, -1, *inner]), "back"))
+    back = [0, -1, *inner]
+    if not all(isinstance(d, int) for d in inner):  # the one size not static inferred
+        back = [0, *(d if isinstance(d, int) else -1 for d in shape[1:])]
+    if len(shape) > 3 and back.count(-1) <= 1:
+        output = op.Reshape(output, site.initializer(op, np.array(back), "back"))
     elif len(shape) > 3:
         output = op.Reshape(output, op.Shape(x))
     return op.Cast(output, to=rounded_to) if widen else output

@@ -48,8 +48,10 @@ import onnx_ir as ir
 
 from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
+    HEADS_PERM,
     Size,
     axis_size,
+    head_split,
     keeps_leading,
     last_axis_positions,
     last_axis_slice,
@@ -73,7 +75,6 @@ from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, r
 from fusectl.rewrite.shapes import named
 
 MS = "com.microsoft"
-_HEADS = [0, 2, 1, 3]
 # How the last axis of cos / sin holds each angle twice: its two halves equal (rotate_half's
 # cos(Concat(f, f))), or each element twice in a row (the interleaved form's repeat_interleave).
 HALVES, PAIRS = "halves", "pairs"
@@ -507,25 +508,6 @@ def _position_axis(
     return "cos / sin do not have one row per query position"
 
 
-def _head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None:
-    """(Reshape, Transpose) when x = Transpose(Reshape(X [B,S,N*H], [B,S,N,H]), [0,2,1,3]).
-
-    The Reshape must keep X's batch and sequence axes and only split the last one: a Reshape
-    of [B, S*N, H] to [B, S, N, H] has the same ranks, but X's rows are not the positions."""
-    transpose = producer_of(x, "Transpose")
-    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != _HEADS:
-        return None
-    reshape = producer_of(transpose.inputs[0], "Reshape")
-    if reshape is None or reshape.inputs[0] is None:
-        return None
-    before, after = ctx.shape(reshape.inputs[0]), ctx.shape(reshape.outputs[0])
-    if before is None or after is None or len(before) != 3 or len(after) != 4:
-        return None
-    if not (same_dim(before[0], after[0]) and same_dim(before[1], after[1])):
-        return None
-    return reshape, transpose
-
-
 @register_pass
 class RotaryEmbeddingFusionPass(FusionPass):
     spec = PassSpec(
@@ -626,7 +608,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
         if match.once:  # each angle once: the whole last axis is the cache, as a first half is
             kind, width = HALVES, head_size // 2
         # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
-        split = _head_split(ctx, match.x)
+        split = head_split(ctx, match.x)
         x_dims = _dims(ctx, match.x)  # traced as the tables' are: the batch by its name
         assert x_dims is not None
         placements = set()
@@ -729,7 +711,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
                 # allowzero is Reshape's from opset 14 (LLaMA exported at opset 11 or 13)
                 attributes={"allowzero": allowzero} if ctx.opset >= 14 else {},
             )
-            merge = ir.node("Transpose", [heads.outputs[0]], attributes={"perm": _HEADS})
+            merge = ir.node("Transpose", [heads.outputs[0]], attributes={"perm": HEADS_PERM})
             new_nodes += [heads, merge]
             typed(heads.outputs[0], ctx.dtype(source), ctx.shape(reshape.outputs[0]))
             result = typed(merge.outputs[0], ctx.dtype(source), ctx.shape(match.x))

@@ -62,6 +62,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "ernie_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "ernie_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
+    "falcon_new_dynamo": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
+    "falcon_new_ts17": ((2, 5, 2, 2, 4), (2, 5, None, 2, 4)),
     "falcon_ts17": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),
     "funnel_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "funnel_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),

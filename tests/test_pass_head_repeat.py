@@ -18,9 +18,11 @@ from tests.pass_helpers import (
     assert_second_run_changes_nothing,
     compare_on_feeds,
     const,
+    edited_fixture,
     fixture_path,
     optimize_checked,
     pattern_counts,
+    reasons,
     save_model,
     value,
 )
@@ -186,3 +188,34 @@ def test_near_misses_stay(tmp_path: Path, case: dict, reason: str) -> None:
     model = _model(tmp_path / "near.onnx", **case)
     run = optimize_checked(model, tmp_path)
     assert_declined(run, REPEAT, reason, "out")
+
+
+ROTARY_REPEAT = "RotaryHeadRepeatCanonicalizationPass"
+
+
+def test_the_rotary_of_repeated_key_heads_moves_before_the_repeat(tmp_path: Path) -> None:
+    """litgpt repeats each group's key to its queries before the rotary: the rotary moves to
+    the group's key (on its projection, split after), then the repeat, which
+    GroupQueryAttention takes; without the move the attention reads the repeated heads."""
+    run = optimize_checked(fixture_path("litgpt_ts17"), tmp_path)
+    assert pattern_counts(run, ROTARY_REPEAT) == {"RotaryHeadRepeat": (2, 2)}
+    assert run.op_counts()["GroupQueryAttention"] == 2
+    off = optimize_checked(fixture_path("litgpt_ts17"), tmp_path, "--disable_pass", ROTARY_REPEAT)
+    ops = off.op_counts()
+    assert (ops["GroupQueryAttention"], ops["MultiHeadAttention"]) == (0, 2)
+
+
+def test_repeated_key_heads_read_elsewhere_keep_their_rotary(tmp_path: Path) -> None:
+    """The first layer's repeated key heads are a graph output too: the repeat stays where it
+    is (moving the rotary would repeat the heads twice), that layer's attention reads them as
+    they are; the second layer is taken."""
+
+    def expose(model: onnx.ModelProto) -> None:
+        model.graph.output.append(value("/layers.0/attention/Reshape_4_output_0", None))
+
+    model = edited_fixture("litgpt_ts17", tmp_path, expose, "exposed")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(ROTARY_REPEAT) == (2, 1)
+    assert reasons(run, ROTARY_REPEAT) == {"the repeated heads are also read elsewhere": 1}
+    ops = run.op_counts()
+    assert (ops["GroupQueryAttention"], ops["MultiHeadAttention"]) == (1, 1)

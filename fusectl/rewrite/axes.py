@@ -5,6 +5,8 @@ graph computes rather than from one exporter's spelling."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
@@ -227,43 +229,93 @@ def _split_size(
     return whole // count if whole is not None and whole % count == 0 else None
 
 
-def last_axis_positions(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list[int]] | None:
-    """(x, positions): ``value`` is x with only these positions of its static last axis kept,
-    in this order. Split outputs, Slices of the last axis (any step) and Gathers of constant
-    1-D indices are all such selections; a pass reads which elements it gets, not the op."""
+@dataclass(frozen=True)
+class Selection:
+    """``value`` is ``data`` with only ``positions`` of its static axis ``axis`` kept, in this
+    order; ``kept`` is False where the axis goes with them (a Gather of one scalar index)."""
+
+    data: ir.Value
+    axis: int
+    positions: list[int]
+    kept: bool = True
+
+
+def axis_positions(ctx: PassContext, value: ir.Value) -> Selection | None:
+    """Which positions of which axis ``value`` keeps of the tensor it is selected from. Split
+    outputs, Slices of one axis (any step) and Gathers of constant indices are all such
+    selections; a pass reads which elements it gets, not the op."""
     node = value.producer()
     data = node.inputs[0] if node is not None and node.inputs else None
     shape = ctx.shape(data) if data is not None else None
-    if node is None or node.domain not in ("", "ai.onnx") or shape is None:
+    if node is None or node.domain not in ("", "ai.onnx") or data is None or shape is None:
         return None
-    rank, size = len(shape), shape[-1]
-    if data is None or not isinstance(size, int):
-        return None
-    last = rank - 1
-    if node.op_type == "Split" and node.attributes.get_int("axis", 0) % rank == last:
-        sizes = [_split_size(ctx, node, output, last, rank, 8) for output in node.outputs]
+    rank = len(shape)
+    if node.op_type == "Split":
+        axis = node.attributes.get_int("axis", 0) % rank
+        size = shape[axis]
+        sizes = [_split_size(ctx, node, output, axis, rank, 8) for output in node.outputs]
         known = [part for part in sizes if part is not None]
-        if len(known) != len(sizes) or sum(known) != size:
+        if not isinstance(size, int) or len(known) != len(sizes) or sum(known) != size:
             return None
         index = list(node.outputs).index(value)
         start = sum(known[:index])
-        return data, list(range(start, start + known[index]))
+        return Selection(data, axis, list(range(start, start + known[index])))
     if node.op_type == "Slice":
         operands = slice_operands(node, rank)
-        if operands is None or len(operands) != 1 or operands[0][0] != last:
+        if operands is None or len(operands) != 1 or not isinstance(shape[operands[0][0]], int):
             return None
-        _, start, end, step = operands[0]
-        return data, list(range(*slice(start, min(end, _INT64_MAX), step).indices(size)))
-    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) % rank == last:
+        axis, start, end, step = operands[0]
+        kept = range(*slice(start, min(end, _INT64_MAX), step).indices(shape[axis]))  # type: ignore[arg-type]
+        return Selection(data, axis, list(kept))
+    if node.op_type == "Gather":
+        axis = node.attributes.get_int("axis", 0) % rank
+        size = shape[axis]
         indices = constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
         if (
-            indices is None
-            or indices.ndim != 1
+            not isinstance(size, int)
+            or indices is None
+            or indices.ndim > 1
             or not np.all((-size <= indices) & (indices < size))
         ):
             return None
-        return data, [int(index) % size for index in indices]
+        positions = [int(index) % size for index in indices.reshape(-1)]
+        return Selection(data, axis, positions, kept=indices.ndim == 1)
     return None
+
+
+def last_axis_positions(ctx: PassContext, value: ir.Value) -> tuple[ir.Value, list[int]] | None:
+    """(x, positions): ``value`` is x with only these positions of its static last axis kept,
+    in this order (axis_positions, of the last axis, the axis kept)."""
+    selection = axis_positions(ctx, value)
+    shape = ctx.shape(selection.data) if selection is not None else None
+    if selection is None or shape is None or not selection.kept:
+        return None
+    if selection.axis != len(shape) - 1:
+        return None
+    return selection.data, selection.positions
+
+
+# The perm that moves [B, S, N, H] heads to [B, N, S, H] and back.
+HEADS_PERM = [0, 2, 1, 3]
+
+
+def head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None:
+    """(Reshape, Transpose) when x = Transpose(Reshape(X [B,S,N*H], [B,S,N,H]), [0,2,1,3]).
+
+    The Reshape must keep X's batch and sequence axes and only split the last one: a Reshape
+    of [B, S*N, H] to [B, S, N, H] has the same ranks, but X's rows are not the positions."""
+    transpose = producer_of(x, "Transpose")
+    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != HEADS_PERM:
+        return None
+    reshape = producer_of(transpose.inputs[0], "Reshape")
+    if reshape is None or reshape.inputs[0] is None:
+        return None
+    before, after = ctx.shape(reshape.inputs[0]), ctx.shape(reshape.outputs[0])
+    if before is None or after is None or len(before) != 3 or len(after) != 4:
+        return None
+    if not (same_dim(before[0], after[0]) and same_dim(before[1], after[1])):
+        return None
+    return reshape, transpose
 
 
 def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
@@ -370,15 +422,19 @@ def _counted_dimension(
 
 def target_parts(ctx: PassContext, target: ir.Value, depth: int = 4) -> list | None:
     """A Reshape or Expand target element by element: an int, or (value, axis) for a size read
-    from a value's shape at run time (Concat of Unsqueeze(Gather(Shape(value), axis)), a Concat
-    of such Concats read as one), looked at through views of it (TorchScript flattens the
-    Concat with a Reshape to [-1]) and through TorchScript's -1 test of expand sizes."""
+    from a value's shape at run time (a run of its sizes, Concat of Unsqueeze(Gather(Shape(value),
+    axis)), a Concat of such Concats read as one), looked at through views of it (TorchScript
+    flattens the Concat with a Reshape to [-1]) and through TorchScript's -1 test of expand
+    sizes."""
     array = constant_value(target)
     if array is not None:
         return [int(v) for v in array.reshape(-1)]
     where = producer_of(target, "Where")
     if where is not None and depth > 0:
         return _selected_parts(ctx, where, depth - 1)
+    whole = copied_dimensions(target)  # another tensor's shape (TorchScript's broadcast_to)
+    if whole is not None:
+        return whole
     concat = producer_of(_viewed(target), "Concat")
     if concat is None or depth == 0 or concat.attributes.get_int("axis", 0) not in (0, -1):
         return None

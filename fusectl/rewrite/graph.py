@@ -521,6 +521,32 @@ def concatenated_constant(
     return _initializer(graph, name, np.dtype(dtype), tuple(shape), tensor)
 
 
+def taken_constant(
+    graph: ir.Graph, name: str, source: ir.Value, indices: np.ndarray, axis: int
+) -> ir.Value:
+    """A new initializer holding ``source``'s constant at ``indices`` along ``axis``, taken
+    whenever it is read (in practice once, when the model is saved): a weight's columns would
+    otherwise be a second copy of the weight in memory for the whole run."""
+    tensor = constant_tensor(source)
+    folded = constant_value(source) if tensor is None else None
+    sample = folded if folded is not None else tensor
+    assert sample is not None, "taken_constant reads a constant"
+    shape = list(sample.shape)
+    shape[axis] = len(indices)
+    dtype = folded.dtype if folded is not None else tensor.dtype.numpy()  # type: ignore[union-attr]
+
+    def lazy(name: str) -> ir.TensorProtocol:
+        def take() -> ir.TensorProtocol:
+            array = folded if folded is not None else tensor.numpy()  # type: ignore[union-attr]
+            return ir.tensor(np.take(array, indices, axis=axis), name=name)
+
+        return ir.LazyTensor(
+            take, dtype=ir.DataType.from_numpy(np.dtype(dtype)), shape=ir.Shape(shape), name=name
+        )
+
+    return _initializer(graph, name, np.dtype(dtype), tuple(shape), lazy)
+
+
 def _initializer(
     graph: ir.Graph,
     name: str,

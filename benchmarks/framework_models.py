@@ -43,9 +43,10 @@ as pypi_models.py does for the wheels' models.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from pypi_models import bench_rows, build_or_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out" / "frameworks"
@@ -101,35 +102,22 @@ def build(framework: str) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    from pypi_models import _row
-
-    args.bench = True
     chosen = set(args.only.split(",")) if args.only else set(MODELS)
-    for name, feeds in MODELS.items():
-        if name not in chosen:
-            continue
-        model = OUT / f"{name}.onnx"
-        if model.exists():
-            print(json.dumps(_row(model, args, feeds), indent=1), flush=True)
-        else:
-            print(f"{model} is missing: run `build` first", file=sys.stderr)
+    models = [(OUT / f"{name}.onnx", feeds) for name, feeds in MODELS.items() if name in chosen]
+    bench_rows(models, args)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["build", "bench"])
-    parser.add_argument("framework", nargs="?", choices=["paddle", "jax", "mindspore", "torch"])
-    parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--baseline", type=Path, help="another fusectl checkout to compare with")
-    parser.add_argument("--only", default="", help="bench: comma-separated model names [all]")
-    args = parser.parse_args()
-    if args.step == "build":
-        if args.framework is None:
-            parser.error("build takes the framework: paddle, jax, mindspore or torch")
-        build(args.framework)
-    else:
-        bench(args)
+def _build(args: argparse.Namespace) -> None:
+    if args.framework is None:
+        raise SystemExit("build takes the framework: paddle, jax, mindspore or torch")
+    build(args.framework)
 
 
 if __name__ == "__main__":
-    main()
+    build_or_bench(
+        __doc__.splitlines()[0],
+        _build,
+        bench,
+        ("framework", {"nargs": "?", "choices": ["paddle", "jax", "mindspore", "torch"]}),
+        ("--only", {"default": "", "help": "bench: comma-separated model names [all]"}),
+    )

@@ -19,8 +19,9 @@ as pypi_models.py does for the wheels' models.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from pypi_models import bench_rows, build_or_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out" / "keras"
@@ -57,25 +58,9 @@ def build() -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    from pypi_models import _row
-
-    args.bench = True
-    for name in MODELS:
-        row = _row(OUT / f"{name}.onnx", args, ["--input_shape", f"ids:1,{LENGTH}"])
-        print(json.dumps(row, indent=1))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["build", "bench"])
-    parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--baseline", type=Path, help="another fusectl checkout to compare with")
-    args = parser.parse_args()
-    if args.step == "build":
-        build()
-    else:
-        bench(args)
+    feeds = ["--input_shape", f"ids:1,{LENGTH}"]
+    bench_rows([(OUT / f"{name}.onnx", feeds) for name in MODELS], args)
 
 
 if __name__ == "__main__":
-    main()
+    build_or_bench(__doc__.splitlines()[0], lambda args: build(), bench)

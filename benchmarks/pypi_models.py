@@ -155,6 +155,33 @@ def _row(model: Path, args: argparse.Namespace, feeds: list[str] | None = None) 
     return row
 
 
+def bench_rows(models: list[tuple[Path, list[str]]], args: argparse.Namespace) -> None:
+    """Print ``_row`` of each (model, fusectl input options) with its timings, as JSON: the
+    ``bench`` step of the scripts that export their models first (``build``)."""
+    args.bench = True
+    for model, feeds in models:
+        if model.exists():
+            print(json.dumps(_row(model, args, feeds), indent=1), flush=True)
+        else:
+            print(f"{model} is missing: run `build` first", file=sys.stderr)
+
+
+def build_or_bench(description: str, build, bench, *extra: tuple[str, dict]) -> None:
+    """The command line of those scripts: ``build`` exports, ``bench`` times (--runs,
+    --baseline, and any ``extra`` (flag, add_argument keywords))."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("step", choices=["build", "bench"])
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--baseline", type=Path, help="another fusectl checkout to compare with")
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
+    args = parser.parse_args()
+    if args.step == "build":
+        build(args)
+    else:
+        bench(args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packages", default=",".join(PACKAGES))

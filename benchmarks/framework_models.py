@@ -27,11 +27,12 @@ heads, random weights), into benchmarks/out/frameworks/:
   through MindSpore's exporter (opset 11, static 1 x 128 tokens), their norms' variances
   sums of squares over their count, the query, key and value reading one shared flatten, the
   decoder's mask a Where of full-size constants;
-- ``llama2c4_*``, ``torchtune4_*``, ``lucidrains4_*`` and ``litgpt4_*`` (``build torch``,
-  this project's environment): decoders written outside transformers, as llama2.c,
-  torchtune, rotary-embedding-torch and litgpt write them (complex-pair rotary, rotate_half of
-  pairs, llama2.c's key / value heads repeated before their transpose, litgpt's query-group
-  QKV; 12 query and 4 key / value heads, 12 for lucidrains, a vocabulary of 1,024), with
+- ``llama2c4_*``, ``torchtune4_*``, ``lucidrains4_*``, ``litgpt4_*`` and ``gemmapt4_*``
+  (``build torch``, this project's environment): decoders written outside transformers, as
+  llama2.c, torchtune, rotary-embedding-torch, litgpt and gemma_pytorch write them
+  (complex-pair rotary, rotate_half of pairs, llama2.c's key / value heads repeated before
+  their transpose, litgpt's query-group QKV, gemma_pytorch's ``repeat_interleave``; 12 query
+  and 4 key / value heads, 12 for lucidrains, a vocabulary of 1,024), with
   tests/fixtures/make_handwritten_lm_fixtures.py's model code, through the TorchScript
   (``_ts17``) and dynamo (``_dynamo``) exporters.
 
@@ -61,7 +62,7 @@ MODELS = {
     "mindspore_gpt4": [],
     **{
         f"{style}4_{exporter}": ["--input_shape", f"input_ids:1,{LENGTH}"]
-        for style in ("llama2c", "torchtune", "lucidrains", "litgpt")
+        for style in ("llama2c", "torchtune", "lucidrains", "litgpt", "gemmapt")
         for exporter in ("ts17", "dynamo")
     },
 }

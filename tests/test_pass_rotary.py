@@ -921,8 +921,9 @@ def test_interleaved_rotary_synthetic(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     assert run.counts(ROTARY) == (1, 1)
     # x merged and split back; each cache every second angle of the table the model repeated
-    # (Unsqueeze, Tile, Reshape), flattened: computed once, whatever the number of layers
-    repeats = {"Unsqueeze": 2, "Tile": 2, "Reshape": 2}
+    # (Unsqueeze, Tile, Reshape; the Tile of a unit axis an Expand, TileExpandCanonicalization),
+    # flattened: computed once, whatever the number of layers
+    repeats = {"Unsqueeze": 2, "Expand": 2, "Reshape": 2}
     assert run.op_counts() == Counter({"RotaryEmbedding": 1, "Slice": 2, "Reshape": 4}) + Counter(
         repeats
     )

@@ -47,6 +47,7 @@ from fusectl.rewrite.axes import (
     HEADS_PERM,
     axis_size,
     last_axis_slice,
+    repeat_kv,
     same_dimension,
     shape_element,
     symbolic_size,
@@ -110,15 +111,11 @@ def _split_heads(ctx: PassContext, value: ir.Value, nodes: list[ir.Node]) -> ir.
 def _repeat_kv(value: ir.Value, nodes: list[ir.Node]) -> ir.Value | None:
     """kv [B,KV,L,H] from repeat_kv's Reshape(Expand(Unsqueeze(kv, 2), [B,KV,r,L,H]), [B,KV*r,
     L,H]): each KV head serves r consecutive query heads, as in GroupQueryAttention."""
-    reshape = producer_of(value, "Reshape")
-    expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsqueeze is None or node_axes(unsqueeze) != [
-        2
-    ]:  # an input, or before opset 13 an attribute
+    found = repeat_kv(value)
+    if found is None:
         return None
-    nodes += [reshape, expand, unsqueeze]
-    return unsqueeze.inputs[0]
+    nodes += reversed(found[1])
+    return found[0]
 
 
 @dataclass

@@ -38,6 +38,7 @@ from fusectl.rewrite.axes import (
     head_split,
     keeps_leading,
     read_size,
+    repeat_kv,
     same_dim,
     same_dimension,
     target_parts,
@@ -287,18 +288,15 @@ class HeadRepeatTransposeCanonicalizationPass(FusionPass):
         return nodes[-1].outputs[0]
 
 
-def _repeat_kv(ctx: PassContext, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | str | None:
+def _proven_repeat(ctx: PassContext, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | str | None:
     """(z, [Unsqueeze, Expand, Reshape]) where x [B, KV*r, L, H] is z [B, KV, L, H] with each
     head repeated r times (transformers' repeat_kv), every size but the heads' proven kept;
     why not where the ops are those but a size is not proven; else None."""
-    reshape = producer_of(x, "Reshape")
-    expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsqueeze is None or node_axes(unsqueeze) not in ([2], [-3]) or unsqueeze.inputs[0] is None:
+    found = repeat_kv(x)
+    if found is None:
         return None
-    assert reshape is not None and expand is not None
-    z = unsqueeze.inputs[0]
-    shapes = [ctx.shape(value) for value in (z, expand.outputs[0], x)]
+    z, repeat = found
+    shapes = [ctx.shape(value) for value in (z, repeat[1].outputs[0], x)]
     if any(shape is None for shape in shapes):
         return "the repeat's sizes are not known"
     source, spread, merged = shapes
@@ -314,13 +312,12 @@ def _repeat_kv(ctx: PassContext, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] 
         return "the repeat does not provably keep the batch, length and head size"
     if not isinstance(heads, int) or not isinstance(times, int) or merged[1] != heads * times:
         return "the repeat does not provably merge each head's copies"
-    return z, [unsqueeze, expand, reshape]
+    return found
 
 
-def _copy(node: ir.Node, inputs: list[ir.Value | None], attributes: dict | None = None) -> ir.Node:
-    """A node like ``node`` reading ``inputs``: its op and attributes, or these."""
-    if attributes is None:
-        attributes = {name: attr.value for name, attr in node.attributes.items()}
+def _copy(node: ir.Node, inputs: list[ir.Value | None], **changed: object) -> ir.Node:
+    """A node like ``node`` reading ``inputs``: its op and attributes, ``changed`` set."""
+    attributes = {name: attr.value for name, attr in node.attributes.items()} | changed
     return ir.node(node.op_type, inputs, attributes, domain=node.domain)
 
 
@@ -348,7 +345,7 @@ class RotaryHeadRepeatCanonicalizationPass(FusionPass):
         for rotary in ctx.op_index.of_type(graph, "RotaryEmbedding", (MS,)):
             if rotary.graph is not graph or rotary.inputs[0] is None:
                 continue
-            found = _repeat_kv(ctx, rotary.inputs[0])
+            found = _proven_repeat(ctx, rotary.inputs[0])
             if found is None:
                 continue
             if isinstance(found, str):
@@ -371,15 +368,15 @@ class RotaryHeadRepeatCanonicalizationPass(FusionPass):
         """The rotary on z (on its projection X where z = Transpose(Reshape(X)), as the
         rotary fusion writes it, split after), then z's repeat as it was."""
         dtype = ctx.dtype(rotary.outputs[0])
-        attributes = {name: attr.value for name, attr in rotary.attributes.items()}
         split = head_split(ctx, z)
         source = z if split is None else split[0].inputs[0]
         old = [rotary, *repeat]
+        changed: dict[str, object] = {}
         if split is not None:
-            attributes["num_heads"] = ctx.shape(z)[1]  # type: ignore[index]
+            changed["num_heads"] = ctx.shape(z)[1]  # type: ignore[index]
             if uses_outside([*old, *split], [rotary.outputs[0]]) is None:
                 old += split
-        new = [_copy(rotary, [source, *rotary.inputs[1:]], attributes)]
+        new = [_copy(rotary, [source, *rotary.inputs[1:]], **changed)]
         typed(new[-1].outputs[0], dtype, ctx.shape(source))  # type: ignore[arg-type]
         if split is not None:  # split into heads again, as z was
             reshape = split[0]

@@ -40,11 +40,6 @@ class TileExpandCanonicalizationPass(NodeByNodePass):
     counts_changes = True
     anchor, pattern = "Tile", "TileExpand"
 
-    def run(self, model: ir.Model, ctx: PassContext) -> None:
-        super().run(model, ctx)
-        if ctx.changed and ctx.shapes is not None:  # the nodes changed where they are
-            ctx.shapes.invalidate()
-
     def judge(self, ctx: PassContext, tile: ir.Node) -> str | None:
         """Rewrite ``tile`` as an Expand where it only spreads axes of size 1; else None."""
         repeats = constant_value(tile.inputs[1]) if len(tile.inputs) > 1 else None

@@ -318,6 +318,19 @@ def head_split(ctx: PassContext, x: ir.Value) -> tuple[ir.Node, ir.Node] | None:
     return reshape, transpose
 
 
+def repeat_kv(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(kv, [Unsqueeze, Expand, Reshape]) where ``value`` is transformers' repeat_kv of kv,
+    Reshape(Expand(Unsqueeze(kv, 2), ..), ..): the ops only; what they repeat the caller
+    proves from the sizes."""
+    reshape = producer_of(value, "Reshape")
+    expand = producer_of(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = producer_of(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None or unsqueeze.inputs[0] is None or node_axes(unsqueeze) != [2]:
+        return None  # its axes an input, or before opset 13 an attribute
+    assert reshape is not None and expand is not None
+    return unsqueeze.inputs[0], [unsqueeze, expand, reshape]
+
+
 def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     """The size a Reshape infers for its -1: the data's element count over the target's other
     sizes, where the symbolic sizes cancel (the target copies them from the data with

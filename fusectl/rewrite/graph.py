@@ -510,23 +510,18 @@ def concatenated_constant(
     shape = list(parts[0].shape)
     shape[axis] = sum(part.shape[axis] for part in parts)
 
-    def tensor(name: str) -> ir.TensorProtocol:
-        def join() -> ir.TensorProtocol:
-            return ir.tensor(np.concatenate(parts, axis=axis).astype(dtype), name=name)
+    def join() -> np.ndarray:
+        return np.concatenate(parts, axis=axis).astype(dtype)
 
-        return ir.LazyTensor(
-            join, dtype=ir.DataType.from_numpy(np.dtype(dtype)), shape=ir.Shape(shape), name=name
-        )
-
-    return _initializer(graph, name, np.dtype(dtype), tuple(shape), tensor)
+    return _lazy_initializer(graph, name, np.dtype(dtype), shape, join)
 
 
 def taken_constant(
     graph: ir.Graph, name: str, source: ir.Value, indices: np.ndarray, axis: int
 ) -> ir.Value:
     """A new initializer holding ``source``'s constant at ``indices`` along ``axis``, taken
-    whenever it is read (in practice once, when the model is saved): a weight's columns would
-    otherwise be a second copy of the weight in memory for the whole run."""
+    whenever it is read (as concatenated_constant): a weight's columns would otherwise be a
+    second copy of the weight in memory for the whole run."""
     tensor = constant_tensor(source)
     folded = constant_value(source) if tensor is None else None
     sample = folded if folded is not None else tensor
@@ -535,16 +530,27 @@ def taken_constant(
     shape[axis] = len(indices)
     dtype = folded.dtype if folded is not None else tensor.dtype.numpy()  # type: ignore[union-attr]
 
-    def lazy(name: str) -> ir.TensorProtocol:
-        def take() -> ir.TensorProtocol:
-            array = folded if folded is not None else tensor.numpy()  # type: ignore[union-attr]
-            return ir.tensor(np.take(array, indices, axis=axis), name=name)
+    def take() -> np.ndarray:
+        array = folded if folded is not None else tensor.numpy()  # type: ignore[union-attr]
+        return np.take(array, indices, axis=axis)
 
+    return _lazy_initializer(graph, name, np.dtype(dtype), shape, take)
+
+
+def _lazy_initializer(
+    graph: ir.Graph, name: str, dtype: np.dtype, shape: list[int], compute: Callable[[], np.ndarray]
+) -> ir.Value:
+    """A new initializer whose contents ``compute`` gives when they are first read."""
+
+    def tensor(name: str) -> ir.TensorProtocol:
         return ir.LazyTensor(
-            take, dtype=ir.DataType.from_numpy(np.dtype(dtype)), shape=ir.Shape(shape), name=name
+            lambda: ir.tensor(compute(), name=name),
+            dtype=ir.DataType.from_numpy(dtype),
+            shape=ir.Shape(shape),
+            name=name,
         )
 
-    return _initializer(graph, name, np.dtype(dtype), tuple(shape), lazy)
+    return _initializer(graph, name, dtype, tuple(shape), tensor)
 
 
 def _initializer(

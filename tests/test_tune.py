@@ -27,6 +27,7 @@ from fusectl.core.repository import (
     load_repository,
     shipped_path,
 )
+from fusectl.diagnostics import tune as tune_module
 from fusectl.diagnostics.tune import time_pair
 from fusectl.errors import FusectlError
 from tests.conftest import (
@@ -219,6 +220,101 @@ def test_a_declined_mask_site_takes_its_shared_mask_copy_with_it(
     assert all(len(n.input) > 5 and n.input[5] and not n.input[3] for n in attentions)
     assert onnx.checker.check_model(onnx.load(str(run.output)), full_check=True) is None
     assert_same_outputs(BERT, run.output)
+
+
+# What each tuned class of the tiny BERT frees besides its matched nodes, cut at the model's
+# own sizes: [(op types of the part, how many sites share it)], the site's own part first.
+RELEASED = {
+    # Each layer's Where turns the boolean padding mask into its additive bias (own); the
+    # boolean mask, built once over Range grids, goes when both layers read the mask itself.
+    "KeyPaddingMaskFusionPass": [
+        ({"Where": 1}, 1),
+        (
+            {"Cast": 1, "Shape": 3, "Gather": 5, "Range": 3, "Unsqueeze": 12, "GreaterOrEqual": 1}
+            | {"And": 2, "Flatten": 1, "Mul": 1, "Add": 1, "Reshape": 3, "Concat": 1}
+            | {"Equal": 1, "Where": 1, "Expand": 1},
+            2,
+        ),
+    ],
+    # The output projection's bias Add, which SkipLayerNormalization takes in as its bias.
+    "AddLayerNormFusionPass": [({"Add": 1}, 1)],
+    # The position ids, which the embedding kernel computes itself.
+    "EmbedLayerNormFusionPass": [
+        (
+            {"Gather": 2, "Unsqueeze": 2, "Slice": 1, "Shape": 1, "Concat": 1, "Reshape": 1}
+            | {"Equal": 1, "Where": 1, "Expand": 2, "GatherElements": 1},
+            1,
+        ),
+    ],
+}
+
+
+def _released_parts(
+    model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> tuple[dict[str, list[tuple[dict[str, int], int]]], dict[str, Any]]:
+    """tune's freed parts per pass (each part's op types and sharing sites, as cut for the
+    first site of each pass) and the repository it wrote."""
+    parts: dict[str, list[tuple[dict[str, int], int]]] = {}
+    cut_released = tune_module.cut_released
+
+    def recording(ctx: Any, *args: Any) -> list[tuple[onnx.ModelProto, int]]:
+        found = cut_released(ctx, *args)
+        ops = [(dict(Counter(n.op_type for n in m.graph.node)), k) for m, k in found]
+        parts.setdefault(ctx.spec.name, ops)
+        return found
+
+    monkeypatch.setattr(tune_module, "cut_released", recording, raising=True)
+    repository = tmp_path / "released.json"
+    result = run_cli(
+        "tune", model, "--input_shape", SHAPES, "--repository", repository, "--budget", "0.3"
+    )
+    assert result.exit_code == 0, result.stderr + result.stdout
+    (section,) = json.loads(repository.read_text())["sections"]
+    return parts, section["sites"]
+
+
+def test_tune_charges_the_unfused_side_with_what_the_fusion_frees(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    parts, sites = _released_parts(BERT, monkeypatch, tmp_path)
+    for pass_name, expected in RELEASED.items():
+        assert parts[pass_name] == expected, pass_name
+    # Passes whose match already holds all it frees have nothing more to charge.
+    assert all(not parts[name] for name in TUNED_SITES if name not in RELEASED)
+    for key, entry in sites.items():
+        freed = RELEASED.get(entry["pass"])
+        if freed is None:
+            assert "released_ms" not in entry and "released_shared_by" not in entry, key
+            continue
+        # The charge is inside unfused_ms: the site's own part, and the shared part divided
+        # among the layers that share it.
+        assert 0 < entry["released_ms"] < entry["unfused_ms"], key
+        shared_by = max((sites for _, sites in freed if sites > 1), default=0)
+        assert entry.get("released_shared_by", 0) == shared_by, key
+
+
+def test_what_a_graph_output_keeps_is_not_charged(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The same BERT with the shared boolean mask also a graph output: it stays whatever the
+    # attentions do, so only each layer's own conversion is charged.
+    model = onnx.load(str(BERT))
+    read_by_where = {name for n in model.graph.node if n.op_type == "Where" for name in n.input}
+    expand = next(
+        n for n in model.graph.node if n.op_type == "Expand" and n.output[0] in read_by_where
+    )
+    model.graph.output.append(
+        helper.make_tensor_value_info(expand.output[0], TensorProto.BOOL, None)
+    )
+    kept = tmp_path / "kept_mask.onnx"
+    onnx.save(model, str(kept))
+    parts, sites = _released_parts(kept, monkeypatch, tmp_path)
+    assert parts["KeyPaddingMaskFusionPass"] == [({"Where": 1}, 1)]
+    masks = [e for e in sites.values() if e["pass"] == "KeyPaddingMaskFusionPass"]
+    assert masks and all("released_shared_by" not in e and e["released_ms"] > 0 for e in masks)
+    # The model optimized with that repository computes what the original does.
+    run = optimize(kept, subdir(tmp_path, "out"), "--repository", tmp_path / "released.json")
+    assert_same_outputs(kept, run.output)
 
 
 def test_a_fused_op_the_provider_cannot_run_is_declined_with_its_refusal(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -201,6 +201,131 @@ def cut_site(
     return original, replacement
 
 
+def cut_released(
+    ctx: PassContext,
+    opsets: dict[str, int],
+    ir_version: int,
+    old_nodes: Sequence[ir.Node],
+    new_nodes: Sequence[ir.Node],
+    sibling: Callable[[ir.Node], bool],
+    landed: Sequence[set[ir.Node]] = (),
+) -> list[tuple[onnx.ModelProto, int]]:
+    """What the rewrite leaves to die besides the matched nodes, each part as a model of its
+    own with the number of sites it is shared by: first what only this site reads (a bias the
+    fused op takes in, a layer's own conversion of the padding mask; 1), then what dies only
+    once every sibling site has landed too (an attention mask all layers read, or the
+    construction each layer's own conversion reads). A sibling is a node ``sibling`` names
+    (one the pass's other sites match) reading where this site's match reads what it frees;
+    each is assumed to free its own copy as this one does. ``landed``: what each sibling site
+    already rewritten freed (released_producers), for the sites that no longer read it. Empty
+    when the rewrite frees nothing: what any other node reads, or a graph output, stays."""
+    matched = set(old_nodes)
+    places = {
+        (user.domain, user.op_type, index)
+        for value in _released_values(old_nodes, new_nodes)
+        for user, index in value.uses()
+        if user in matched
+    }
+
+    def replaced(node: ir.Node) -> bool:  # a node a site matches: fused, not freed
+        return node in matched or sibling(node)
+
+    own = _dying(site_inputs(old_nodes), lambda user, _: user in matched, replaced)
+    kinds = {(node.domain, node.op_type) for node in own}
+
+    def sibling_read(user: ir.Node, index: int) -> bool:
+        return sibling(user) and (user.domain, user.op_type, index) in places
+
+    def mirror(node: ir.Node) -> bool:  # a sibling's own copy of a node this site frees
+        if any(node in freed for freed in landed):
+            return True
+        uses = [use for value in node.outputs for use in value.uses()]
+        return (
+            node not in own
+            and (node.domain, node.op_type) in kinds
+            and bool(uses)
+            and not any(value.is_graph_output() for value in node.outputs)
+            and all(sibling_read(user, i) and user not in matched for user, i in uses)
+        )
+
+    def shared_dies(user: ir.Node, index: int) -> bool:
+        return user in own or user in matched or sibling_read(user, index) or mirror(user)
+
+    shared = _dying(site_inputs([*old_nodes, *own]), shared_dies, replaced)
+    readers = {user for node in shared for value in node.outputs for user, _ in value.uses()}
+    readers -= shared
+    # The sites that share it: this one, each sibling's own copy of what this site frees, each
+    # sibling reading it directly, and each sibling site already rewritten that read it.
+    copies = [node for node in readers if mirror(node)]
+    direct = [node for node in readers if sibling(node) and node not in matched]
+    before = [freed for freed in landed if freed & shared]
+    sharing = 1 + len(copies) + len(direct) + len(before)
+    parts = []
+    for nodes, taken_by, sites in ((own, matched, 1), (shared, readers, sharing)):
+        ordered = [node for node in (old_nodes[0].graph or ()) if node in nodes]
+        outputs = [
+            value
+            for node in ordered
+            for value in node.outputs
+            if any(user in taken_by for user, _ in value.uses())
+        ]
+        if not ordered or not outputs:
+            continue
+        try:
+            model = _Cut(ctx, opsets, ir_version).model(
+                "released", ordered, site_inputs(ordered), outputs, outputs
+            )
+        except Uncut:
+            break  # the shared part is measured with the own part or not at all
+        parts.append((model, sites))
+    return parts
+
+
+def released_producers(old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node]) -> set[ir.Node]:
+    """The nodes computing what the match reads and the replacement does not: left without
+    readers once the rewrite lands."""
+    return {value.producer() for value in _released_values(old_nodes, new_nodes)} - {None}
+
+
+def _released_values(old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node]) -> list[ir.Value]:
+    kept = set(site_inputs(new_nodes))
+    return [value for value in site_inputs(old_nodes) if value not in kept]
+
+
+def _dying(
+    values: Sequence[ir.Value],
+    dies: Callable[[ir.Node, int], bool],
+    replaced: Callable[[ir.Node], bool],
+) -> set[ir.Node]:
+    """The producers of ``values`` and their ancestors (constants and ``replaced`` nodes
+    aside) that compute nothing but what nodes in the set, or the reads ``dies`` names, take."""
+    ancestors: set[ir.Node] = set()
+    pending = [value.producer() for value in values if _constant(value) is None]
+    while pending:
+        node = pending.pop()
+        if node is None or node in ancestors or replaced(node):
+            continue
+        ancestors.add(node)
+        pending.extend(
+            value.producer()
+            for value in node.inputs
+            if value is not None and _constant(value) is None
+        )
+    if not ancestors:
+        return ancestors
+    # Readers come after what they read: one pass from the end decides every node.
+    cone: set[ir.Node] = set()
+    graph = next(iter(ancestors)).graph
+    for node in reversed(list(graph or ())):
+        if node in ancestors and all(
+            not value.is_graph_output()
+            and all(user in cone or dies(user, index) for user, index in value.uses())
+            for value in node.outputs
+        ):
+            cone.add(node)
+    return cone
+
+
 class _RunFailed(Exception):
     pass
 
@@ -267,7 +392,9 @@ class _Cut:
         if dtype is None or shape is None:
             raise Uncut(f"the {'element type' if dtype is None else 'shape'} of {what} is unknown")
         dims = [d if isinstance(d, int) else d.value for d in shape]
-        return onnx.helper.make_tensor_value_info(self.name(value), int(dtype), dims)
+        info = onnx.helper.make_tensor_value_info(self.name(value), int(dtype), dims)
+        info.doc_string = value.name or ""  # what it was in the model, to size it by
+        return info
 
     def _output_info(self, value: ir.Value, like: ir.Value) -> onnx.ValueInfoProto:
         dtype = self.ctx.dtype(like)

@@ -9,7 +9,10 @@ as two small models, the matched nodes and their replacement (the ``--check_cust
 run on the provider with onnxruntime's own graph optimizations off, interleaved: rounds of a
 batch of runs of each, in alternating order, until a sign test over the rounds separates them
 and the medians differ by more than the noise margin, or the round or time budget runs out
-(then they are the same). A class whose fused kernel is slower is recorded ``unfused``; one
+(then they are the same). The unfused side is charged with what the rewrite leaves to die
+besides the matched nodes (sitecheck.cut_released: a bias the fused op takes in, the mask
+construction all attention layers share, divided among them), timed beside it in each round.
+A class whose fused kernel is slower is recorded ``unfused``; one
 whose fused op the provider refuses while it runs the unfused nodes (at session creation, by
 placing it on another provider for want of a kernel for its types, or at run time on inputs the
 unfused nodes compute with), ``unsupported``.
@@ -26,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +54,7 @@ from fusectl.core.repository import (
 from fusectl.core.switches import Plan
 from fusectl.diagnostics.device import runner
 from fusectl.diagnostics.inputs import generate_feeds, graph_inputs
-from fusectl.diagnostics.sitecheck import Uncut, cut_site
+from fusectl.diagnostics.sitecheck import Uncut, cut_released, cut_site, released_producers
 from fusectl.errors import FusectlError
 from fusectl.rewrite.shapes import ShapeOracle, apply_input_shapes
 from fusectl.rewrite.sites import SiteClass, is_kernel, op_name, site_class
@@ -95,6 +99,11 @@ class ClassResult:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     note: str = ""
     error: str = ""  # the provider's refusal of the fused op (verdict "unsupported")
+    # What the rewrite leaves to die besides the matched nodes (sitecheck.cut_released): the
+    # time per run charged to this site, included in unfused_ms, and how many sites share the
+    # part freed only once all of them land (0: none).
+    released_ms: float = 0.0
+    released_shared_by: int = 0
 
     @property
     def ratio(self) -> float:
@@ -119,6 +128,8 @@ class ClassResult:
             "rounds": self.rounds,
             "runs_per_round": self.runs_per_round,
             "measured_shapes": self.shapes,
+            **({"released_ms": round(self.released_ms, 5)} if self.released_ms else {}),
+            **({"released_shared_by": self.released_shared_by} if self.released_shared_by else {}),
             "model": model,
             "sites_in_model": len(self.sites),
         }
@@ -130,6 +141,7 @@ class ClassResult:
             "decision": self.verdict,
             "fused_ms": self.fused_ms,
             "unfused_ms": self.unfused_ms,
+            "released_ms": self.released_ms or None,
             "rounds": self.rounds,
             "note": self.note or None,
             "error": self.error or None,
@@ -212,6 +224,10 @@ def _site(ctx: PassContext, pattern: str, label: str, nodes: Sequence[ir.Node]) 
     return _Site(ctx.spec.name, pattern, label, frozenset(map(_node_identity, nodes)))
 
 
+def _matched_by(names: set[str], node: ir.Node) -> bool:
+    return _node_identity(node) in names
+
+
 def _node_identity(node: ir.Node) -> str:
     """What names a node in both runs: its name, or for a node without one (models written
     with onnx.helper often name none) the name of its first output."""
@@ -245,13 +261,20 @@ class _ClassNamer:
 
 class _SiteCutter:
     """A site gate that approves every rewrite and cuts out the sites asked for: each site of
-    this run that fuses the same place as one of ``wanted`` (a site of the symbolic run)."""
+    this run that fuses the same place as one of ``wanted`` (a site of the symbolic run). With
+    ``released``, what each one's rewrite frees besides its match (cut_released) instead."""
 
-    def __init__(self, model: ir.Model, wanted: Sequence[_Site]) -> None:
+    def __init__(self, model: ir.Model, wanted: Sequence[_Site], *, released: bool = False):
         self.opsets = dict(model.opset_imports)
         self.ir_version = model.ir_version
         self.wanted = list(wanted)
-        self.cuts: dict[_Site, tuple[onnx.ModelProto, onnx.ModelProto] | str] = {}
+        self.released = released
+        # The nodes each pass's sites match: a site's siblings, for what dies with them all.
+        self.matched: dict[str, set[str]] = {}
+        for site in self.wanted:
+            self.matched.setdefault(site.pass_name, set()).update(site.nodes)
+        self.cuts: dict[_Site, Any] = {}
+        self.landed: dict[str, list[set[ir.Node]]] = {}  # what each pass's sites so far freed
 
     def review(
         self,
@@ -266,21 +289,20 @@ class _SiteCutter:
         if not tuned(ctx.spec):
             return None
         here = _site(ctx, pattern, site, old_nodes)
-        for wanted in self.wanted:
-            if wanted not in self.cuts and wanted.same_place(here):
-                try:
-                    self.cuts[wanted] = cut_site(
-                        ctx,
-                        self.opsets,
-                        self.ir_version,
-                        old_nodes,
-                        new_nodes,
-                        old_outputs,
-                        new_outputs,
-                    )
-                except Uncut as why:
-                    self.cuts[wanted] = str(why)
-                break
+        wanted = next((w for w in self.wanted if w not in self.cuts and w.same_place(here)), None)
+        if wanted is None:
+            return None
+        cut = (ctx, self.opsets, self.ir_version, old_nodes, new_nodes)
+        if self.released:
+            sibling = partial(_matched_by, self.matched[here.pass_name])
+            landed = self.landed.setdefault(here.pass_name, [])
+            self.cuts[wanted] = cut_released(*cut, sibling, landed)
+            landed.append(released_producers(old_nodes, new_nodes))
+            return None
+        try:
+            self.cuts[wanted] = cut_site(*cut, old_outputs, new_outputs)
+        except Uncut as why:
+            self.cuts[wanted] = str(why)
         return None
 
 
@@ -334,6 +356,18 @@ class Timing:
     rounds: int
     runs_per_round: int
     verdict: str
+    released_ms: float = 0.0  # what the unfused side was charged for the freed work, per run
+
+
+@dataclass
+class Freed:
+    """Work the unfused side leaves to die with the rewrite (cut_released): a session of it,
+    its feeds, and how many sites share it. Each round charges the unfused side its time
+    divided among them."""
+
+    session: ort.InferenceSession
+    feeds: dict[str, np.ndarray]
+    sites: int
 
 
 def time_pair(
@@ -342,34 +376,37 @@ def time_pair(
     feeds: dict[str, np.ndarray],
     *,
     budget_s: float = 3.0,
+    freed: Sequence[Freed] = (),
 ) -> Timing:
     """Time both sessions interleaved until they separate or the budget is spent."""
-    runs = (runner(fused, feeds), runner(unfused, feeds))
+    runs = [runner(fused, feeds), runner(unfused, feeds)]
+    runs += [runner(part.session, part.feeds) for part in freed]
     for run in runs:  # warm up: first runs allocate
         for _ in range(3):
             run()
     began = time.perf_counter()
-    for run in runs:
+    for run in runs[:2]:
         run()
     once = max((time.perf_counter() - began) / 2, 1e-6)
     batch = max(1, min(_MAX_BATCH, int(_BATCH_S / once)))
-    per_run: tuple[list[float], list[float]] = ([], [])
+    per_run: tuple[list[float], ...] = tuple([] for _ in runs)
     verdict = SAME
     started = time.perf_counter()
     while True:
         rounds = len(per_run[0])
         order = (0, 1) if rounds % 2 == 0 else (1, 0)
-        for index in order:
+        for index in (*order, *range(2, len(runs))):
             run = runs[index]
             start = time.perf_counter()
             for _ in range(batch):
                 run()
             per_run[index].append((time.perf_counter() - start) / batch)
+        per_run[1][-1] += sum(per_run[2 + i][-1] / part.sites for i, part in enumerate(freed))
         rounds += 1
         if rounds < MIN_ROUNDS:
             continue
         ratio = statistics.median(per_run[0]) / statistics.median(per_run[1])
-        slower = sum(f > u for f, u in zip(*per_run, strict=True))
+        slower = sum(f > u for f, u in zip(per_run[0], per_run[1], strict=True))
         p_value = _sign_test(slower, rounds)
         separated = p_value < 0.01 and abs(ratio - 1) > NOISE_MARGIN
         if separated or rounds >= MAX_ROUNDS or time.perf_counter() - started > budget_s:
@@ -382,6 +419,7 @@ def time_pair(
         len(per_run[0]),
         batch,
         verdict,
+        sum(statistics.median(per_run[2 + i]) / p.sites for i, p in enumerate(freed)) * 1e3,
     )
 
 
@@ -424,23 +462,36 @@ def tune_model(
         classes.setdefault(found.key, ClassResult(found)).sites.append(site.label)
         members.setdefault(found.key, []).append(site)
     shapes = tuning_shapes(symbolic, input_shapes or {})
+    wanted = [site for sites in members.values() for site in sites]
     concrete = _concrete_copy(loaded, shapes)
-    cutter = _SiteCutter(concrete, [site for sites in members.values() for site in sites])
+    cutter = _SiteCutter(concrete, wanted)
     run_plan(concrete, plan, target=target, shapes=ShapeOracle(concrete, None), site_gates=[cutter])
+    # What each rewrite frees is cut from a second run at the model's own sizes: at the tuning
+    # shapes its size arithmetic (a mask's Shape and Range grids) would fold away, which the
+    # optimized model still computes at run time.
+    again = model_copy(loaded)
+    releases = _SiteCutter(again, wanted, released=True)
+    run_plan(again, plan, target=target, shapes=ShapeOracle(again, None), site_gates=[releases])
+    sizes = _ConcreteSizes(_concrete_copy(loaded, shapes))
     say(
         f"tune: {len(namer.classes)} site(s) in {len(classes)} class(es) to measure on "
         f"{provider}" + (f"; {len(unnamed)} with unknown input shapes left out" if unnamed else "")
     )
     for number, (class_key, record) in enumerate(classes.items(), 1):
         # The first site of the class that has a counterpart in the run at fixed shapes.
-        cuts = [cutter.cuts[s] for s in members[class_key] if s in cutter.cuts]
-        cut = next((c for c in cuts if not isinstance(c, str)), cuts[0] if cuts else None)
+        cut_sites = [s for s in members[class_key] if s in cutter.cuts]
+        first = next((s for s in cut_sites if not isinstance(cutter.cuts[s], str)), None)
+        cut = cutter.cuts[first or cut_sites[0]] if cut_sites else None
         if cut is None:
             record.note = "the site is not there once the inputs are fixed at the tuning shapes"
         elif isinstance(cut, str):
             record.note = f"cannot be cut out: {cut}"
         else:
-            _measure(record, cut, provider, threads, budget_s, seed)
+            released = next(
+                (releases.cuts[s] for s in members[class_key] if s in releases.cuts), []
+            )
+            freed = _freed(released, sizes, provider, threads, seed)
+            _measure(record, cut, freed, provider, threads, budget_s, seed)
         if record.verdict == UNSUPPORTED:
             outcome = f"the fused op does not run on {provider}: {record.error}"
         elif record.verdict is not None:
@@ -457,6 +508,7 @@ def tune_model(
 def _measure(
     record: ClassResult,
     cut: tuple[onnx.ModelProto, onnx.ModelProto],
+    freed: Sequence[Freed],
     provider: str,
     threads: int,
     budget_s: float,
@@ -492,7 +544,7 @@ def _measure(
         )
         return
     try:
-        timing = time_pair(fused, unfused, feeds, budget_s=budget_s)
+        timing = time_pair(fused, unfused, feeds, budget_s=budget_s, freed=freed)
     except Exception as error:
         if _refuses_what_the_original_runs(original, replacement, unfused, feeds):
             record.verdict, record.error = UNSUPPORTED, _first_line(error)
@@ -503,6 +555,61 @@ def _measure(
     record.fused_ms, record.unfused_ms = timing.fused_ms, timing.unfused_ms
     record.rounds, record.runs_per_round = timing.rounds, timing.runs_per_round
     record.verdict = timing.verdict
+    record.released_ms = timing.released_ms
+    record.released_shared_by = max((part.sites for part in freed if part.sites > 1), default=0)
+
+
+class _ConcreteSizes:
+    """The size of each value of the model at the tuning shapes, by name, inferred on first
+    use: what a cut made at the model's own sizes is fed at."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.oracle = ShapeOracle(model, None)
+        self.values = {v.name: v for v in model.graph.inputs if v.name}
+        self.values.update(
+            (value.name, value) for node in model.graph for value in node.outputs if value.name
+        )
+
+    def __call__(self, name: str) -> list[int] | None:
+        value = self.values.get(name)
+        if value is None:
+            return None
+        shape = self.oracle.shape(value)
+        if shape is not None and all(isinstance(d, int) for d in shape):
+            return [int(d) for d in shape]
+        # onnx leaves a size it cannot follow through a broadcast unknown; onnxruntime's
+        # symbolic inference derives it from the fixed inputs.
+        (dims,) = self.oracle.symbolic_dims([value])
+        if dims is None or not all(isinstance(d, int) for d in dims):
+            return None
+        return [int(d) for d in dims]
+
+
+def _freed(
+    released: Sequence[tuple[onnx.ModelProto, int]],
+    sizes: Callable[[str], list[int] | None],
+    provider: str,
+    threads: int,
+    seed: int,
+) -> list[Freed]:
+    """Sessions of what a rewrite frees, fed at the tuning sizes of the values it reads, the
+    parts that run on their own (one that does not is left uncharged: the site is timed as
+    before)."""
+    parts = []
+    for model, sites in released:
+        shapes = {}
+        for spec in model.graph.input:
+            dims = sizes(spec.doc_string)
+            if dims is not None:
+                shapes[spec.name] = dims
+        try:
+            feeds, _ = generate_feeds(ir.from_proto(model), shapes, seed=seed)
+            session = _session(model, provider, threads)
+            runner(session, feeds)()
+        except Exception:  # inputs it cannot take, or no kernel: left uncharged
+            continue
+        parts.append(Freed(session, feeds, sites))
+    return parts
 
 
 def _refuses_what_the_original_runs(

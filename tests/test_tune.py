@@ -711,6 +711,21 @@ def test_timing_separates_a_clearly_slower_kernel() -> None:
     assert time_pair(fast, slow, feeds, budget_s=2.0).verdict == "fused"
 
 
+def test_timing_charges_the_unfused_side_with_freed_work() -> None:
+    # The same kernel on both sides, but the unfused one keeps the slow chain alive: its share
+    # (here all of it) is charged to the unfused side, so fusing is the faster.
+    weight = onnx.numpy_helper.from_array(np.eye(256, dtype=np.float32), "w")
+    chain = [helper.make_node("MatMul", ["x", "w"], ["m0"])]
+    chain += [helper.make_node("MatMul", [f"m{i}", "w"], [f"m{i + 1}"]) for i in range(7)]
+    chain.append(helper.make_node("Identity", ["m7"], ["y"]))
+    freed = tune_module.Freed(_model(chain, [weight]), {"x": np.ones((64, 256), np.float32)}, 1)
+    same = _model([helper.make_node("Identity", ["x"], ["y"])], [])
+    feeds = {"x": np.ones((64, 256), np.float32)}
+    timing = time_pair(same, same, feeds, budget_s=2.0, freed=[freed])
+    assert timing.verdict == "fused"
+    assert 0 < timing.released_ms < timing.unfused_ms
+
+
 def test_api_optimize_takes_providers_and_repository(
     tuned: tuple[Path, Any], tmp_path: Path
 ) -> None:

@@ -188,6 +188,33 @@ def test_position_ids_are_in_range(tmp_path: Path) -> None:
     assert plans["keep"].kind == "mask" and feeds["keep"].min() == 1
 
 
+def test_a_cut_is_fed_by_what_its_inputs_were_called(tmp_path: Path) -> None:
+    """tune's cuts name their inputs v0, v1... and record the model's names: a mask the cut
+    only casts to int32 (the fused attention's key padding mask) is fed ones, as the whole model
+    is, not random keys dropped, and position ids count up."""
+    model = save_model(
+        tmp_path / "cut.onnx",
+        [
+            helper.make_node("Cast", ["v0"], ["m32"], to=onnx.TensorProto.INT32),
+            helper.make_node("Cast", ["v1"], ["p32"], to=onnx.TensorProto.INT32),
+            helper.make_node("Add", ["m32", "p32"], ["Y"]),
+        ],
+        [
+            value("v0", [2, 64], onnx.TensorProto.INT64),
+            value("v1", [2, 64], onnx.TensorProto.INT64),
+        ],
+        [value("Y", [2, 64], onnx.TensorProto.INT32)],
+        [],
+    )
+    cut = load_model(model).model
+    blind, plans = generate_feeds(cut, seed=3)
+    assert plans["v0"].kind == "integer" and blind["v0"].min() == 0  # random keys dropped
+    names = {"v0": "attention_mask", "v1": "/inner/position_ids"}
+    feeds, plans = generate_feeds(cut, seed=3, names=names)
+    assert plans["v0"].kind == "mask" and feeds["v0"].min() == 1
+    assert plans["v1"].kind == "positions" and feeds["v1"].tolist() == [list(range(64))] * 2
+
+
 def test_a_model_that_does_not_run_on_guessed_sizes_says_so(tmp_path: Path) -> None:
     """Optimum declares an image's channels symbolic: generated 8 channels meet a 3-channel
     Conv. The one-line error names the generated inputs and the option that sets the sizes."""

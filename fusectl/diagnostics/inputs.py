@@ -272,9 +272,12 @@ def generate_feeds(
     shapes: Mapping[str, list[int]] | None = None,
     seed: int = 0,
     free: int = DEFAULT_DIM,
+    names: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan]]:
     """Seeded feeds for every input the model declares, with valid integer ranges; ``free``
-    sizes the dimensions nothing else sizes."""
+    sizes the dimensions nothing else sizes. ``names``: what an input was called in the model
+    a piece was cut from, which says what it holds (a cut's ``v4`` was ``attention_mask``:
+    ones, as the whole model is fed, not random keys dropped)."""
     specs = graph_inputs(model)
     tensors_only(specs)
     dims = resolve_dims(specs, shapes or {}, free)
@@ -286,16 +289,17 @@ def generate_feeds(
         dtype = _numpy_type(spec)
         shape = dims[spec.name]
         value = values[spec.name]
+        label = (names or {}).get(spec.name) or spec.name
         if dtype is np.bool_:
             feeds[spec.name], plans[spec.name] = np.ones(shape, np.bool_), FeedPlan("bool")
         elif np.issubdtype(dtype, np.floating):
             feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
             plans[spec.name] = FeedPlan("float")
-        elif "position" in spec.name.lower():
+        elif "position" in label.lower():
             last = shape[-1] if shape else 1
             feeds[spec.name] = np.broadcast_to(np.arange(last, dtype=dtype), shape).copy()
             plans[spec.name] = FeedPlan("positions", last)
-        elif _is_mask(spec.name, value):
+        elif _is_mask(label, value):
             feeds[spec.name], plans[spec.name] = np.ones(shape, dtype), FeedPlan("mask", 2)
         else:
             vocab = embedding_size(value)

@@ -516,7 +516,7 @@ def _measure(
 ) -> None:
     original, replacement = cut
     try:
-        feeds, _ = generate_feeds(ir.from_proto(original), seed=seed)
+        feeds, _ = generate_feeds(ir.from_proto(original), seed=seed, names=_model_names(original))
         unfused = _session(original, provider, threads)
     except FusectlError as error:
         record.note = f"no inputs for the site: {error}"
@@ -585,6 +585,11 @@ class _ConcreteSizes:
         return [int(d) for d in dims]
 
 
+def _model_names(cut: onnx.ModelProto) -> dict[str, str]:
+    """What each input of a cut was called in the model (sitecheck records it)."""
+    return {spec.name: spec.doc_string for spec in cut.graph.input if spec.doc_string}
+
+
 def _freed(
     released: Sequence[tuple[onnx.ModelProto, int]],
     sizes: Callable[[str], list[int] | None],
@@ -603,7 +608,7 @@ def _freed(
             if dims is not None:
                 shapes[spec.name] = dims
         try:
-            feeds, _ = generate_feeds(ir.from_proto(model), shapes, seed=seed)
+            feeds, _ = generate_feeds(ir.from_proto(model), shapes, seed, names=_model_names(model))
             session = _session(model, provider, threads)
             runner(session, feeds)()
         except Exception:  # inputs it cannot take, or no kernel: left uncharged

@@ -393,7 +393,7 @@ class _Cut:
             raise Uncut(f"the {'element type' if dtype is None else 'shape'} of {what} is unknown")
         dims = [d if isinstance(d, int) else d.value for d in shape]
         info = onnx.helper.make_tensor_value_info(self.name(value), int(dtype), dims)
-        info.doc_string = value.name or ""  # what it was in the model, to size it by
+        info.doc_string = value.name or ""  # its name in the model: what it holds, its size
         return info
 
     def _output_info(self, value: ir.Value, like: ir.Value) -> onnx.ValueInfoProto:

@@ -251,9 +251,9 @@ RELEASED = {
 
 def _released_parts(
     model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> tuple[dict[str, list[tuple[dict[str, int], int]]], dict[str, Any]]:
+) -> tuple[dict[str, list[tuple[dict[str, int], int]]], dict[str, Any], str]:
     """tune's freed parts per pass (each part's op types and sharing sites, as cut for the
-    first site of each pass) and the repository it wrote."""
+    first site of each pass), the repository's sites it wrote and its progress."""
     parts: dict[str, list[tuple[dict[str, int], int]]] = {}
     cut_released = tune_module.cut_released
 
@@ -270,13 +270,15 @@ def _released_parts(
     )
     assert result.exit_code == 0, result.stderr + result.stdout
     (section,) = json.loads(repository.read_text())["sections"]
-    return parts, section["sites"]
+    return parts, section["sites"], result.stderr
 
 
 def test_tune_charges_the_unfused_side_with_what_the_fusion_frees(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    parts, sites = _released_parts(BERT, monkeypatch, tmp_path)
+    parts, sites, progress = _released_parts(BERT, monkeypatch, tmp_path)
+    # Progress says how much of the unfused time is freed work, and how widely it is shared.
+    assert progress.count("freed with it, shared by 2 sites) -> ") == 2  # the two mask classes
     for pass_name, expected in RELEASED.items():
         assert parts[pass_name] == expected, pass_name
     # Passes whose match already holds all it frees have nothing more to charge.
@@ -308,8 +310,9 @@ def test_what_a_graph_output_keeps_is_not_charged(
     )
     kept = tmp_path / "kept_mask.onnx"
     onnx.save(model, str(kept))
-    parts, sites = _released_parts(kept, monkeypatch, tmp_path)
+    parts, sites, progress = _released_parts(kept, monkeypatch, tmp_path)
     assert parts["KeyPaddingMaskFusionPass"] == [({"Where": 1}, 1)]
+    assert "shared by" not in progress
     masks = [e for e in sites.values() if e["pass"] == "KeyPaddingMaskFusionPass"]
     assert masks and all("released_shared_by" not in e and e["released_ms"] > 0 for e in masks)
     # The model optimized with that repository computes what the original does.

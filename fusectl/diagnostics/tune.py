@@ -496,8 +496,8 @@ def tune_model(
             outcome = f"the fused op does not run on {provider}: {record.error}"
         elif record.verdict is not None:
             outcome = (
-                f"fused {ms(record.fused_ms)} ms, unfused {ms(record.unfused_ms)} ms -> "
-                f"{record.verdict}"
+                f"fused {ms(record.fused_ms)} ms, unfused {ms(record.unfused_ms)} ms"
+                f"{_freed_note(record)} -> {record.verdict}"
             )
         else:
             outcome = f"not measured: {record.note}"
@@ -583,6 +583,14 @@ class _ConcreteSizes:
         if dims is None or not all(isinstance(d, int) for d in dims):
             return None
         return [int(d) for d in dims]
+
+
+def _freed_note(record: ClassResult) -> str:
+    """How much of the unfused time is work the fusion frees besides its match."""
+    if not record.released_ms:
+        return ""
+    shared = f", shared by {record.released_shared_by} sites" if record.released_shared_by else ""
+    return f" (of which {ms(record.released_ms)} ms freed with it{shared})"
 
 
 def _model_names(cut: onnx.ModelProto) -> dict[str, str]:

@@ -27,7 +27,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -262,9 +262,12 @@ class _ClassNamer:
 class _SiteCutter:
     """A site gate that approves every rewrite and cuts out the sites asked for: each site of
     this run that fuses the same place as one of ``wanted`` (a site of the symbolic run). With
-    ``released``, what each one's rewrite frees besides its match (cut_released) instead."""
+    ``released`` (the sites measured), what each of those frees besides its match
+    (cut_released) instead, noting what every site frees as it lands."""
 
-    def __init__(self, model: ir.Model, wanted: Sequence[_Site], *, released: bool = False):
+    def __init__(
+        self, model: ir.Model, wanted: Sequence[_Site], *, released: Set[_Site] | None = None
+    ) -> None:
         self.opsets = dict(model.opset_imports)
         self.ir_version = model.ir_version
         self.wanted = list(wanted)
@@ -274,6 +277,7 @@ class _SiteCutter:
         for site in self.wanted:
             self.matched.setdefault(site.pass_name, set()).update(site.nodes)
         self.cuts: dict[_Site, Any] = {}
+        self.seen: set[_Site] = set()
         self.landed: dict[str, list[set[ir.Node]]] = {}  # what each pass's sites so far freed
 
     def review(
@@ -289,14 +293,16 @@ class _SiteCutter:
         if not tuned(ctx.spec):
             return None
         here = _site(ctx, pattern, site, old_nodes)
-        wanted = next((w for w in self.wanted if w not in self.cuts and w.same_place(here)), None)
+        wanted = next((w for w in self.wanted if w not in self.seen and w.same_place(here)), None)
         if wanted is None:
             return None
+        self.seen.add(wanted)
         cut = (ctx, self.opsets, self.ir_version, old_nodes, new_nodes)
-        if self.released:
-            sibling = partial(_matched_by, self.matched[here.pass_name])
+        if self.released is not None:
             landed = self.landed.setdefault(here.pass_name, [])
-            self.cuts[wanted] = cut_released(*cut, sibling, landed)
+            if wanted in self.released:  # only the site a class is measured at is cut
+                sibling = partial(_matched_by, self.matched[here.pass_name])
+                self.cuts[wanted] = cut_released(*cut, sibling, landed)
             landed.append(released_producers(old_nodes, new_nodes))
             return None
         try:
@@ -466,31 +472,34 @@ def tune_model(
     concrete = _concrete_copy(loaded, shapes)
     cutter = _SiteCutter(concrete, wanted)
     run_plan(concrete, plan, target=target, shapes=ShapeOracle(concrete, None), site_gates=[cutter])
+    # Each class is measured at its first site found again at fixed shapes (a cut that could
+    # not be made stands for it with its reason).
+    measured: dict[str, _Site] = {}
+    for class_key, sites in members.items():
+        found = [s for s in sites if s in cutter.cuts]
+        cut = [s for s in found if not isinstance(cutter.cuts[s], str)]
+        if found:
+            measured[class_key] = (cut or found)[0]
     # What each rewrite frees is cut from a second run at the model's own sizes: at the tuning
     # shapes its size arithmetic (a mask's Shape and Range grids) would fold away, which the
     # optimized model still computes at run time.
     again = model_copy(loaded)
-    releases = _SiteCutter(again, wanted, released=True)
+    releases = _SiteCutter(again, wanted, released=set(measured.values()))
     run_plan(again, plan, target=target, shapes=ShapeOracle(again, None), site_gates=[releases])
-    sizes = _ConcreteSizes(_concrete_copy(loaded, shapes))
+    sizes = _ConcreteSizes(loaded, shapes)
     say(
         f"tune: {len(namer.classes)} site(s) in {len(classes)} class(es) to measure on "
         f"{provider}" + (f"; {len(unnamed)} with unknown input shapes left out" if unnamed else "")
     )
     for number, (class_key, record) in enumerate(classes.items(), 1):
-        # The first site of the class that has a counterpart in the run at fixed shapes.
-        cut_sites = [s for s in members[class_key] if s in cutter.cuts]
-        first = next((s for s in cut_sites if not isinstance(cutter.cuts[s], str)), None)
-        cut = cutter.cuts[first or cut_sites[0]] if cut_sites else None
+        site = measured.get(class_key)
+        cut = cutter.cuts[site] if site is not None else None
         if cut is None:
             record.note = "the site is not there once the inputs are fixed at the tuning shapes"
         elif isinstance(cut, str):
             record.note = f"cannot be cut out: {cut}"
         else:
-            released = next(
-                (releases.cuts[s] for s in members[class_key] if s in releases.cuts), []
-            )
-            freed = _freed(released, sizes, provider, threads, seed)
+            freed = _freed(releases.cuts.get(site, []), sizes, provider, threads, seed)
             _measure(record, cut, freed, provider, threads, budget_s, seed)
         if record.verdict == UNSUPPORTED:
             outcome = f"the fused op does not run on {provider}: {record.error}"
@@ -560,17 +569,20 @@ def _measure(
 
 
 class _ConcreteSizes:
-    """The size of each value of the model at the tuning shapes, by name, inferred on first
-    use: what a cut made at the model's own sizes is fed at."""
+    """The size of each value of the model at the tuning shapes, by name: what a cut made at
+    the model's own sizes is fed at. The copy it infers on is made on first use (most classes
+    free nothing)."""
 
-    def __init__(self, model: ir.Model) -> None:
-        self.oracle = ShapeOracle(model, None)
-        self.values = {v.name: v for v in model.graph.inputs if v.name}
-        self.values.update(
-            (value.name, value) for node in model.graph for value in node.outputs if value.name
-        )
+    def __init__(self, loaded: LoadedModel, shapes: dict[str, list[int]]) -> None:
+        self.loaded, self.shapes = loaded, shapes
+        self.values: dict[str, ir.Value] | None = None
 
     def __call__(self, name: str) -> list[int] | None:
+        if self.values is None:
+            model = _concrete_copy(self.loaded, self.shapes)
+            self.oracle = ShapeOracle(model, None)
+            self.values = {v.name: v for v in model.graph.inputs if v.name}
+            self.values.update((v.name, v) for node in model.graph for v in node.outputs if v.name)
         value = self.values.get(name)
         if value is None:
             return None

@@ -113,6 +113,8 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         shape, viewed = ctx.shape(x), ctx.shape(view)
         if shape is None or viewed is None or len(viewed) != len(shape) + 1:
             return "the view does not add one axis to its data"
+        if not shape:
+            return "the data is a scalar: it has no last axis to split"
         size, groups, group = shape[-1], viewed[-2], viewed[-1]
         if not all(isinstance(n, int) for n in (size, groups, group)) or groups * group != size:  # type: ignore[operator]
             return "the view does not split the data's last axis (sizes unknown or other)"

@@ -170,3 +170,27 @@ def test_below_opset_10_the_selection_stays(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path)
     reason = "a strided Slice needs opset >= 10, model has 9"
     assert_declined(run, STRIDED, reason, "a", count=2)
+
+
+def test_one_position_of_a_scalar_viewed_as_one_element_stays(tmp_path: Path) -> None:
+    """JetMoE's dynamo export reads a scalar back through ``Reshape(s, [1])`` and Gather 0: the
+    view adds one axis, but the scalar has no last axis that the view splits."""
+    nodes = [
+        helper.make_node("Reshape", ["s", "one_axis"], ["viewed"]),
+        helper.make_node("Gather", ["viewed", "zero"], ["item"], axis=0),
+        helper.make_node("Mul", ["item", "x"], ["out"]),
+    ]
+    initializers = [const("one_axis", [1], np.int64), const("zero", np.array(0), np.int64)]
+    model = save_model(
+        tmp_path / "scalar.onnx",
+        nodes,
+        [value("s", []), value("x", [2, 3])],
+        [value("out", [2, 3])],
+        initializers,
+    )
+    run = optimize_checked(model, tmp_path)
+    reason = "the data is a scalar: it has no last axis to split"
+    assert_declined(run, STRIDED, reason, "item", count=1)
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    feeds = {"s": np.array(1.5, dtype=np.float32), "x": x}
+    compare_on_feeds(model, run.output, feeds)

@@ -59,6 +59,8 @@ def _box(indices: np.ndarray, shape: list[int]) -> tuple[int, int, int] | None:
         return None
     axis = narrowed[0] if narrowed else depth - 1
     start = int(indices.reshape(-1, depth)[0, axis])
+    if start < 0:  # a negative index counts from the end: -1, 0, 1 wraps, it is no range
+        return None
     ranges = [np.arange(size) for size in grid]
     ranges[axis] = ranges[axis] + start
     expected = np.stack(np.meshgrid(*ranges, indexing="ij"), axis=-1)

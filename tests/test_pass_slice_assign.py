@@ -99,6 +99,21 @@ def test_indices_read_from_an_input_stay(tmp_path: Path) -> None:
     }
 
 
+def test_a_grid_from_a_negative_index_stays(tmp_path: Path) -> None:
+    """Rows -1 and 0 of a [4, 3] tensor step by one, but -1 is the last row: the rows written
+    are 3 and 0, no range (found by fuzzing DeepSeek-V3's key grid: its Range started at -1)."""
+    nodes = [helper.make_node("ScatterND", ["data", "indices", "updates"], ["y"])]
+    indices = helper.make_tensor("indices", TensorProto.INT64, [2, 1], [-1, 0])
+    inputs = [value("data", [4, 3]), value("updates", [2, 3])]
+    model = save_model(tmp_path / "wrapped.onnx", nodes, inputs, [value("y", [4, 3])], [indices])
+    run = optimize_checked(model, tmp_path)
+    assert reasons(run, ASSIGN) == {NOT_A_RANGE: 1}
+    rng = np.random.default_rng(0)
+    feeds = {"data": rng.normal(size=(4, 3)), "updates": rng.normal(size=(2, 3))}
+    feeds = {key: array.astype(np.float32) for key, array in feeds.items()}
+    np.testing.assert_array_equal(run_model(run.output, feeds)[0], run_model(model, feeds)[0])
+
+
 @pytest.mark.parametrize("exporter", ["ts17", "dynamo"])
 def test_deepseek_key_becomes_concat_and_attention_fuses(tmp_path: Path, exporter: str) -> None:
     """DeepSeek-V3 fills its key as new_empty + two copy_ per layer. As a Concat of the two

@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from fusectl.core import logs, reports
 from fusectl.core.dump import GraphDumper
-from fusectl.core.engine import PassRun, RunResult, run_plan
+from fusectl.core.engine import PassFailure, PassRun, RunResult, run_plan
 from fusectl.core.model_io import (
     LoadedModel,
     load_source,
@@ -32,6 +32,7 @@ from fusectl.core.plugins import load_passes, load_plugin_file
 from fusectl.core.repository import RepositoryGate, parse_provider_list, repository_gate
 from fusectl.core.switches import (
     Plan,
+    Source,
     SwitchRequest,
     parse_optimization_switch,
     parse_switch_file,
@@ -168,6 +169,7 @@ def optimize(
     providers: str | Sequence[str] | None = None,
     repository: PathLike | None = None,
     external_data: bool = False,
+    pass_errors: str | None = None,
     on_pass: Callable[[str, int, int], None] | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``) as
@@ -184,8 +186,12 @@ def optimize(
     measurements for it decline fusions that are slower there: a path, ``"none"``, or by
     default the one shipped with fusectl. ``external_data`` writes the weights beside the
     output (``OUT.onnx.data``, memory-mapped by onnxruntime: a faster session creation) even
-    when the input keeps them inline. Raises FusectlError on bad input.
+    when the input keeps them inline. ``pass_errors`` says what a built-in pass that raises on
+    this model (a fusectl bug) does: ``"skip"`` optimizes the model again without it and warns,
+    ``"raise"`` raises (default: the ``FUSECTL_PASS_ERRORS`` environment variable, else skip).
+    Raises FusectlError on bad input.
     """
+    on_error = _pass_errors(pass_errors)
     output_path = _optional_path(output)
     if output_path is not None and not output_path.suffix:
         output_path = output_path.with_suffix(".onnx")  # ATC's --output takes a bare name
@@ -226,7 +232,23 @@ def optimize(
         before = reports.model_stats(working)
         if dumper:
             dumper.dump(working, "original")
-        run = _run(loaded, plan, target, dumper, check_custom, on_pass, gate)
+        while True:
+            try:
+                run = _run(loaded, plan, target, dumper, check_custom, on_pass, gate)
+                break
+            except PassFailure as failure:
+                if on_error == "raise" or failure.decision.fusion_pass.spec.required:
+                    raise
+                # The failed run left its copy part-rewritten: start again from the input.
+                plan = _without(plan, failure, loaded.path)
+                loaded = load_source(model)
+                working = loaded.model
+                apply_input_shapes(working, shapes, loaded.path or "<in-memory model>")
+                gate = repository_gate(providers, repository)
+                if dumper:
+                    dumper.discard()
+                    dumper = GraphDumper(dumper.directory, loaded.outside_ir)
+                    dumper.dump(working, "original")
         fusion_text = reports.render_fusion_result(run.result, fusion_result_format)
         data_path = None
         if output_path is not None:
@@ -316,6 +338,40 @@ def optimize(
     )
 
 
+_PASS_ERRORS = ("skip", "raise")
+
+
+def _pass_errors(value: str | None) -> str:
+    """What a built-in pass that raises does: the argument, else FUSECTL_PASS_ERRORS, else skip."""
+    chosen = value if value is not None else os.environ.get("FUSECTL_PASS_ERRORS") or "skip"
+    if chosen not in _PASS_ERRORS:
+        where = "pass_errors" if value is not None else "FUSECTL_PASS_ERRORS"
+        raise FusectlError(f"{where} is skip or raise, not {chosen!r}")
+    return chosen
+
+
+def _without(plan: Plan, failure: PassFailure, path: Path | None) -> Plan:
+    """The plan with the pass that raised turned off, saying why, and the warning that says so."""
+    error = failure.error
+    detail = f"it raised {type(error).__name__}: {error} on this model"
+    logs.logger.warning(
+        "%s: %s raised %s: %s; the model was optimized again without it. This is a fusectl "
+        "bug: please report it with the model (FUSECTL_PASS_ERRORS=raise and --log debug show "
+        "the traceback)",
+        path or "<in-memory model>",
+        failure.decision.name,
+        type(error).__name__,
+        error,
+    )
+    decisions = [
+        replace(d, enabled=False, source=Source.FAILED, detail=detail)
+        if d is failure.decision
+        else d
+        for d in plan.decisions
+    ]
+    return replace(plan, decisions=decisions)
+
+
 def _external_data_role(
     loaded: LoadedModel, output: Path | None, external_data: bool
 ) -> dict[str, Path | None]:
@@ -390,7 +446,9 @@ def _report(
         options=options,
     )
     said = set(plan.warnings + plan.notes)
-    document["warnings"] = plan.warnings + [m for m in logs.heard() if m not in said]
+    # dict.fromkeys: a model loaded again after a pass failed says its warnings twice.
+    heard = dict.fromkeys(m for m in logs.heard() if m not in said)
+    document["warnings"] = plan.warnings + list(heard)
     if checked is not None:
         document["verify"] = checked.to_json()
     if run.checker is not None:

@@ -177,6 +177,13 @@ def cli() -> None:
     help="Write the weights to OUT.onnx.data even when MODEL keeps them inline: onnxruntime "
     "memory-maps them, so sessions start faster. [as MODEL]",
 )
+@_option(
+    "--pass_errors",
+    type=click.Choice(["skip", "raise"]),
+    default=None,
+    help="A built-in pass that raises on MODEL (a fusectl bug): skip optimizes MODEL again "
+    "without it and warns; raise stops with exit 3. [FUSECTL_PASS_ERRORS, else skip]",
+)
 @_log_option
 def optimize(**options: Any) -> None:
     """Run the enabled fusion passes on MODEL and write the optimized model."""

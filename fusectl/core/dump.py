@@ -35,6 +35,12 @@ class GraphDumper:
         self.count = 0
         self.files: list[Path] = []
 
+    def discard(self) -> None:
+        """Remove the dumps of a run that is started again from the input."""
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        self.files.clear()
+
     def _share_weights(self, model: ir.Model) -> None:
         with self._weights.open("ab") as stream:
             for value in model.graph.initializers.values():

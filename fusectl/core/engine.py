@@ -89,8 +89,19 @@ def _canonical_group(decisions: list[Decision], start: int) -> range:
     return range(start, max(end, start + 1))
 
 
+class PassFailure(Exception):
+    """A built-in pass raised on this model: a fusectl bug, not the input's fault. The model it
+    ran on is left part-rewritten; ``fusectl.optimize`` runs again from the input without the
+    pass (or raises ``error`` where asked to)."""
+
+    def __init__(self, decision: Decision, error: Exception) -> None:
+        self.decision, self.error = decision, error
+        super().__init__(f"{decision.name} raised {type(error).__name__}: {error}")
+
+
 def _run_pass(decision: Decision, model: ir.Model, ctx: PassContext) -> None:
-    """Run one pass; a custom pass that raises is the plugin's fault, reported as bad input."""
+    """Run one pass; a custom pass that raises is the plugin's fault, reported as bad input,
+    and a built-in one that raises is a PassFailure."""
     spec = decision.fusion_pass.spec
     try:
         decision.fusion_pass.run(model, ctx)
@@ -98,7 +109,7 @@ def _run_pass(decision: Decision, model: ir.Model, ctx: PassContext) -> None:
         raise
     except Exception as error:
         if not spec.custom:
-            raise
+            raise PassFailure(decision, error) from error
         raise FusectlError(
             f"custom pass {spec.name} ({spec.origin}) raised {type(error).__name__}: {error}"
         ) from error

@@ -224,6 +224,7 @@ class Source(str, enum.Enum):
     OO_LEVEL = "oo_level"
     CUSTOM = "pattern_fusion_pass"
     TARGET = "target"
+    FAILED = "failed"  # raised on this model (a fusectl bug): run again without it
 
 
 @dataclass

@@ -144,6 +144,8 @@ SEMANTIC_SEEDS = {
     "llama_positions_ts17": FIXTURES / "arch" / "llama_positions_ts17.onnx",
     "roberta_ts17": FIXTURES / "arch" / "roberta_ts17.onnx",
     "gemma3_dynamo": FIXTURES / "arch" / "gemma3_dynamo.onnx",
+    "deepseek_v3_ts17": FIXTURES / "arch" / "deepseek_v3_ts17.onnx",
+    "bart_dynamo": FIXTURES / "arch" / "bart_dynamo.onnx",
 }
 SEMANTIC_CASES = 6
 _MUTABLE = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64}
@@ -169,12 +171,22 @@ def _small_constants(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
 
 def _mutate_semantics(model: onnx.ModelProto, rng: random.Random) -> bool:
     """One change: a small constant scaled, negated or moved by one (epsilons, scales, GELU
-    coefficients, the axes a shape is read at), an elementwise op swapped for another, a
-    Sub / Div / Pow / Concat's operands exchanged, or an integer attribute moved by one or
-    two of its entries exchanged. False when the drawn change does not apply."""
+    coefficients, the axes a shape is read at), a one-element constant given another rank
+    (a scalar, [1] or [1, 1]: what broadcasts, indexes or reshapes differently), an
+    elementwise op swapped for another, a Sub / Div / Pow / Concat's operands exchanged, or an
+    integer attribute moved by one or two of its entries exchanged. False when the drawn
+    change does not apply."""
     graph = model.graph
     node = rng.choice(graph.node)
-    choice = rng.randrange(4)
+    choice = rng.randrange(5)
+    if choice == 4:
+        tensor = rng.choice(_small_constants(graph))
+        array = numpy_helper.to_array(tensor)
+        if array.size != 1:
+            return False
+        array = array.reshape([1] * rng.choice([1, 2]) if array.ndim == 0 else [])
+        tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
+        return True
     if choice == 0:
         tensor = rng.choice(_small_constants(graph))
         array = numpy_helper.to_array(tensor).copy()

@@ -1384,6 +1384,15 @@ def _unfolded_biases(
     return values, nodes
 
 
+def _forget_unplaced(shared: dict[object, tuple[ir.Value, ...]], graph: ir.Graph) -> None:
+    """Drop the values a site built for the layers to share where the site did not land
+    (declined after building them, or left out by a bisection): a later site reading one would
+    read a node that is in no graph."""
+    for key, values in list(shared.items()):
+        if any(v.producer() is not None and v.producer().graph is not graph for v in values):
+            del shared[key]
+
+
 def _one_head(ctx: PassContext, operand: _Heads) -> tuple[ir.Value, list[ir.Node]] | None:
     """The one [B, 1, L, H] key or value head that every query head reads (multi-query
     attention), whatever spells it out: repeated by repeat_kv (GPT-BigCode's sdpa) or
@@ -1522,6 +1531,7 @@ class _AttentionFusion(FusionPass):
                 continue  # a Softmax of something else (a classifier head, a gate)
             label = softmax.name or softmax.op_type
             reason = found if isinstance(found, str) else self._fuse(ctx, found, shared)
+            _forget_unplaced(shared, model.graph)
             if reason is not None:
                 stats.decline(reason, label)
 
@@ -1694,7 +1704,6 @@ class _AttentionFusion(FusionPass):
                 "the additive mask has one column for every key ([.., 1]): onnxruntime's "
                 "attention ops take attention_bias with a column per key"
             )
-        cached = set(shared)
         new_nodes: list[ir.Node] = list(merged)
         for node in match.derived:  # last: no site declines past this point
             bias, built = _derived_bias(ctx, node, shared)
@@ -1812,8 +1821,6 @@ class _AttentionFusion(FusionPass):
             ],
         )
         if refused is not None:  # left out by a bisection (and counted): so are its new values
-            for key in set(shared) - cached:
-                del shared[key]
             disconnect(sizes)
             return None
         for reread in rereads:  # new ones placed at the fused op; their readers come before it

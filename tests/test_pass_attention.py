@@ -1262,6 +1262,29 @@ def test_bloom_alibi_fused_in_every_layer(name: str, tmp_path: Path) -> None:
     assert run.op_counts()["Softmax"] == 0
 
 
+def test_bloom_layer_declined_after_building_its_shared_bias_leaves_no_dangling_value(
+    tmp_path: Path,
+) -> None:
+    """The first layer's QKV view target (a Concat) also a graph output: its projection stays
+    whole, and QkvAttentionFusionPass builds the unfolded ALiBi bias the layers share, then
+    leaves that layer. The second layer must not take the bias from the site that did not
+    land, whose nodes never entered the graph (saving the model failed: a node read a value of
+    no graph); it builds its own, and the first layer is MultiHeadAttention's (found by fuzzing
+    graph outputs)."""
+    concat = "/inner/h.0/self_attention/Concat_output_0"
+
+    def expose(model: onnx.ModelProto) -> None:
+        model.graph.output.append(helper.make_tensor_value_info(concat, TensorProto.INT64, [None]))
+
+    path = edited_fixture("arch/bloom_ts17", tmp_path, expose, "bloom_concat_output")
+    run = optimize_checked(path, tmp_path, compare=False)
+    assert run.counts(QKV) == (1, 1) and run.counts(MHA) == (1, 1)
+    assert _fused_ops(run)["Attention"] == 1 and _fused_ops(run)["MultiHeadAttention"] == 1
+    assert run.op_counts()["Softmax"] == 0
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
+
+
 def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: Path) -> None:
     """DeepSeek-V3's multi-head latent attention (dynamo): the key joins a plain and a rotary
     part per head ([B, N, L, 16]), the value heads are smaller ([B, N, L, 8]). The op reads

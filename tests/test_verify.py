@@ -111,6 +111,30 @@ def test_nan_agrees_only_where_both_sides_have_it(tmp_path: Path) -> None:
     assert not check["passed"] and check["worst_index"] == [2, 3]
 
 
+def test_a_scalar_output_is_compared(tmp_path: Path) -> None:
+    """An output of rank 0 (a sum over everything) verifies, and differs where it differs (its
+    difference was a NumPy scalar, which the comparison could not index: an internal error)."""
+    paths = []
+    for name, offset in (("a", 0.0), ("b", 0.0), ("c", 0.5)):
+        paths.append(
+            save_model(
+                tmp_path / f"{name}.onnx",
+                [
+                    helper.make_node("ReduceSum", ["X"], ["total"], keepdims=0),
+                    helper.make_node("Add", ["total", "offset"], ["Y"]),
+                ],
+                [value("X", [3, 4])],
+                [value("Y", [])],
+                [const("offset", np.array(offset, np.float32))],
+            )
+        )
+    same = verify_json(paths[0], paths[1], expect=0)["outputs"][0]
+    assert same["passed"] and same["max_abs"] == 0 and same["shape"] == []
+    differs = verify_json(paths[0], paths[2], expect=1)["outputs"][0]
+    assert not differs["passed"] and differs["worst_index"] == []
+    assert differs["max_abs"] == pytest.approx(0.5)
+
+
 def test_perturbed_weight_of_an_optimized_llama_fails(
     tmp_path: Path, optimized: dict[str, Path]
 ) -> None:

@@ -307,7 +307,7 @@ def compare(name: str, expected: Any, actual: Any, tolerance: Tolerance) -> Outp
     want = expected.astype(np.float64)
     got = actual.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        diff = np.abs(got - want)
+        diff = np.asarray(np.abs(got - want))  # a 0-d difference is a NumPy scalar otherwise
         diff[(want == got) | (np.isnan(want) & np.isnan(got))] = 0.0
         diff[np.isnan(diff)] = np.inf  # NaN on one side only
         allowance = atol + rtol * np.abs(want)

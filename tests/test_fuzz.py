@@ -1,10 +1,11 @@
-"""Bounded fuzzing: byte flips and protobuf field mutations of small models, and semantic
-mutations of transformer exports, fixed seeds.
+"""Bounded fuzzing: byte flips and protobuf field mutations of small models, semantic
+mutations of transformer exports, and their intermediate values made graph outputs, fixed
+seeds.
 
 Whatever the bytes, `fusectl optimize` ends in exit 0 or 2, never 3 (an internal error); an
 input that passes onnx.checker (full check) gives an output that passes it too, and an input
-onnxruntime loads gives an output it loads. An export changed next to its fused layers gives
-an output that computes what the changed export computes.
+onnxruntime loads gives an output it loads. An export changed next to its fused layers, or
+read inside them, gives an output that computes what the changed export computes.
 """
 
 from __future__ import annotations
@@ -253,3 +254,45 @@ def test_semantic_mutations_are_declined_or_fused_as_they_compute(
             assert check.passed, f"{where} {[c for c in check.checks if not c.passed]}"
             verified += 1
     assert verified == SEMANTIC_CASES
+
+
+# Intermediate values made graph outputs too: a second reader every fusion must keep computing
+# (a value inside a match stays, or the site is declined with the reason), whatever it is.
+EXPOSED_SEEDS = {**SEMANTIC_SEEDS, "bloom_ts17": FIXTURES / "arch" / "bloom_ts17.onnx"}
+EXPOSED_CASES = 3
+
+
+@pytest.mark.parametrize("seed_name", sorted(EXPOSED_SEEDS))
+def test_intermediates_made_outputs_stay_computed(seed_name: str, tmp_path: Path) -> None:
+    """One to three intermediate tensors of the export made graph outputs: fusectl's output
+    computes every output, the new ones included, as the changed export does."""
+    original = onnx.load(str(EXPOSED_SEEDS[seed_name]))
+    types = {
+        info.name: info.type
+        for info in onnx.shape_inference.infer_shapes(original).graph.value_info
+        if info.type.tensor_type.elem_type in _MUTABLE | {onnx.TensorProto.BOOL}
+    }
+    outputs = {output.name for output in original.graph.output}
+    candidates = [
+        name
+        for node in original.graph.node
+        if node.op_type != "Constant"
+        for name in node.output
+        if name in types and name not in outputs
+    ]
+    rng = random.Random(f"{seed_name}/outputs")
+    runner = CliRunner()
+    for case in range(EXPOSED_CASES):
+        model = onnx.ModelProto()
+        model.CopyFrom(original)
+        for name in rng.sample(candidates, rng.randint(1, 3)):
+            output = model.graph.output.add()
+            output.name = name
+            output.type.tensor_type.elem_type = types[name].tensor_type.elem_type
+        path, optimized = tmp_path / f"{case}.onnx", tmp_path / f"{case}_out.onnx"
+        onnx.save(model, str(path))
+        result = runner.invoke(cli, ["optimize", str(path), "-o", str(optimized)])
+        where = f"{seed_name} case {case}: {result.stderr}"
+        assert result.exit_code == 0, where
+        check = fusectl.verify(path, optimized)
+        assert check.passed, f"{where} {[c for c in check.checks if not c.passed]}"

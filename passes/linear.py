@@ -206,7 +206,9 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
         targets = [layer.unflatten.inputs[1], layer.flatten.inputs[1]]
         shape_code = [target.producer() for target in targets if target is not None]
         flattened = layer.flatten.outputs[0]
-        alone = all(user is gemm for user, _ in flattened.uses())
+        alone = not flattened.is_graph_output() and all(
+            user is gemm for user, _ in flattened.uses()
+        )
         old = [layer.flatten, gemm, layer.unflatten] if alone else [gemm, layer.unflatten]
         declined = replace_subgraph(
             ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result]

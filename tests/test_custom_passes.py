@@ -19,6 +19,7 @@ from fusectl import Site, register_replacement
 from fusectl.core.plugins import load_builtin_passes
 from fusectl.rewrite.registry import REGISTRY, Category, Numerics
 from tests.conftest import FIXTURES, assert_same_outputs, optimize, run_cli
+from tests.pass_helpers import optimize_checked, pattern_counts, reasons, save_model, value
 
 pytestmark = pytest.mark.usefixtures("restore_registry")
 
@@ -490,3 +491,49 @@ def test_verify_per_pass_attributes_error_to_the_plugin_pass(tmp_path: Path) -> 
     rows = {row["pass"]: row for row in json.loads(result.stdout)["per_pass"]}
     assert rows["HardSigmoidForHardSwish"]["rewrites"] == 3
     assert rows["HardSigmoidForHardSwish"]["passed"] is False
+
+
+CARELESS_PLUGIN = """
+import onnx_ir as ir
+from fusectl import Category, FusionPass, PassSpec, register_pass
+from fusectl.rewrite.graph import replace_subgraph
+
+
+@register_pass
+class DoubleNegationPass(FusionPass):
+    spec = PassSpec(name="DoubleNegationPass", category=Category.GRAPH,
+                    description="Neg(Neg(x)) -> x", priority=4200)
+
+    def run(self, model, ctx):
+        for outer in list(model.graph):
+            inner = outer.inputs[0].producer() if outer.op_type == "Neg" else None
+            if inner is None or inner.op_type != "Neg" or outer.graph is None:
+                continue
+            same = ir.node("Identity", [inner.inputs[0]])
+            replace_subgraph(ctx, "DoubleNegation", outer, [inner, outer], [same],
+                             outer.outputs, same.outputs)
+"""
+
+
+def test_a_plugin_that_forgets_a_value_read_elsewhere_is_declined_not_broken(
+    tmp_path: Path,
+) -> None:
+    """A plugin pass removes Neg(Neg(x)) without asking whether the inner Neg's output is read
+    elsewhere: where it is a graph output the toolkit declines the site with the reason
+    (removing it was an internal error), and the other site is rewritten."""
+    plugin = tmp_path / "careless.py"
+    plugin.write_text(CARELESS_PLUGIN)
+    nodes = [
+        helper.make_node("Neg", ["x"], ["a"]),
+        helper.make_node("Neg", ["a"], ["y"]),
+        helper.make_node("Neg", ["x"], ["b"]),
+        helper.make_node("Neg", ["b"], ["z"]),
+    ]
+    outputs = [value("y", [2, 3]), value("z", [2, 3]), value("a", [2, 3])]
+    model = save_model(tmp_path / "negations.onnx", nodes, [value("x", [2, 3])], outputs)
+    run = optimize_checked(model, tmp_path, "--plugin", plugin)
+    assert pattern_counts(run, "DoubleNegationPass") == {"DoubleNegation": (2, 1)}
+    assert reasons(run, "DoubleNegationPass") == {
+        "an intermediate value (Neg output) is a graph output": 1
+    }
+    assert run.op_counts() == {"Neg": 2, "Identity": 1}  # z = x: an input and an output

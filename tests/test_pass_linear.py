@@ -66,6 +66,7 @@ def _layer(
     last: int = N,
     weight_shape: tuple[int, int] = (K, N),
     gemm_output_read: bool = False,
+    flat_output_read: bool = False,
     split: tuple[int | str, ...] = (),
 ) -> Path:
     """x[B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [x.size(i), x.size(j), last], or
@@ -105,7 +106,11 @@ def _layer(
         path,
         nodes,
         [value("x", ["B", "S", K]), *fed],
-        [*outputs, *([value("y2", ["r", N])] if gemm_output_read else [])],
+        [
+            *outputs,
+            *([value("y2", ["r", N])] if gemm_output_read else []),
+            *([value("flat", ["r", K])] if flat_output_read else []),
+        ],
         initializers,
     )
 
@@ -156,6 +161,16 @@ def test_near_misses_keep_the_gemm(options: dict, reason: str, runs: bool, tmp_p
     assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
     assert reasons(run, PASS) == {reason: 1}
     assert run.op_counts()["Gemm"] == 1
+
+
+def test_a_flatten_read_as_a_graph_output_stays_for_it(tmp_path: Path) -> None:
+    """The 2-D activation is a graph output too: the layer is MatMul + Add on x all the same,
+    and the flatten stays for the output (removing it was an internal error; found by fuzzing
+    graph outputs on ImageGPT)."""
+    model = _layer(tmp_path / "flat_output.onnx", flat_output_read=True)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"MatMul": 1, "Add": 1, "Reshape": 1}
 
 
 @pytest.mark.parametrize("split", [(2, 3), (-1, 3), (3, 2, 1)])

@@ -385,8 +385,12 @@ def replace_subgraph(
     recorded as a decline; None means replaced."""
     graph = root.graph
     assert graph is not None
-    referenced = attribute_reference(old_nodes) or feedback(
-        root, old_nodes, new_nodes, old_outputs, new_outputs
+    # A matched value read past the match (a graph output, another node) cannot go: decline,
+    # whatever the pass checked itself.
+    referenced = (
+        attribute_reference(old_nodes)
+        or uses_outside(old_nodes, old_outputs)
+        or feedback(root, old_nodes, new_nodes, old_outputs, new_outputs)
     )
     if referenced is not None:
         ctx.pattern(pattern).decline(referenced, node_label(root))

@@ -1,7 +1,8 @@
 """fusectl.rewrite.graph.replace_subgraph refuses, as a decline with its reason, a replacement
 that would leave the graph invalid: new nodes reading a value computed from their own outputs
-(a cycle: a KV-cache present whose length a mask reads, before the size was read again), or
-reading a value a removed node computes. Both were internal errors (exit 3) before."""
+(a cycle: a KV-cache present whose length a mask reads, before the size was read again),
+reading a value a removed node computes, or a removed node's value that another node reads.
+Each was an internal error (exit 3) before."""
 
 from __future__ import annotations
 
@@ -65,6 +66,17 @@ def test_a_replacement_reading_a_removed_value_is_declined() -> None:
     reason, _ = _replace(nodes, fused, [nodes["root"].outputs[0]])
     assert reason == "the new Fused would read joined, which a removed node computes"
     assert [node.name for node in graph] == ["join", "root"]
+
+
+def test_a_match_whose_inner_value_is_read_outside_it_is_declined() -> None:
+    """The Concat's output is read by a Neg outside the match (and is a graph output through
+    it): removing the Concat would leave the Neg reading nothing, whatever the pass checked."""
+    graph, nodes = _graph(reader=True)
+    fused = ir.node("Fused", list(graph.inputs))
+    reason, ctx = _replace(nodes, fused, [nodes["root"].outputs[0]])
+    assert reason == "an intermediate value (Concat output) is also used by Neg outside the match"
+    assert ctx.patterns["Probe"].declines == {reason: 1}
+    assert [node.name for node in graph] == ["join", "side", "root"]  # untouched
 
 
 def test_a_replacement_reading_the_values_before_the_match_goes_in() -> None:

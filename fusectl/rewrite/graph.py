@@ -386,11 +386,11 @@ def replace_subgraph(
     graph = root.graph
     assert graph is not None
     # A matched value read past the match (a graph output, another node) cannot go: decline,
-    # whatever the pass checked itself.
+    # whatever the pass checked itself (after feedback, which names a new node's such reads).
     referenced = (
         attribute_reference(old_nodes)
-        or uses_outside(old_nodes, old_outputs)
         or feedback(root, old_nodes, new_nodes, old_outputs, new_outputs)
+        or uses_outside(old_nodes, old_outputs)
     )
     if referenced is not None:
         ctx.pattern(pattern).decline(referenced, node_label(root))

@@ -1285,6 +1285,53 @@ def test_bloom_layer_declined_after_building_its_shared_bias_leaves_no_dangling_
     compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
 
 
+def test_an_identity_before_a_layers_axes_keeps_its_heads_provable(tmp_path: Path) -> None:
+    """GPT-BigCode (TorchScript) with an Identity between the second layer's Unsqueeze and the
+    constant axes it reads: the Unsqueeze's shape is inferred only once the Identity is folded,
+    and its sequence dimension then has the name the first inference gave it elsewhere, so the
+    query's heads are proven and both layers fuse (1/2 before: a second inference's made-up
+    name differed; found by fuzzing with Identity nodes on random edges)."""
+
+    def through_identity(model: onnx.ModelProto) -> None:
+        unsqueeze = node_named(model, "/inner/h.1/attn/Unsqueeze")
+        model.graph.node.insert(
+            list(model.graph.node).index(unsqueeze),
+            helper.make_node("Identity", [unsqueeze.input[1]], ["axes_copy"]),
+        )
+        unsqueeze.input[1] = "axes_copy"
+
+    path = edited_fixture("arch/gpt_bigcode_ts17", tmp_path, through_identity, "bigcode_identity")
+    run = optimize_checked(path, tmp_path, compare=False)
+    (tmp_path / "plain").mkdir()
+    plain = optimize_checked(fixture_path("arch/gpt_bigcode_ts17"), tmp_path / "plain")
+    assert run.report["coverage"]["attention"]["fused"] == 2
+    assert _fused_ops(run) == _fused_ops(plain)
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
+
+
+def test_an_identity_before_the_position_axes_keeps_the_folds_provable(tmp_path: Path) -> None:
+    """XGLM (TorchScript) with an Identity between its position Unsqueeze and the constant axes:
+    onnxruntime's symbolic inference stops at that Unsqueeze on the graph as loaded (axes not
+    a constant), which left every fold of the heads into the batch unproven (0/2). It now
+    reads the graph as it is once the Identity is folded, and both layers fuse."""
+
+    def through_identity(model: onnx.ModelProto) -> None:
+        unsqueeze = node_named(model, "/inner/embed_positions/Unsqueeze_1")
+        model.graph.node.insert(
+            list(model.graph.node).index(unsqueeze),
+            helper.make_node("Identity", [unsqueeze.input[1]], ["axes_copy"]),
+        )
+        unsqueeze.input[1] = "axes_copy"
+
+    path = edited_fixture("arch/xglm_ts17", tmp_path, through_identity, "xglm_identity")
+    run = optimize_checked(path, tmp_path, compare=False)
+    assert run.report["coverage"]["attention"]["fused"] == 2
+    assert _fused_ops(run)["Attention"] == 2  # the packed QKV op, as without the Identity
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
+
+
 def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: Path) -> None:
     """DeepSeek-V3's multi-head latent attention (dynamo): the key joins a plain and a rotary
     part per head ([B, N, L, 16]), the value heads are smaller ([B, N, L, 8]). The op reads

@@ -50,6 +50,35 @@ def test_names_made_up_by_a_later_inference_stay_apart() -> None:
     assert oracle.shape(found) == first
 
 
+def test_a_value_first_inferred_later_shares_the_earlier_names() -> None:
+    """An Unsqueeze whose axes come through an Identity has no shape until the Identity is
+    folded; inferred then, its dimensions take the names the earlier run gave its input's, so
+    sizes compare equal across the two runs (a GPT-BigCode layer's heads went unproven)."""
+    proto = _model(
+        [
+            helper.make_node("NonZero", ["x"], ["found"]),
+            helper.make_node("Transpose", ["found"], ["moved"]),
+            helper.make_node("Identity", ["axis"], ["axes"]),
+            helper.make_node("Unsqueeze", ["moved", "axes"], ["widened"]),
+        ],
+        [value("x", [3, 4])],
+        [helper.make_tensor_value_info("widened", onnx.TensorProto.INT64, None)],
+        [const("axis", [0], np.int64)],
+    )
+    model = ir.serde.deserialize_model(proto)
+    oracle = ShapeOracle(model, None)
+    moved, widened = model.graph.node(1).outputs[0], model.graph.node(3).outputs[0]
+    first = oracle.shape(moved)
+    assert first is not None and str(first[0]).startswith("unk__")
+    assert oracle.shape(widened) is None
+    # A rewrite folds the Identity: the Unsqueeze reads the constant axes.
+    unsqueeze = model.graph.node(3)
+    unsqueeze.replace_input_with(1, model.graph.initializers["axis"])
+    model.graph.remove(model.graph.node(2), safe=True)
+    oracle.invalidate()
+    assert oracle.shape(widened) == ir.Shape([1, first[0], 2])
+
+
 def test_symbolic_dims_follow_the_arithmetic_of_the_graph_as_loaded() -> None:
     """Range(0, S) has S elements, and a [16]-row table sliced to it Min(16, S): sizes onnx's
     inference names afresh. A value that is not in the loaded graph has none."""

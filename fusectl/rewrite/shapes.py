@@ -240,20 +240,30 @@ class ShapeOracle:
         quiet = logging.getLogger(_symbolic_inference().__module__)
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)  # it warns of every broadcast it cannot resolve
+        graphs: list[Callable[[], onnx.ModelProto]] = []
+        original = self._original
+        if original is not None:
+
+            def as_loaded() -> onnx.ModelProto:
+                return _without_weights(original() if callable(original) else original, self._model)
+
+            graphs.append(as_loaded)
+        # onnxruntime's inference stops at an op it cannot read as loaded (an Unsqueeze whose
+        # axes an Identity passes on); the graph as it is now has such constants folded.
+        graphs.append(lambda: _in_order(lambda p: p, self._model))
         try:
-            if self._original is None:
-                proto = _in_order(lambda p: p, self._model)
-            else:
-                loaded = self._original() if callable(self._original) else self._original
-                proto = _without_weights(loaded, self._model)
-            if targets is not None:
-                proto = _cone(proto, targets)
-            if proto is not None and len(proto.graph.node) > SYMBOLIC_NODE_LIMIT:
-                logger.debug("symbolic shape inference skipped: %d nodes", len(proto.graph.node))
-                return {}
-            return _symbolic_dims(proto) if proto is not None else None
-        except Exception as error:  # a best effort: without it, the proof is not made
-            logger.debug("symbolic shape inference failed: %s", error)
+            for graph in graphs:
+                try:
+                    proto: onnx.ModelProto | None = graph()
+                    if targets is not None:
+                        proto = _cone(proto, targets)
+                    if proto is not None and len(proto.graph.node) > SYMBOLIC_NODE_LIMIT:
+                        nodes = len(proto.graph.node)
+                        logger.debug("symbolic shape inference skipped: %d nodes", nodes)
+                        return {}
+                    return _symbolic_dims(proto) if proto is not None else None
+                except Exception as error:  # a best effort: without it, the proof is not made
+                    logger.debug("symbolic shape inference failed: %s", error)
             return {}
         finally:
             quiet.setLevel(level)
@@ -293,19 +303,24 @@ class ShapeOracle:
             self._infer()
             return
         found = _inferred_types(inferred.graph)
+        results: list[tuple[ir.Value, onnx.TypeProto, ir.Shape | None]] = []
         for key, graph in _graphs(self._model.graph):
             types = found.get(key, {})
             for node in graph:
                 for value in node.outputs:
-                    self._take(value, types.get(value.name or ""))
+                    proto = types.get(value.name or "")
+                    if proto is None or not proto.HasField("tensor_type"):
+                        continue
+                    shape = ir.serde.deserialize_type_proto_for_shape(proto)
+                    if shape is not None and self._runs > 1:
+                        shape = _own_symbols(shape, self._runs)
+                    results.append((value, proto, shape))
+        same = _same_dims(results, self._runs) if self._runs > 1 else {}
+        for value, proto, shape in results:
+            self._take(value, proto, _renamed(shape, same) if same else shape)
 
-    def _take(self, value: ir.Value, found: onnx.TypeProto | None) -> None:
+    def _take(self, value: ir.Value, found: onnx.TypeProto, shape: ir.Shape | None) -> None:
         """Fill in the value's shape (and type) from what inference found for it."""
-        if found is None or not found.HasField("tensor_type"):
-            return
-        shape = ir.serde.deserialize_type_proto_for_shape(found)
-        if shape is not None and self._runs > 1:
-            shape = _own_symbols(shape, self._runs)
         # Recorded shapes are upgraded only once the graph changed: a graph no pass
         # touched keeps the shapes it came with (a second run changes nothing).
         if value.shape is None:
@@ -513,6 +528,42 @@ def _own_symbols(shape: ir.Shape, run: int) -> ir.Shape:
             for dim in shape
         ]
     )
+
+
+def _same_dims(
+    results: list[tuple[ir.Value, onnx.TypeProto, ir.Shape | None]], run: int
+) -> dict[str, int | ir.SymbolicDim]:
+    """What each name a later run made up is, where a value that kept its shape from before
+    shows it: a size, or the earlier name. Values first inferred in a later run (their input
+    became inferable once a constant was folded) then share the earlier runs' names, so that a
+    dimension is the same symbol everywhere and sizes compare as equal. A made-up name seen
+    against several earlier dimensions proves them one: it stands for the one that says most
+    (a size, then a name the inputs use, then the first seen)."""
+    prefix = f"unk__{run}."
+    found: dict[str, int | ir.SymbolicDim] = {}
+    for value, _, shape in results:
+        old = value.shape
+        if shape is None or old is None or len(old) != len(shape):
+            continue
+        for new, before in zip(shape, old, strict=True):
+            name = new.value if isinstance(new, ir.SymbolicDim) else None
+            if not (name and name.startswith(prefix)):
+                continue
+            if isinstance(before, ir.SymbolicDim) and not before.value:
+                continue
+            if name not in found or _rank_of(before) > _rank_of(found[name]):
+                found[name] = before
+    return found
+
+
+def _renamed(shape: ir.Shape | None, same: dict[str, int | ir.SymbolicDim]) -> ir.Shape | None:
+    if shape is None:
+        return None
+    dims = [
+        same.get(dim.value, dim) if isinstance(dim, ir.SymbolicDim) and dim.value else dim
+        for dim in shape
+    ]
+    return ir.Shape(dims)
 
 
 def _is_static(shape: ir.Shape) -> bool:

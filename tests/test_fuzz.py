@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 import fusectl
 from fusectl.cli import cli
@@ -296,3 +296,73 @@ def test_intermediates_made_outputs_stay_computed(seed_name: str, tmp_path: Path
         assert result.exit_code == 0, where
         check = fusectl.verify(path, optimized)
         assert check.passed, f"{where} {[c for c in check.checks if not c.passed]}"
+
+
+# Spellings of the same graph: its nodes in another topological order, and Identity nodes on
+# random edges (what some exporters and hand edits leave). Fusion reads what the graph
+# computes, so each fuses what the export fuses.
+FORM_SEEDS = ("arch/gpt_bigcode_ts17", "arch/xglm_ts17", "arch/roberta_dynamo", "arch/qwen2_ts17")
+
+
+def _in_another_order(model: onnx.ModelProto, rng: random.Random) -> None:
+    """The main graph's nodes in a random topological order (subgraph reads count)."""
+    nodes = list(model.graph.node)
+    producer = {name: index for index, node in enumerate(nodes) for name in node.output if name}
+
+    def reads(node: onnx.NodeProto) -> set[int]:
+        names = list(node.input)
+        for attribute in node.attribute:
+            for body in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                names += [name for inner in body.node for name in inner.input]
+        return {producer[name] for name in names if name in producer} - {nodes.index(node)}
+
+    waiting = [reads(node) for node in nodes]
+    readers: dict[int, list[int]] = {index: [] for index in range(len(nodes))}
+    for index, sources in enumerate(waiting):
+        for source in sources:
+            readers[source].append(index)
+    ready = [index for index, sources in enumerate(waiting) if not sources]
+    order = []
+    while ready:
+        index = ready.pop(rng.randrange(len(ready)))
+        order.append(index)
+        for reader in readers[index]:
+            waiting[reader].discard(index)
+            if not waiting[reader]:
+                ready.append(reader)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[index] for index in order)
+
+
+def _through_identities(model: onnx.ModelProto, rng: random.Random) -> None:
+    """Six random edges between nodes made to pass through an Identity, then reordered."""
+    outputs = {output.name for output in model.graph.output}
+    produced = {name for node in model.graph.node for name in node.output}
+    edges = [
+        (node, index)
+        for node in model.graph.node
+        for index, name in enumerate(node.input)
+        if name in produced and name not in outputs
+    ]
+    for number, (node, index) in enumerate(rng.sample(edges, 6)):
+        copy = f"fuzz_identity_{number}"
+        model.graph.node.append(helper.make_node("Identity", [node.input[index]], [copy]))
+        node.input[index] = copy
+    _in_another_order(model, rng)
+
+
+@pytest.mark.parametrize("form", ["order", "identities"])
+@pytest.mark.parametrize("seed_name", FORM_SEEDS)
+def test_another_spelling_fuses_as_the_export(seed_name: str, form: str, tmp_path: Path) -> None:
+    original = FIXTURES / f"{seed_name}.onnx"
+    model = onnx.load(str(original))
+    change = _in_another_order if form == "order" else _through_identities
+    change(model, random.Random(f"{seed_name}/{form}"))
+    path = tmp_path / "changed.onnx"
+    onnx.save(model, str(path))
+    expected = fusectl.optimize(original).report["coverage"]
+    result = fusectl.optimize(path, tmp_path / "out.onnx")
+    fused = {name: (c["fused"], c["total"]) for name, c in result.report["coverage"].items()}
+    assert fused == {name: (c["fused"], c["total"]) for name, c in expected.items()}
+    check = fusectl.verify(path, tmp_path / "out.onnx")
+    assert check.passed, [c for c in check.checks if not c.passed]

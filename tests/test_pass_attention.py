@@ -1310,19 +1310,32 @@ def test_an_identity_before_a_layers_axes_keeps_its_heads_provable(tmp_path: Pat
     compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
 
 
-def test_an_identity_before_the_position_axes_keeps_the_folds_provable(tmp_path: Path) -> None:
-    """XGLM (TorchScript) with an Identity between its position Unsqueeze and the constant axes:
-    onnxruntime's symbolic inference stops at that Unsqueeze on the graph as loaded (axes not
-    a constant), which left every fold of the heads into the batch unproven (0/2). It now
-    reads the graph as it is once the Identity is folded, and both layers fuse."""
+@pytest.mark.parametrize(
+    ("reader", "index"),
+    [
+        # The position Unsqueeze's axes: onnxruntime's symbolic inference stopped at that
+        # Unsqueeze on the graph as loaded (axes not a constant); it reads the graph as it is
+        # once the Identity is folded.
+        ("/inner/embed_positions/Unsqueeze_1", 1),
+        # A size the first layer's head split reads: the symbolic inference stopped at the
+        # Identity too (a fresh symbol, not the size it copies); it reads past Identities.
+        ("/inner/layers.0/self_attn/Unsqueeze_1", 0),
+    ],
+)
+def test_an_identity_in_the_shape_arithmetic_keeps_the_folds_provable(
+    reader: str, index: int, tmp_path: Path
+) -> None:
+    """XGLM (TorchScript) with an Identity before one input of a node of its shape arithmetic:
+    the folds of its heads into the batch went unproven (0/2); both layers fuse as without it
+    (found by fuzzing with Identity nodes on random edges)."""
 
     def through_identity(model: onnx.ModelProto) -> None:
-        unsqueeze = node_named(model, "/inner/embed_positions/Unsqueeze_1")
+        node = node_named(model, reader)
         model.graph.node.insert(
-            list(model.graph.node).index(unsqueeze),
-            helper.make_node("Identity", [unsqueeze.input[1]], ["axes_copy"]),
+            list(model.graph.node).index(node),
+            helper.make_node("Identity", [node.input[index]], ["copied"]),
         )
-        unsqueeze.input[1] = "axes_copy"
+        node.input[index] = "copied"
 
     path = edited_fixture("arch/xglm_ts17", tmp_path, through_identity, "xglm_identity")
     run = optimize_checked(path, tmp_path, compare=False)
@@ -1330,6 +1343,27 @@ def test_an_identity_before_the_position_axes_keeps_the_folds_provable(tmp_path:
     assert _fused_ops(run)["Attention"] == 2  # the packed QKV op, as without the Identity
     dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
     compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
+
+
+def test_inputs_with_unnamed_dimensions_keep_the_heads_provable(tmp_path: Path) -> None:
+    """ModernBERT (TorchScript) with neither intermediate shapes nor names for its inputs'
+    dimensions: onnx made up a new name for the sequence at every op, so the head split no
+    longer matched the projections' sizes (0/2). Inference now names each unnamed input
+    dimension once, and both layers fuse as with the exporter's names (found by fuzzing the
+    exports without their value_info and dimension names)."""
+
+    def anonymous(model: onnx.ModelProto) -> None:
+        del model.graph.value_info[:]
+        for declared in [*model.graph.input, *model.graph.output]:
+            for dim in declared.type.tensor_type.shape.dim:
+                dim.ClearField("dim_param")
+
+    path = edited_fixture("arch/modernbert_ts17", tmp_path, anonymous, "modernbert_anonymous")
+    run = optimize_checked(path, tmp_path, compare=False)
+    assert run.report["coverage"]["attention"]["fused"] == 2
+    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
+    feeds = named_dim_feeds(FIXTURES / "arch" / "modernbert_ts17.onnx", dims)
+    compare_on_feeds(path, run.output, feeds)
 
 
 def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: Path) -> None:

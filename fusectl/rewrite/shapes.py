@@ -254,7 +254,7 @@ class ShapeOracle:
         try:
             for graph in graphs:
                 try:
-                    proto: onnx.ModelProto | None = graph()
+                    proto: onnx.ModelProto | None = _past_identities(graph())
                     if targets is not None:
                         proto = _cone(proto, targets)
                     if proto is not None and len(proto.graph.node) > SYMBOLIC_NODE_LIMIT:
@@ -275,7 +275,9 @@ class ShapeOracle:
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             with contrib_schemas():  # onnxruntime's ops, for this call
                 return onnx.shape_inference.infer_shapes(
-                    _inferable(proto), strict_mode=False, data_prop=not _names_repeat(proto.graph)
+                    _inferable(_named_inputs(proto)),
+                    strict_mode=False,
+                    data_prop=not _names_repeat(proto.graph),
                 )
 
         # Shapes this oracle filled in earlier are left out of what inference reads: onnx
@@ -351,6 +353,53 @@ def _inferable(proto: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as error:  # the converter's adapters raise their own types
         logger.debug("opset %d kept for shape inference: %s", opset, error)
         return proto
+
+
+def _named_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with a name for each graph input dimension that has neither a size nor a name,
+    for inference only: onnx makes up a new name for such a dimension at every op, so sizes
+    copied from one input (the sequence of input_ids through every layer) no longer compare
+    equal. Each gets its own name, which the values computed from it share."""
+    unnamed = [
+        (value, axis)
+        for value in proto.graph.input
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim)
+        if not dim.HasField("dim_value") and not dim.dim_param
+    ]
+    if not unnamed:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    inputs = {value.name: value for value in copy.graph.input}
+    for value, axis in unnamed:
+        dim = inputs[value.name].type.tensor_type.shape.dim[axis]
+        stem = re.sub(r"\W", "_", value.name)
+        dim.dim_param = f"{stem}_dim{axis}"
+    return copy
+
+
+def _past_identities(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with the main graph's nodes reading past its Identity nodes, for onnxruntime's
+    symbolic inference only: it stops at an Identity, so a size copied through one (a head
+    split's target read from a Gather via an Identity) was a fresh symbol, not the size it
+    copies. The Identity nodes stay, so their outputs are inferred too."""
+    graph = proto.graph
+    source = {
+        node.output[0]: node.input[0]
+        for node in graph.node
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.input
+    }
+    if not source:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for node in copy.graph.node:
+        for index, name in enumerate(node.input):
+            while name in source:
+                name = source[name]
+            node.input[index] = name
+    return copy
 
 
 def _names_repeat(graph: onnx.GraphProto) -> bool:

@@ -1345,27 +1345,6 @@ def test_an_identity_in_the_shape_arithmetic_keeps_the_folds_provable(
     compare_on_feeds(path, run.output, named_dim_feeds(path, dims))
 
 
-def test_inputs_with_unnamed_dimensions_keep_the_heads_provable(tmp_path: Path) -> None:
-    """ModernBERT (TorchScript) with neither intermediate shapes nor names for its inputs'
-    dimensions: onnx made up a new name for the sequence at every op, so the head split no
-    longer matched the projections' sizes (0/2). Inference now names each unnamed input
-    dimension once, and both layers fuse as with the exporter's names (found by fuzzing the
-    exports without their value_info and dimension names)."""
-
-    def anonymous(model: onnx.ModelProto) -> None:
-        del model.graph.value_info[:]
-        for declared in [*model.graph.input, *model.graph.output]:
-            for dim in declared.type.tensor_type.shape.dim:
-                dim.ClearField("dim_param")
-
-    path = edited_fixture("arch/modernbert_ts17", tmp_path, anonymous, "modernbert_anonymous")
-    run = optimize_checked(path, tmp_path, compare=False)
-    assert run.report["coverage"]["attention"]["fused"] == 2
-    dims = json.loads((FIXTURES / "arch" / "manifest.json").read_text())["dims"]
-    feeds = named_dim_feeds(FIXTURES / "arch" / "modernbert_ts17.onnx", dims)
-    compare_on_feeds(path, run.output, feeds)
-
-
 def test_latent_attention_with_smaller_value_heads_reads_both_merged(tmp_path: Path) -> None:
     """DeepSeek-V3's multi-head latent attention (dynamo): the key joins a plain and a rotary
     part per head ([B, N, L, 16]), the value heads are smaller ([B, N, L, 8]). The op reads

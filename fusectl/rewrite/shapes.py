@@ -275,9 +275,7 @@ class ShapeOracle:
         def infer(proto: onnx.ModelProto) -> onnx.ModelProto:
             with contrib_schemas():  # onnxruntime's ops, for this call
                 return onnx.shape_inference.infer_shapes(
-                    _inferable(_named_inputs(proto)),
-                    strict_mode=False,
-                    data_prop=not _names_repeat(proto.graph),
+                    _inferable(proto), strict_mode=False, data_prop=not _names_repeat(proto.graph)
                 )
 
         # Shapes this oracle filled in earlier are left out of what inference reads: onnx
@@ -353,30 +351,6 @@ def _inferable(proto: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as error:  # the converter's adapters raise their own types
         logger.debug("opset %d kept for shape inference: %s", opset, error)
         return proto
-
-
-def _named_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto`` with a name for each graph input dimension that has neither a size nor a name,
-    for inference only: onnx makes up a new name for such a dimension at every op, so sizes
-    copied from one input (the sequence of input_ids through every layer) no longer compare
-    equal. Each gets its own name, which the values computed from it share."""
-    unnamed = [
-        (value, axis)
-        for value in proto.graph.input
-        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")
-        for axis, dim in enumerate(value.type.tensor_type.shape.dim)
-        if not dim.HasField("dim_value") and not dim.dim_param
-    ]
-    if not unnamed:
-        return proto
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    inputs = {value.name: value for value in copy.graph.input}
-    for value, axis in unnamed:
-        dim = inputs[value.name].type.tensor_type.shape.dim[axis]
-        stem = re.sub(r"\W", "_", value.name)
-        dim.dim_param = f"{stem}_dim{axis}"
-    return copy
 
 
 def _past_identities(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -92,7 +92,7 @@ def _canonical_group(decisions: list[Decision], start: int) -> range:
 class PassFailure(Exception):
     """A built-in pass raised on this model: a fusectl bug, not the input's fault. The model it
     ran on is left part-rewritten; ``fusectl.optimize`` runs again from the input without the
-    pass (or raises ``error`` where asked to)."""
+    pass, or raises this where asked to (``--pass_errors raise``)."""
 
     def __init__(self, decision: Decision, error: Exception) -> None:
         self.decision, self.error = decision, error

@@ -580,6 +580,7 @@ def _same_dims(
 
 
 def _renamed(shape: ir.Shape | None, same: dict[str, int | ir.SymbolicDim]) -> ir.Shape | None:
+    """``shape`` with each made-up name that ``same`` knows replaced by what it stands for."""
     if shape is None:
         return None
     dims = [

@@ -79,6 +79,77 @@ def test_a_value_first_inferred_later_shares_the_earlier_names() -> None:
     assert oracle.shape(widened) == ir.Shape([1, first[0], 2])
 
 
+def _reshaped_by_its_own_batch(batch: str) -> onnx.ModelProto:
+    """x [batch, 6] reshaped to [its batch, 2, 3] through a target computed from its shape:
+    onnx's inference follows it with data propagation only."""
+    return _model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"], start=0, end=1),
+            helper.make_node("Concat", ["shape", "rest"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"]),
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Relu", ["y"], ["z"]),
+        ],
+        [value("x", [batch, 6])],
+        [value("z", None), value("r", None)],
+        [const("rest", [2, 3], np.int64)],
+    )
+
+
+def test_a_name_another_tools_inference_made_up_is_derived_again() -> None:
+    """Users run onnx's infer_shapes before handing a model over: without data propagation it
+    names the reshaped sizes it cannot follow (unk__N) and writes them into value_info.
+    fusectl's inference derives them; the graph input's own name stays."""
+    proto = onnx.shape_inference.infer_shapes(_reshaped_by_its_own_batch("batch"))
+    declared = {info.name: info for info in proto.graph.value_info}
+    assert [d.dim_param for d in declared["y"].type.tensor_type.shape.dim] == [
+        "unk__0",
+        "unk__1",
+        "unk__2",
+    ]
+    model = ir.serde.deserialize_model(proto)
+    oracle = ShapeOracle(model, proto)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    assert oracle.shape(values["y"]) == ir.Shape(["batch", 2, 3])
+    assert oracle.shape(values["r"]) == ir.Shape(["batch", 6])
+
+
+def test_a_made_up_name_the_inputs_declare_is_kept() -> None:
+    """tf2onnx names an input's unknown size unk__N: it is the model's interface, not another
+    tool's guess, and the values that inherit it keep it."""
+    proto = onnx.shape_inference.infer_shapes(_reshaped_by_its_own_batch("unk__7"))
+    model = ir.serde.deserialize_model(proto)
+    oracle = ShapeOracle(model, proto)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    assert oracle.shape(values["r"]) == ir.Shape(["unk__7", 6])
+    assert oracle.shape(values["y"]) == ir.Shape(["unk__7", 2, 3])
+
+
+def test_a_guess_not_derived_again_is_written_as_fusectls_own() -> None:
+    """A size no inference follows (a NonZero's count) keeps its made-up name, written in
+    fusectl's form (unk__0.N): a second run does not take it for another tool's guess."""
+    proto = onnx.shape_inference.infer_shapes(
+        _model(
+            [
+                helper.make_node("NonZero", ["a"], ["found"]),
+                helper.make_node("Transpose", ["found"], ["moved"]),
+                helper.make_node("Neg", ["moved"], ["out"]),
+            ],
+            [value("a", [3, 4])],
+            [helper.make_tensor_value_info("out", onnx.TensorProto.INT64, None)],
+            [],
+        )
+    )
+    model = ir.serde.deserialize_model(proto)
+    oracle = ShapeOracle(model, proto)
+    moved = model.graph.node(1).outputs[0]
+    assert oracle.shape(moved) == ir.Shape(["unk__0", 2])
+    oracle.own_guesses()
+    assert moved.shape == ir.Shape(["unk__0.0", 2])
+    again = ShapeOracle(model, None)
+    assert again.shape(moved) == ir.Shape(["unk__0.0", 2])
+
+
 def test_symbolic_dims_follow_the_arithmetic_of_the_graph_as_loaded() -> None:
     """Range(0, S) has S elements, and a [16]-row table sliced to it Min(16, S): sizes onnx's
     inference names afresh. A value that is not in the loaded graph has none."""

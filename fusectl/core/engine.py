@@ -22,6 +22,7 @@ from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
 from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
 from fusectl.rewrite.graph import reading_constants
+from fusectl.rewrite.shapes import own_guesses
 
 if TYPE_CHECKING:
     from fusectl.diagnostics.sitecheck import SiteChecker
@@ -302,6 +303,10 @@ def run_plan(
     live = [graph for graph in graphs if not graph.removed]
     unshadow([graph.scope for graph in live], original)
     _keep_declared_shapes(model.graph, declared)
+    if shapes is not None:
+        shapes.own_guesses()
+    else:
+        own_guesses(model.graph)
     totals = [
         _total(decision, [graph.runs[index] for graph in graphs])
         for index, decision in enumerate(decisions)

@@ -9,7 +9,7 @@ import logging
 import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,6 +175,8 @@ class ShapeOracle:
         self._runs = 0
         self._filled: dict[ir.Value, None] = {}  # insertion-ordered: deterministic
         self._loop_state: bool | None = None  # whether a Loop or Scan carries state
+        self._guessed: dict[ir.Value, None] = {}  # declared with a made-up name: re-derived
+        self._had_guesses: bool | None = None  # whether the first read found any
 
     def invalidate(self) -> None:
         """The graph changed in a way that may make more shapes inferable (a constant was
@@ -185,13 +187,22 @@ class ShapeOracle:
         self._proto = None
 
     def shape(self, value: ir.Value) -> ir.Shape | None:
-        if self._loop_state is None:  # first read: declared loop state is not taken on trust
+        if self._loop_state is None:  # first read: declared shapes are not all taken on trust
             self._loop_state = _has_loop_state(self._model.graph)
-            if self._loop_state and not self.ran:
+            graph = self._model.graph
+            self._guessed = dict.fromkeys(_guessed_values(graph, _names(graph.inputs)))
+            self._had_guesses = bool(self._guessed)
+            if (self._loop_state or self._guessed) and not self.ran:
                 self._infer()
         if not self.ran and (value.shape is None or (self.stale and not _is_static(value.shape))):
             self._infer()
         return value.shape
+
+    def own_guesses(self) -> None:
+        """own_guesses on the model, unless the first read found none: fusectl makes up no
+        name of that form, so none can have come since (a walk of the graph spared)."""
+        if self._had_guesses is not False:
+            own_guesses(self._model.graph)
 
     def dtype(self, value: ir.Value) -> ir.DataType | None:
         if value.dtype is None and not self.ran:
@@ -245,7 +256,8 @@ class ShapeOracle:
         if original is not None:
 
             def as_loaded() -> onnx.ModelProto:
-                return _without_weights(original() if callable(original) else original, self._model)
+                loaded = original() if callable(original) else original
+                return _without_weights(loaded, self._model, {v.name for v in self._guessed})
 
             graphs.append(as_loaded)
         # onnxruntime's inference stops at an op it cannot read as loaded (an Unsqueeze whose
@@ -278,15 +290,21 @@ class ShapeOracle:
                     _inferable(proto), strict_mode=False, data_prop=not _names_repeat(proto.graph)
                 )
 
-        # Shapes this oracle filled in earlier are left out of what inference reads: onnx
-        # keeps a recorded symbol over the one it would infer, so they would stay stale.
-        earlier = [(value, value.shape) for value in self._filled if value.shape is not None]
+        # Shapes this oracle filled in earlier, and declared shapes with a name another tool's
+        # inference made up, are left out of what inference reads: onnx keeps a recorded
+        # symbol over the one it would infer, so they would stay stale.
+        earlier = [
+            (value, value.shape)
+            for value in (*self._filled, *self._guessed)
+            if value.shape is not None
+        ]
         for value, _ in earlier:
             value.shape = None
         try:
             if self._proto is not None:
                 loaded = self._proto() if callable(self._proto) else self._proto
-                inferred = infer(_without_weights(loaded, self._model))
+                guessed = {value.name for value in self._guessed}
+                inferred = infer(_without_weights(loaded, self._model, guessed))
             else:  # onnx-ir's helper serialises the current graph without its large weights
                 inferred = _in_order(infer, self._model)
         except Exception as error:  # inference is a best effort; passes decline without it
@@ -303,6 +321,10 @@ class ShapeOracle:
             self._infer()
             return
         found = _inferred_types(inferred.graph)
+        # The undotted made-up names inference read are the graph inputs' and outputs': the
+        # computed values carrying others (another tool's guesses) were left out.
+        main = self._model.graph
+        interface = _names([*main.inputs, *main.outputs])
         results: list[tuple[ir.Value, onnx.TypeProto, ir.Shape | None]] = []
         for key, graph in _graphs(self._model.graph):
             types = found.get(key, {})
@@ -312,19 +334,25 @@ class ShapeOracle:
                     if proto is None or not proto.HasField("tensor_type"):
                         continue
                     shape = ir.serde.deserialize_type_proto_for_shape(proto)
-                    if shape is not None and self._runs > 1:
-                        shape = _own_symbols(shape, self._runs)
+                    if shape is not None:
+                        shape = _own_symbols(shape, self._runs, interface)
                     results.append((value, proto, shape))
-        same = _same_dims(results, self._runs) if self._runs > 1 else {}
+        same = _same_dims(results, self._runs)
         for value, proto, shape in results:
             self._take(value, proto, _renamed(shape, same) if same else shape)
 
     def _take(self, value: ir.Value, found: onnx.TypeProto, shape: ir.Shape | None) -> None:
         """Fill in the value's shape (and type) from what inference found for it."""
-        # Recorded shapes are upgraded only once the graph changed: a graph no pass
-        # touched keeps the shapes it came with (a second run changes nothing).
+        # Recorded shapes are upgraded only once the graph changed, or where another tool's
+        # inference made a name up: a graph no pass touched keeps the shapes fusectl gave it
+        # (its own made-up names are told apart, see own_guesses), so a second run changes
+        # nothing.
         if value.shape is None:
             value.shape = shape
+            self._filled[value] = None
+        elif value in self._guessed and _says_as_much(shape, value.shape):
+            value.shape = shape  # its made-up names are then the ones the other values share
+            del self._guessed[value]
             self._filled[value] = None
         elif self.stale and _more_static(shape, value.shape):
             value.shape = _upgraded(shape, value.shape)  # type: ignore[arg-type]
@@ -490,8 +518,7 @@ def _has_loop_state(graph: ir.Graph) -> bool:
     _relax_loop_state checks. Runs on every model: the attributes of a node are read only
     where it may hold a graph (a control-flow op, or an op of another domain)."""
     for node in graph:
-        op, standard = node.op_type, node.domain in ("", "ai.onnx")
-        if standard and op not in ("If", "Loop", "Scan", "SequenceMap"):
+        if not _may_hold_graphs(node):
             continue
         carried = _carried_state(node)
         body = node.attributes.get("body")
@@ -523,10 +550,19 @@ def _anchor(node: ir.Node) -> str:
     return (node.outputs[0].name or "") if node.outputs else (node.name or "")
 
 
+def _may_hold_graphs(node: ir.Node) -> bool:
+    """Whether a node may have a graph attribute: a control-flow op, or an op of another
+    domain. The attributes of the others are not read (a walk of every node of the model)."""
+    standard = node.domain in ("", "ai.onnx")
+    return not standard or node.op_type in ("If", "Loop", "Scan", "SequenceMap")
+
+
 def _graphs(graph: ir.Graph, key: _GraphKey = ()) -> list[tuple[_GraphKey, ir.Graph]]:
     """The IR graph and its subgraphs, keyed as _inferred_types keys them."""
     found = [(key, graph)]
     for node in graph:
+        if not _may_hold_graphs(node):
+            continue
         for attribute in node.attributes.values():
             for index, body in enumerate(attribute_graphs(attribute)):
                 found += _graphs(body, (*key, (_anchor(node), attribute.name, index)))
@@ -540,13 +576,65 @@ _SMALL_CONSTANT = 64
 SYMBOLIC_NODE_LIMIT = 5000
 
 
-def _own_symbols(shape: ir.Shape, run: int) -> ir.Shape:
-    """The names onnx made up in a later run (``unk__N`` counts from 0 in every run, and a
-    cleared value's old name may come back for another size) kept apart from earlier runs'."""
+def _unowned(dim: int | ir.SymbolicDim, kept: set[str]) -> bool:
+    """Whether a dimension's name is one onnx's inference made up (``unk__N``) that is no
+    one's yet: not fusectl's (``unk__R.N``, see _own_symbols), nor among ``kept`` (names the
+    graph inputs declare: tf2onnx names their unknown sizes that way)."""
+    name = dim.value if isinstance(dim, ir.SymbolicDim) else None
+    return bool(name) and not named(dim) and "." not in name and name not in kept
+
+
+def _names(values: Sequence[ir.Value]) -> set[str]:
+    """The dimension names the values' shapes carry."""
+    return {
+        dim.value
+        for value in values
+        if value.shape is not None
+        for dim in value.shape
+        if isinstance(dim, ir.SymbolicDim) and dim.value
+    }
+
+
+def _guessed_values(graph: ir.Graph, inputs: set[str]) -> list[ir.Value]:
+    """The values the graph's nodes compute, at any depth, less the graph outputs, whose
+    declared shape has a name another tool's shape inference made up (onnx's
+    ``infer_shapes``, run by users and converters before fusectl) where it could not follow
+    a size: fusectl's inference, with data propagation, may know it."""
+    outputs = set(graph.outputs)
+    verdicts: dict[int, bool] = {}  # per shape: the loader shares one among equal entries
+    found = []
+    for _, body in _graphs(graph):
+        for node in body:
+            for value in node.outputs:
+                shape = value.shape
+                if shape is None or value in outputs:
+                    continue
+                verdict = verdicts.get(id(shape))
+                if verdict is None:
+                    verdict = verdicts[id(shape)] = any(_unowned(dim, inputs) for dim in shape)
+                if verdict:
+                    found.append(value)
+    return found
+
+
+def own_guesses(graph: ir.Graph) -> None:
+    """Write the made-up names another tool gave sizes that fusectl could not re-derive as
+    fusectl's own (``unk__N`` -> ``unk__0.N``), so that a second run, which re-derives
+    another tool's, keeps them: the output is what a second run makes of it."""
+    inputs = _names(graph.inputs)
+    for value in _guessed_values(graph, inputs):
+        value.shape = _own_symbols(value.shape, 0, inputs)  # type: ignore[arg-type]
+
+
+def _own_symbols(shape: ir.Shape, run: int, kept: set[str]) -> ir.Shape:
+    """The names onnx made up in inference run ``run`` (``unk__N`` counts from 0 in every run,
+    and a cleared value's old name may come back for another size) kept apart from earlier
+    runs' and from other tools' as ``unk__R.N``; fusectl's own from before and the ``kept``
+    names stay."""
     return ir.Shape(
         [
-            ir.SymbolicDim(f"unk__{run}.{dim.value[5:]}")
-            if isinstance(dim, ir.SymbolicDim) and dim.value and not named(dim)
+            ir.SymbolicDim(f"unk__{run}.{dim.value[5:]}")  # type: ignore[union-attr]
+            if _unowned(dim, kept)
             else dim
             for dim in shape
         ]
@@ -605,6 +693,21 @@ def _more_static(new: ir.Shape | None, old: ir.Shape) -> bool:
     if any(isinstance(o, int) and n != o for n, o in pairs):
         return False
     return any(_rank_of(n) > _rank_of(o) for n, o in pairs)
+
+
+def _says_as_much(new: ir.Shape | None, old: ir.Shape) -> bool:
+    """Whether ``new`` says at least what ``old`` says of every dimension: the same rank, each
+    size kept, each name kept or proven a size, and each made-up name given a name or size."""
+    if new is None or len(new) != len(old):
+        return False
+    return all(_says_as_much_of(n, o) for n, o in zip(new, old, strict=True))
+
+
+def _says_as_much_of(new: int | ir.SymbolicDim, old: int | ir.SymbolicDim) -> bool:
+    """_says_as_much of one dimension."""
+    if isinstance(old, int) or named(old):
+        return new == old or (isinstance(new, int) and not isinstance(old, int))
+    return isinstance(new, int) or bool(new.value) or not old.value
 
 
 def _upgraded(new: ir.Shape, old: ir.Shape) -> ir.Shape:
@@ -715,8 +818,11 @@ def _symbolic_dims(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
     return found
 
 
-def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto:
-    """The loaded graph with weights reduced to their types, for shape inference only.
+def _without_weights(
+    proto: onnx.ModelProto, model: ir.Model, unread: set[str | None] | None = None
+) -> onnx.ModelProto:
+    """The loaded graph with weights reduced to their types, for shape inference only; the
+    main graph's value_info of the ``unread`` values left out.
 
     Small integer initializers stay: they are the shapes and axes that data propagation reads.
     """
@@ -726,7 +832,9 @@ def _without_weights(proto: onnx.ModelProto, model: ir.Model) -> onnx.ModelProto
     graph = stripped.graph
     graph.node.extend(proto.graph.node)
     graph.output.extend(proto.graph.output)
-    graph.value_info.extend(proto.graph.value_info)
+    graph.value_info.extend(
+        info for info in proto.graph.value_info if not unread or info.name not in unread
+    )
     graph.input.extend(ir.serde.serialize_value(value) for value in model.graph.inputs)
     declared = {value.name for value in model.graph.inputs}
     for tensor in proto.graph.initializer:

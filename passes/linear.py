@@ -107,11 +107,14 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int, li
     # prove.
     if parts[-1] not in (n, -1):
         return f"the second Reshape's last size is not the Gemm's {n} outputs"
-    if parts[-1] == -1 and (len(parts) != len(shape) or axis_size(ctx, x, len(shape) - 1) != k):
+    # A -1 (the last size, or a leading one: onnx-simplifier's constant [-1, 17, 32]) is the
+    # activation's size there when every other size is and its last axis holds the Gemm's k
+    # inputs: the first Reshape then flattened exactly the leading axes.
+    if -1 in parts and (len(parts) != len(shape) or axis_size(ctx, x, len(shape) - 1) != k):
         return f"the activation's last axis is not known to be the Gemm's {k} inputs"
     for position, part in enumerate(parts[:-1]):
         if isinstance(part, int):
-            restored = part > 0 and part == axis_size(ctx, x, position)
+            restored = part == -1 or (part > 0 and part == axis_size(ctx, x, position))
         else:
             value, axis = part
             copied = ctx.shape(value)
@@ -139,6 +142,9 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
         priority=3025,
         emits=("MatMul", "Add"),
         canonical=True,
+        # An attention fusion proves its context's last axis (the Gemm's inputs), which a
+        # leading -1 in the second Reshape needs (onnx-simplifier's output projections).
+        again_after_fusions=True,
     )
     counts_changes = True
 

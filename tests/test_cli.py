@@ -489,6 +489,7 @@ def test_passes_lists_the_catalogue() -> None:
     again = {name for name, p in catalogue.items() if p["again_after_fusions"]}
     assert again == {
         "ConstantFoldingPass",
+        "FlattenedGemmCanonicalizationPass",
         "HeadRepeatTransposeCanonicalizationPass",
         "ReshapeReshapeFusionPass",
         "TransposePushCanonicalizationPass",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -24,6 +25,7 @@ from onnx import helper, numpy_helper
 
 import fusectl
 from fusectl.cli import cli
+from fusectl.rewrite import shapes
 from tests.backend_models import DATA, checker_passes
 from tests.conftest import FIXTURES
 
@@ -374,30 +376,57 @@ def test_another_spelling_fuses_as_the_export(seed_name: str, form: str, tmp_pat
     _fuses_and_computes_as(original, path, tmp_path)
 
 
-# Every fixture whose fusion a user's infer_shapes once cut (LeViT 4/5 attention, RoFormer
-# 0/4 rotary, ModernBERT 1/2 attention, the three hand-written decoders' rotary or attention).
-INFERRED_SEEDS = [
-    "arch/levit_ts17",
-    "arch/roformer_ts17",
-    "arch/modernbert_ts17",
-    "litgpt_ts17",
-    "lucidrains_ts17",
-    "torchtune_ts17",
+# Every fixture whose fusion another tool's shape inference once cut: onnx's infer_shapes
+# (LeViT 4/5 attention, RoFormer 0/4 rotary, ModernBERT 1/2 attention, the three hand-written
+# decoders' rotary or attention), and onnxruntime's symbolic inference, as its quantization
+# preprocessing runs it (tf2onnx's Keras attention 0/1; a second run of linear_bn and Swin
+# fused more than the first).
+INFERRED = [
+    *[
+        ("onnx", seed)
+        for seed in (
+            "arch/levit_ts17",
+            "arch/roformer_ts17",
+            "arch/modernbert_ts17",
+            "litgpt_ts17",
+            "lucidrains_ts17",
+            "torchtune_ts17",
+        )
+    ],
+    *[
+        ("onnxruntime", seed)
+        for seed in (
+            "keras_encoder_tf2onnx",
+            "keras_attention_dynamic_tf2onnx",
+            "linear_bn_ts17",
+            "arch/swin_ts17",
+        )
+    ],
 ]
 
 
-@pytest.mark.parametrize("seed_name", INFERRED_SEEDS)
-def test_shapes_a_user_inferred_first_fuse_as_the_export(seed_name: str, tmp_path: Path) -> None:
-    """The export after onnx's own shape inference, as users often run it before handing a
-    model over: its value_info then names sizes inference could not follow (``unk__N``),
-    where fusectl's inference (with data propagation) finds them. fusectl derives those
-    again and fuses as it fuses the export; a second run gives the same bytes."""
+def _inferred_by(tool: str, model: onnx.ModelProto) -> onnx.ModelProto:
+    if tool == "onnx":
+        return onnx.shape_inference.infer_shapes(model)
+    return shapes._symbolic_inference().infer_shapes(model, auto_merge=True)
+
+
+@pytest.mark.parametrize(("tool", "seed_name"), INFERRED)
+def test_shapes_another_tool_inferred_first_fuse_as_the_export(
+    tool: str, seed_name: str, tmp_path: Path
+) -> None:
+    """The export after another tool's shape inference, as users often run one before handing
+    a model over: its value_info then names sizes that inference could not follow (onnx's
+    ``unk__N``, onnxruntime's ``Reshape_43_o0__d1``), where fusectl's inference (with data
+    propagation) finds them. fusectl derives those again and fuses as it fuses the export; a
+    second run gives the same bytes."""
     original = FIXTURES / f"{seed_name}.onnx"
-    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(original)))
+    inferred = _inferred_by(tool, onnx.load(str(original)))
     assert any(
-        dim.dim_param.startswith("unk__")
+        not shapes.named(ir.SymbolicDim(dim.dim_param))
         for info in inferred.graph.value_info
         for dim in info.type.tensor_type.shape.dim
+        if dim.dim_param
     )
     path = tmp_path / "inferred.onnx"
     onnx.save(inferred, str(path))

@@ -206,3 +206,69 @@ def test_mindspore_query_key_value_share_one_flatten(tmp_path: Path) -> None:
     assert reasons(run, PASS) == {}
     ops = run.op_counts()
     assert (ops["Gemm"], ops["Attention"]) == (0, 1)
+
+
+def test_onnx_simplifier_linear_layers_become_matmul_add(tmp_path: Path) -> None:
+    """onnx-simplifier writes each 3-D linear layer of a ViT as Reshape [-1, K] -> Gemm ->
+    Reshape to a constant [-1, 17, N] (tests/fixtures/make_preprocessed_fixtures.py): the -1
+    is the batch, since 17 and N are the activation's other sizes. All ten layers become
+    MatMul + Add, and the attention fuses on them as on the export (it fused none)."""
+    run = optimize_checked(fixture_path("preprocessed/vit_tiny_ts17_onnxsim"), tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (10, 10)}
+    assert reasons(run, PASS) == {}
+    attention = run.report["coverage"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2)
+
+
+def _constant_unflatten(path: Path, x: list[int | str], target: list[int]) -> Path:
+    """x -> Reshape [-1, K] -> Gemm -> Reshape to a constant target, as onnx-simplifier
+    writes a 3-D linear layer."""
+    rng = np.random.default_rng(0)
+    return save_model(
+        path,
+        [
+            helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
+            helper.make_node("Gemm", ["flat", "w", "b"], ["y2"]),
+            helper.make_node("Reshape", ["y2", "target"], ["y"]),
+        ],
+        [value("x", x)],
+        [value("y", ["r", *target[1:-1], N])],
+        [
+            const("flat_shape", [-1, K], np.int64),
+            const("w", rng.standard_normal((K, N))),
+            const("b", rng.standard_normal(N)),
+            const("target", target, np.int64),
+        ],
+    )
+
+
+def test_a_constant_target_with_a_leading_minus_one_restores_the_batch(tmp_path: Path) -> None:
+    model = _constant_unflatten(tmp_path / "batch.onnx", ["B", 4, K], [-1, 4, N])
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"MatMul": 1, "Add": 1}
+
+
+@pytest.mark.parametrize(
+    ("x", "target", "reason", "runs"),
+    [
+        # [-1, 2, N] of [4B, N] rows is [2B, 2, N]: not the activation's leading axes.
+        (["B", 4, K], [-1, 2, N], "the second Reshape's size 1 is not the activation's", True),
+        # The first Reshape may have merged part of the last axis into the rows (the model
+        # runs only where it is K: the feeds verify generates give it another size).
+        (
+            ["B", 4, "k"],
+            [-1, 4, N],
+            f"the activation's last axis is not known to be the Gemm's {K} inputs",
+            False,
+        ),
+    ],
+)
+def test_a_leading_minus_one_needs_every_other_size_proven(
+    x: list[int | str], target: list[int], reason: str, runs: bool, tmp_path: Path
+) -> None:
+    model = _constant_unflatten(tmp_path / "near_miss.onnx", x, target)
+    run = optimize_checked(model, tmp_path, compare=runs)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
+    assert reasons(run, PASS) == {reason: 1}
+    assert run.op_counts()["Gemm"] == 1

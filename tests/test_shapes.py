@@ -79,6 +79,22 @@ def test_a_value_first_inferred_later_shares_the_earlier_names() -> None:
     assert oracle.shape(widened) == ir.Shape([1, first[0], 2])
 
 
+@pytest.mark.parametrize(
+    ("name", "ties"),
+    [
+        ("batch", True),
+        ("s0", True),
+        ("past_sequence_length + 1", True),
+        ("unk__3", False),  # onnx's inference
+        ("unk__2.3", False),  # fusectl's second inference run
+        ("Reshape_43_o0__d1", False),  # onnxruntime's symbolic inference
+        ("floor(Pad_396_o0__d1/4)", False),  # its arithmetic over one it made up
+    ],
+)
+def test_names_inference_made_up_tie_nothing(name: str, ties: bool) -> None:
+    assert shapes.named(ir.SymbolicDim(name)) is ties
+
+
 def _reshaped_by_its_own_batch(batch: str) -> onnx.ModelProto:
     """x [batch, 6] reshaped to [its batch, 2, 3] through a target computed from its shape:
     onnx's inference follows it with data propagation only."""

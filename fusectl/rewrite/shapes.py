@@ -577,11 +577,13 @@ SYMBOLIC_NODE_LIMIT = 5000
 
 
 def _unowned(dim: int | ir.SymbolicDim, kept: set[str]) -> bool:
-    """Whether a dimension's name is one onnx's inference made up (``unk__N``) that is no
-    one's yet: not fusectl's (``unk__R.N``, see _own_symbols), nor among ``kept`` (names the
-    graph inputs declare: tf2onnx names their unknown sizes that way)."""
+    """Whether a dimension's name is one shape inference made up (onnx's ``unk__N``,
+    onnxruntime's) that is no one's yet: not fusectl's (``unk__R.N``, see _own_symbols), nor
+    among ``kept`` (names the graph inputs declare: tf2onnx names their unknown sizes so)."""
     name = dim.value if isinstance(dim, ir.SymbolicDim) else None
-    return bool(name) and not named(dim) and "." not in name and name not in kept
+    if not name or named(dim) or name in kept:
+        return False
+    return not (name.startswith("unk__") and "." in name)
 
 
 def _names(values: Sequence[ir.Value]) -> set[str]:
@@ -633,7 +635,7 @@ def _own_symbols(shape: ir.Shape, run: int, kept: set[str]) -> ir.Shape:
     names stay."""
     return ir.Shape(
         [
-            ir.SymbolicDim(f"unk__{run}.{dim.value[5:]}")  # type: ignore[union-attr]
+            ir.SymbolicDim(f"unk__{run}.{dim.value.removeprefix('unk__')}")  # type: ignore[union-attr]
             if _unowned(dim, kept)
             else dim
             for dim in shape
@@ -742,11 +744,17 @@ def keep_proven_dims(output: ir.Value, dims: list[int | ir.SymbolicDim | None]) 
     )
 
 
+# The names shape inference makes up for one value's size: onnx's ``unk__N`` (fusectl's
+# own, ``unk__R.N``, included), onnxruntime's symbolic inference's ``<Op>_<node>_o<k>__d<j>``
+# and its arithmetic over them (``floor(Pad_3_o0__d1/4)``).
+_MADE_UP = re.compile(r"^unk__|_o\d+__d\d+(?!\w)")
+
+
 def named(dim: int | ir.SymbolicDim | None) -> bool:
     """Whether a symbolic dim has a name that ties it to other values: not none, and not one
-    onnx shape inference made up for one value (``unk__N``)."""
+    shape inference made up for one value (_MADE_UP)."""
     name = dim.value if isinstance(dim, ir.SymbolicDim) else None
-    return bool(name) and not str(name).startswith("unk__")
+    return bool(name) and not _MADE_UP.search(str(name))
 
 
 def _rank_of(dim: int | ir.SymbolicDim) -> int:

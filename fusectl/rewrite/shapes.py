@@ -186,14 +186,21 @@ class ShapeOracle:
         self.stale = True
         self._proto = None
 
+    def _read_first(self) -> None:
+        """On the first question, what of the declared shapes is not taken on trust: a Loop's
+        or Scan's carried state (see _relax_loop_state), and names another tool's inference
+        made up (see _guessed_values); inference runs at once where there are any."""
+        if self._loop_state is not None:
+            return
+        graph = self._model.graph
+        self._loop_state = _has_loop_state(graph)
+        self._guessed = dict.fromkeys(_guessed_values(graph, _names(graph.inputs)))
+        self._had_guesses = bool(self._guessed)
+        if (self._loop_state or self._guessed) and not self.ran:
+            self._infer()
+
     def shape(self, value: ir.Value) -> ir.Shape | None:
-        if self._loop_state is None:  # first read: declared shapes are not all taken on trust
-            self._loop_state = _has_loop_state(self._model.graph)
-            graph = self._model.graph
-            self._guessed = dict.fromkeys(_guessed_values(graph, _names(graph.inputs)))
-            self._had_guesses = bool(self._guessed)
-            if (self._loop_state or self._guessed) and not self.ran:
-                self._infer()
+        self._read_first()
         if not self.ran and (value.shape is None or (self.stale and not _is_static(value.shape))):
             self._infer()
         return value.shape
@@ -205,6 +212,7 @@ class ShapeOracle:
             own_guesses(self._model.graph)
 
     def dtype(self, value: ir.Value) -> ir.DataType | None:
+        self._read_first()
         if value.dtype is None and not self.ran:
             self._infer()
         return value.dtype
@@ -220,6 +228,7 @@ class ShapeOracle:
         It is slow (sympy), so it runs only when a pass asks, for a proof the ordinary shapes
         cannot make: first on the ops the values asked for depend on (an embedding's are
         few), then, if values outside those are asked for, once on the whole graph."""
+        self._read_first()  # another tool's made-up names are not read: see _guessed_values
         names = [value.name or "" for value in values]
         missing = [name for name in names if name and name not in self._symbolic]
         if missing and self._symbolic_runs < 2:

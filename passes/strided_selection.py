@@ -12,6 +12,11 @@ one + Squeeze (dynamo's), Gather of one scalar index (``[..., 0]``). Each is x[.
 element j of the selection is element j*m + k of x's last axis. Written as that Slice of x,
 the view goes, and the passes that read strided elements (the rotary fusion's pair-by-pair
 rotation) see one form. Pure data movement: exact.
+
+A Split part may also be read with its axis of one kept: onnx-simplifier takes away the
+Squeeze -> Unsqueeze that unbind and stack leave between a part and the Concat of the rotated
+pair. That part is Unsqueeze(x[..., k::m], -1), and is written so once it is the last part of
+the Split still read: the view and the Split then go, for as many nodes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
     constant_value,
     new_constant,
+    new_unsqueeze,
     node_axes,
     node_label,
     producer_of,
@@ -84,7 +90,7 @@ class StridedSelectionCanonicalizationPass(FusionPass):
     counts_changes = True
 
     def run(self, model: ir.Model, ctx: PassContext) -> None:
-        stats = ctx.pattern("StridedSelection")
+        ctx.pattern("StridedSelection")  # reported where nothing matches too
         graph = model.graph
         nodes = [
             *ctx.op_index.of_type(graph, "Gather", DEFAULT_DOMAINS),
@@ -93,19 +99,38 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         for node in nodes:
             if node.graph is not graph:
                 continue
-            found = _dropped_position(ctx, node)
-            reshape = producer_of(found[0], "Reshape") if found is not None else None
-            if found is None or reshape is None or reshape.inputs[0] is None:
+            self._select(ctx, graph, node, _dropped_position(ctx, node), node.outputs[0])
+        # Then the parts kept with their axis of one, each its Split's last part still read.
+        for split in ctx.op_index.of_type(graph, "Split", DEFAULT_DOMAINS):
+            read = [part for part in split.outputs if part.uses() or part.is_graph_output()]
+            if split.graph is not graph or len(split.outputs) < 2 or len(read) != 1:
                 continue
-            view, position = found
-            x = reshape.inputs[0]
-            reason = self._unsplit(ctx, reshape, x, view)
-            if reason is None and ctx.opset < _STEPS_OPSET:
-                reason = f"a strided Slice needs opset >= {_STEPS_OPSET}, model has {ctx.opset}"
-            if reason is not None:
-                stats.decline(reason, node_label(node))
-                continue
-            self._rewrite(ctx, graph, node, x, position, ctx.shape(view)[-1])  # type: ignore[index]
+            kept = last_axis_positions(ctx, read[0])
+            if kept is not None and len(kept[1]) == 1:
+                self._select(ctx, graph, split, (kept[0], kept[1][0]), read[0])
+
+    def _select(
+        self,
+        ctx: PassContext,
+        graph: ir.Graph,
+        node: ir.Node,
+        found: tuple[ir.Value, int] | None,
+        selected: ir.Value,
+    ) -> None:
+        """Rewrite ``selected``, position k of ``found``'s view made by ``node``, where the
+        view splits its data's last axis; decline with the reason where it does not."""
+        reshape = producer_of(found[0], "Reshape") if found is not None else None
+        if found is None or reshape is None or reshape.inputs[0] is None:
+            return
+        view, position = found
+        x = reshape.inputs[0]
+        reason = self._unsplit(ctx, reshape, x, view)
+        if reason is None and ctx.opset < _STEPS_OPSET:
+            reason = f"a strided Slice needs opset >= {_STEPS_OPSET}, model has {ctx.opset}"
+        if reason is not None:
+            ctx.pattern("StridedSelection").decline(reason, node_label(node))
+            return
+        self._rewrite(ctx, graph, node, x, position, ctx.shape(view)[-1], selected)  # type: ignore[index]
 
     @staticmethod
     def _unsplit(ctx: PassContext, reshape: ir.Node, x: ir.Value, view: ir.Value) -> str | None:
@@ -130,6 +155,7 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         x: ir.Value,
         position: int,
         group: int,
+        selected: ir.Value,
     ) -> None:
         rank = len(ctx.shape(x))  # type: ignore[arg-type]
         size = ctx.shape(x)[-1]  # type: ignore[index]
@@ -144,7 +170,16 @@ class StridedSelectionCanonicalizationPass(FusionPass):
             )
         ]
         sliced = ir.node("Slice", [x, *operands])
-        typed(sliced.outputs[0], ctx.dtype(node.outputs[0]), ctx.shape(node.outputs[0]))
+        if node.op_type != "Split":  # the selection drops the view's last axis
+            typed(sliced.outputs[0], ctx.dtype(selected), ctx.shape(selected))
+            replace_subgraph(
+                ctx, "StridedSelection", node, [node], [sliced], node.outputs, sliced.outputs
+            )
+            return
+        shape = ctx.shape(selected)  # a Split part keeps it, of one
+        typed(sliced.outputs[0], ctx.dtype(selected), ir.Shape(shape[:-1]) if shape else None)
+        restored = new_unsqueeze(ctx, graph, sliced.outputs[0], [rank], f"{name}_axis")
+        typed(restored.outputs[0], ctx.dtype(selected), shape)
         replace_subgraph(
-            ctx, "StridedSelection", node, [node], [sliced], node.outputs, sliced.outputs
+            ctx, "StridedSelection", node, [node], [sliced, restored], [selected], restored.outputs
         )

@@ -42,6 +42,9 @@ CACHE_VIEW = "the view does not add one axis to its data"
         ("torchtune_dynamo", 2),
         ("lucidrains_ts17", 0),  # rotate_half of pairs: GPT-J's rotate_every_two once sliced
         ("lucidrains_dynamo", 0),
+        # Through onnx-simplifier (tests/fixtures/make_preprocessed_fixtures.py): one part of
+        # each pair is read with its axis of one; the rotary fused none before.
+        ("preprocessed/lucidrains_ts17_onnxsim", 0),
     ],
 )
 def test_complex_pair_rotary_is_fused_in_every_layer(
@@ -135,6 +138,58 @@ def test_every_spelling_of_the_selection_is_a_strided_slice(tmp_path: Path, sele
     assert pattern_counts(run, STRIDED) == {"StridedSelection": (2, 2)}
     counts = run.op_counts()
     assert (counts["Slice"], counts["Reshape"], counts["Squeeze"], counts["Gather"]) == (2, 0, 0, 0)
+    compare_on_feeds(model, run.output, _feeds())
+
+
+def _kept_part_model(path: Path, *, read_both: bool = False) -> Path:
+    """x [batch, 3, 2, 8] viewed as pairs and split; the rotated pair stacked back as
+    onnx-simplifier leaves it: Concat(Unsqueeze(-b), a) on the last axis, the part a read with
+    its axis of one (no Squeeze -> Unsqueeze). ``read_both``: b's part is read unsqueezed too."""
+    nodes = [
+        helper.make_node("Reshape", ["x", "view"], ["pairs"]),
+        helper.make_node("Split", ["pairs", "split"], ["a1", "b1"], axis=-1),
+        helper.make_node("Squeeze", ["b1", "last"], ["b"]),
+        helper.make_node("Neg", ["b"], ["minus_b"]),
+        helper.make_node("Unsqueeze", ["minus_b", "last"], ["minus_b1"]),
+        helper.make_node("Concat", ["minus_b1", "a1"], ["rotated"], axis=-1),
+    ]
+    if read_both:
+        nodes.append(helper.make_node("Add", ["rotated", "b1"], ["out"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["rotated"], ["out"]))
+    initializers = [
+        const("view", [0, ROWS, HEADS, SIZE // 2, 2], np.int64),
+        const("split", [1, 1], np.int64),
+        const("last", [-1], np.int64),
+    ]
+    return save_model(
+        path,
+        nodes,
+        [value("x", ["batch", ROWS, HEADS, SIZE])],
+        [value("out", ["batch", ROWS, HEADS, SIZE // 2, 2])],
+        initializers,
+    )
+
+
+def test_a_part_kept_with_its_axis_of_one_is_an_unsqueezed_strided_slice(tmp_path: Path) -> None:
+    """onnx-simplifier takes away the Squeeze -> Unsqueeze between a Split part and the stack
+    of the rotated pair (lucidrains' decoder fused no rotary after it): the kept part is
+    Unsqueeze(x[..., 0::2], -1), and the view and Split go."""
+    model = _kept_part_model(tmp_path / "kept.onnx")
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, STRIDED) == {"StridedSelection": (2, 2)}
+    counts = run.op_counts()
+    assert (counts["Slice"], counts.get("Split", 0), counts.get("Reshape", 0)) == (2, 0, 0)
+    compare_on_feeds(model, run.output, _feeds())
+
+
+def test_a_kept_part_beside_another_part_still_read_stays(tmp_path: Path) -> None:
+    """Both parts of the Split are read with their axis of one: rewriting one would leave the
+    view and the Split for the other, and add nodes."""
+    model = _kept_part_model(tmp_path / "both.onnx", read_both=True)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, STRIDED) == {"StridedSelection": (1, 1)}
+    assert run.op_counts()["Split"] == 1
     compare_on_feeds(model, run.output, _feeds())
 
 

@@ -491,6 +491,7 @@ def test_passes_lists_the_catalogue() -> None:
         "ConstantFoldingPass",
         "FlattenedGemmCanonicalizationPass",
         "HeadRepeatTransposeCanonicalizationPass",
+        "LayoutChainFusionPass",
         "ReshapeReshapeFusionPass",
         "TransposePushCanonicalizationPass",
         "TransposeTransposeFusionPass",

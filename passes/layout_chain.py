@@ -167,7 +167,7 @@ class LayoutChainFusionPass(FusionPass):
         aliases=("layout_chain_fusion", "ReshapeTransposeChainFusion"),
         priority=5950,  # the down band: after every fusion, on the layout they leave
         emits=("Transpose", "Reshape"),
-        again_after_fusions=True,  # and after the passes that run again (a Gemm unflattened)
+        again_after_fusions=True,  # and on the layout the passes that run again leave
     )
     counts_changes = True
 

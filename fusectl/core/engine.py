@@ -22,7 +22,7 @@ from fusectl.errors import FusectlError
 from fusectl.rewrite import coverage
 from fusectl.rewrite.context import NodeNames, OpIndex, PassContext, Rewrites, SiteGate, release
 from fusectl.rewrite.graph import reading_constants
-from fusectl.rewrite.shapes import own_guesses
+from fusectl.rewrite.shapes import dimension_names, own_guesses
 
 if TYPE_CHECKING:
     from fusectl.diagnostics.sitecheck import SiteChecker
@@ -135,13 +135,7 @@ def _keep_declared_shapes(graph: ir.Graph, declared: dict[str | None, ir.Shape |
     only renamed them (``batch`` -> ``unk__20``): a name ties an output to the inputs, and
     callers size buffers by it. A size inference proves static stays (an exporter's made-up
     name for it said nothing), as does a name the graph inputs use."""
-    inputs = {
-        dim.value
-        for value in graph.inputs
-        if value.shape is not None
-        for dim in value.shape
-        if isinstance(dim, ir.SymbolicDim) and dim.value is not None
-    }
+    inputs = dimension_names(graph.inputs)
     for value in graph.outputs:
         shape, now = declared.get(value.name), value.shape
         if shape is None or now is None or len(now) != len(shape):

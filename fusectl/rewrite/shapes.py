@@ -194,7 +194,7 @@ class ShapeOracle:
             return
         graph = self._model.graph
         self._loop_state = _has_loop_state(graph)
-        self._guessed = dict.fromkeys(_guessed_values(graph, _names(graph.inputs)))
+        self._guessed = dict.fromkeys(_guessed_values(graph, dimension_names(graph.inputs)))
         self._had_guesses = bool(self._guessed)
         if (self._loop_state or self._guessed) and not self.ran:
             self._infer()
@@ -333,7 +333,7 @@ class ShapeOracle:
         # The undotted made-up names inference read are the graph inputs' and outputs': the
         # computed values carrying others (another tool's guesses) were left out.
         main = self._model.graph
-        interface = _names([*main.inputs, *main.outputs])
+        interface = dimension_names([*main.inputs, *main.outputs])
         results: list[tuple[ir.Value, onnx.TypeProto, ir.Shape | None]] = []
         for key, graph in _graphs(self._model.graph):
             types = found.get(key, {})
@@ -595,7 +595,7 @@ def _unowned(dim: int | ir.SymbolicDim, kept: set[str]) -> bool:
     return not (name.startswith("unk__") and "." in name)
 
 
-def _names(values: Sequence[ir.Value]) -> set[str]:
+def dimension_names(values: Sequence[ir.Value]) -> set[str]:
     """The dimension names the values' shapes carry."""
     return {
         dim.value
@@ -608,9 +608,9 @@ def _names(values: Sequence[ir.Value]) -> set[str]:
 
 def _guessed_values(graph: ir.Graph, inputs: set[str]) -> list[ir.Value]:
     """The values the graph's nodes compute, at any depth, less the graph outputs, whose
-    declared shape has a name another tool's shape inference made up (onnx's
-    ``infer_shapes``, run by users and converters before fusectl) where it could not follow
-    a size: fusectl's inference, with data propagation, may know it."""
+    declared shape has a name another tool's shape inference made up where it could not
+    follow a size (onnx's ``infer_shapes`` or onnxruntime's symbolic inference, run by users
+    and converters before fusectl): fusectl's inference, with data propagation, may know it."""
     outputs = set(graph.outputs)
     verdicts: dict[int, bool] = {}  # per shape: the loader shares one among equal entries
     found = []
@@ -632,7 +632,7 @@ def own_guesses(graph: ir.Graph) -> None:
     """Write the made-up names another tool gave sizes that fusectl could not re-derive as
     fusectl's own (``unk__N`` -> ``unk__0.N``), so that a second run, which re-derives
     another tool's, keeps them: the output is what a second run makes of it."""
-    inputs = _names(graph.inputs)
+    inputs = dimension_names(graph.inputs)
     for value in _guessed_values(graph, inputs):
         value.shape = _own_symbols(value.shape, 0, inputs)  # type: ignore[arg-type]
 

@@ -64,6 +64,7 @@ _WITH_ATTRIBUTES = frozenset({"Clip", "HardSigmoid"})
 _SEEDS = frozenset({"Erf", "Tanh", "Sigmoid", "Exp", *_WITH_ATTRIBUTES})
 _MAX_NODES = 16
 _PROBES = np.concatenate([np.linspace(-6.0, 6.0, 97), [-0.3, -0.01, 0.01, 0.3]])
+_OUTER = 96  # the probe at 6, whose negative is the first
 _FLOATS = {ir.DataType.FLOAT: 1e-5, ir.DataType.DOUBLE: 1e-9, ir.DataType.FLOAT16: 2e-3}
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
@@ -89,6 +90,9 @@ class _Canonical:
     build: Callable[[_Builder, ir.Value], ir.Value]
     # No fusion pass takes it further: written only where it has fewer nodes than the cluster.
     final: bool = False
+    # A constant multiple of the activation (onnx-simplifier folds GELU's ``* 0.5`` into the
+    # Conv after it): written as the activation times the constant, which a Conv then folds.
+    scaled: bool = False
 
 
 class _Builder:
@@ -229,6 +233,32 @@ def _recognize(x: np.ndarray, y: np.ndarray, tolerance: float) -> _Canonical | N
             name = "SiLU" if alpha == 1.0 else f"QuickGELU (alpha {alpha:g})"
             return _Canonical(name, _build_quick(alpha))
     return None
+
+
+def _build_scaled(
+    build: Callable[[_Builder, ir.Value], ir.Value], scale: float
+) -> Callable[[_Builder, ir.Value], ir.Value]:
+    def scaled(b: _Builder, x: ir.Value) -> ir.Value:
+        return b.op("Mul", build(b, x), b.constant(scale))
+
+    return scaled
+
+
+def _recognize_scaled(x: np.ndarray, y: np.ndarray, tolerance: float) -> _Canonical | None:
+    """The known activation ``y`` is, or is a constant multiple ``s`` of. GELU, SiLU and
+    QuickGELU are ``x * gate(x)`` with ``gate(t) + gate(-t) = 1``, so ``y(t) - y(-t) = s * t``
+    reads ``s`` off the outermost probes (``_PROBES`` starts symmetric about 0)."""
+    known = _recognize(x, y, tolerance)
+    if known is not None:
+        return known
+    scale = float((y[_OUTER] - y[0]) / x[_OUTER])
+    if not math.isfinite(scale) or abs(scale) < tolerance or math.isclose(scale, 1.0):
+        return None
+    inner = _recognize(x, y / scale, tolerance)
+    if inner is None or inner.final:
+        return None
+    name = f"{inner.name} times {scale:g}"
+    return _Canonical(name, _build_scaled(inner.build, scale), scaled=True)
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -424,7 +454,9 @@ def _grow(
         escaping = cluster.escaping()
         if len(escaping) == 1:
             known = recognize(cluster, escaping[0])
-            if known is not None:
+            # The activation itself over a multiple of it: growing past GELU's canonical
+            # ``* 0.5`` into a ``* 2`` after it must not rewrite a spelling fused as it is.
+            if known is not None and (best is None or best[2].scaled or not known.scaled):
                 best = (_Cluster(x, cluster.nodes), escaping[0], known)
         grown = False
         values = cluster.values
@@ -512,7 +544,8 @@ class ActivationRecognitionPass(FusionPass):
                 builder.discard()
                 canonical.add(around)
                 continue  # HardSigmoid as it is, or no fewer nodes, or no kernel for them
-            result.shape = output.shape
+            for node in builder.nodes:  # scalar constants: every value has x's shape
+                node.outputs[0].shape = output.shape
             replace_subgraph(
                 ctx,
                 known.name,  # the pattern, as the report counts it: "GELU (tanh)", "SiLU", ...
@@ -562,5 +595,5 @@ class _Recognizer:
         if key not in self.recognized:
             y = cluster.evaluate(_PROBES, output)
             tolerance = _FLOATS[self.dtype]
-            self.recognized[key] = None if y is None else _recognize(_PROBES, y, tolerance)
+            self.recognized[key] = None if y is None else _recognize_scaled(_PROBES, y, tolerance)
         return self.recognized[key]

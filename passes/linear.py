@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import axis_size, same_dimension, target_parts
+from fusectl.rewrite.axes import axis_size, same_dim, same_dimension, target_parts
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     constant_value,
@@ -55,12 +55,37 @@ def _site(node: ir.Node) -> _Layer | None:
     return _Layer(node, gemm, flatten)
 
 
-def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int, list[int]]:
-    """Why the layer cannot be written as MatMul + Add on the activation; else its [in, out]
-    weights, the rank of its output (the activation's trailing axes beyond it are the
-    ones the first Reshape merged with the last: heads merged and flattened at once) and the
-    sizes its outputs are split into after (heads split at once; none where they are not)."""
-    gemm, x = layer.gemm, layer.x
+def _parts_by_shape(ctx: PassContext, layer: _Layer) -> list | None:
+    """The second Reshape's target read off the shapes, where its sizes are computed past
+    reading (wav2vec2's sequence length, from its feature extractor's arithmetic): the
+    output's leading sizes the activation's (same_dim), the sizes after them known."""
+    shape, restored = ctx.shape(layer.x), ctx.shape(layer.unflatten.outputs[0])
+    if shape is None or restored is None or not 2 <= len(shape) <= len(restored):
+        return None
+    leading = len(shape) - 1
+    trailing = list(restored[leading:])
+    if not all(same_dim(shape[axis], restored[axis]) for axis in range(leading)):
+        return None
+    if not all(isinstance(size, int) for size in trailing):
+        return None
+    return [(layer.x, axis) for axis in range(leading)] + trailing
+
+
+class _Form:
+    """How a layer is written as MatMul + Add: its [in, out] weights, the rank of its output,
+    the sizes its outputs are split into after (heads split at once; none where they are not)
+    and the constant target the activation is regrouped to first (none where the first
+    Reshape flattened only its leading axes, or those and its trailing ones)."""
+
+    def __init__(
+        self, weight: np.ndarray, rank: int, split: list[int], regroup: list[int] | None = None
+    ) -> None:
+        self.weight, self.rank, self.split, self.regroup = weight, rank, split, regroup
+
+
+def _refusal(ctx: PassContext, layer: _Layer) -> str | _Form:
+    """Why the layer cannot be written as MatMul + Add on the activation; else its form."""
+    gemm = layer.gemm
     # The flatten may be shared (MindSpore flattens once for the query, key and value): it
     # stays for its other readers, each rewritten in turn.
     shared = uses_outside([gemm, layer.unflatten], [layer.unflatten.outputs[0]])
@@ -77,20 +102,33 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int, li
         return "the Gemm weights are not a 2-D constant"
     if gemm.attributes.get_int("transB", 0):
         weight = weight.T
-    k, n = weight.shape
     if layer.bias is not None:
         bias = constant_value(layer.bias)
         if bias is None:
             return "the Gemm bias is not a constant"
         if bias.ndim > 2 or (bias.ndim == 2 and bias.shape[0] != 1):
             return "the Gemm bias does not broadcast along the output's last axis only"
+    parts = target_parts(ctx, layer.unflatten.inputs[1]) or _parts_by_shape(ctx, layer)
+    found = _restored(ctx, layer, parts, weight)
+    if isinstance(found, str):
+        regroup = _regrouped(ctx, layer, parts, weight)
+        return found if regroup is None else _Form(weight, len(regroup), [], regroup)
+    return found
+
+
+def _restored(
+    ctx: PassContext, layer: _Layer, parts: list | None, weight: np.ndarray
+) -> str | _Form:
+    """The form where the second Reshape restores the activation's leading axes (and splits
+    the outputs after them); else why it does not."""
+    x = layer.x
+    k, n = weight.shape
     shape = ctx.shape(x)
-    parts = target_parts(ctx, layer.unflatten.inputs[1])
     split: list[int] = []
     if shape is not None and parts is not None and len(parts) > len(shape) >= 2:
         # The outputs split as they are restored ([..., heads, head_size]: a projection that
         # reshapes to heads at once, jax2onnx's): the split is its own Reshape after.
-        split = parts[len(shape) - 1 :]  # type: ignore[assignment]
+        split = parts[len(shape) - 1 :]
         known = [p for p in split if p != -1]
         if not all(isinstance(p, int) and p > 0 for p in known) or len(split) - len(known) > 1:
             return "the second Reshape splits the outputs into sizes not known before run time"
@@ -123,7 +161,27 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | tuple[np.ndarray, int, li
             restored = same_dimension(part, size, x, position, shape)
         if not restored:
             return f"the second Reshape's size {position} is not the activation's"
-    return weight, len(parts), split
+    return _Form(weight, len(parts), split)
+
+
+def _regrouped(
+    ctx: PassContext, layer: _Layer, parts: list | None, weight: np.ndarray
+) -> list[int] | None:
+    """The activation's own target where the second Reshape regroups its rows otherwise, a
+    constant [..., n]: onnx-simplifier merges Swin's window partition (a 6-D activation viewed
+    as [windows, tokens, C]) into the flatten. With the activation's last axis the Gemm's k
+    inputs, the rows the first Reshape made are its leading elements in order, so viewing it
+    as [..., k] regroups the same rows alike. A 0 (a size copied from the Gemm's output)
+    would copy another size from the activation."""
+    k, n = weight.shape
+    shape = ctx.shape(layer.x)
+    if shape is None or parts is None or len(parts) < 3 or parts[-1] != n:
+        return None
+    if not all(isinstance(p, int) and (p > 0 or p == -1) for p in parts):
+        return None
+    if parts.count(-1) > 1 or axis_size(ctx, layer.x, len(shape) - 1) != k:
+        return None
+    return [*parts[:-1], k]
 
 
 @register_pass
@@ -161,21 +219,13 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
             if isinstance(found, str):
                 ctx.pattern(PATTERN).decline(found, site)
                 continue
-            self._rewrite(ctx, graph, layer, *found, site)
+            self._rewrite(ctx, graph, layer, found, site)
         if ctx.changed and ctx.shapes is not None:
             ctx.shapes.invalidate()
 
     @staticmethod
-    def _rewrite(
-        ctx: PassContext,
-        graph: ir.Graph,
-        layer: _Layer,
-        weight: np.ndarray,
-        rank: int,
-        split: list[int],
-        site: str,
-    ) -> None:
-        gemm = layer.gemm
+    def _rewrite(ctx: PassContext, graph: ir.Graph, layer: _Layer, form: _Form, site: str) -> None:
+        gemm, weight, rank, split = layer.gemm, form.weight, form.rank, form.split
         transposed = bool(gemm.attributes.get_int("transB", 0))
         # Constants made here and left unread by a declined rewrite go with the dead-node pass.
         weights = layer.weight
@@ -183,15 +233,20 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
             array = np.ascontiguousarray(weight)
             weights = new_constant(graph, f"{ctx.spec.name}/{site}/weight", array)
         activation, new_nodes = layer.x, []
+        output = layer.unflatten.outputs[0]
         x_shape = ctx.shape(layer.x)
         assert x_shape is not None
-        if len(x_shape) > rank:  # merge the trailing axes the first Reshape flattened too
+        if form.regroup is not None:  # the rows regrouped as the second Reshape has them
+            target = new_constant(graph, f"{ctx.spec.name}/{site}/rows", np.array(form.regroup))
+            new_nodes.append(ir.node("Reshape", [activation, target]))
+            rows = output.shape and ir.Shape([*output.shape[:-1], weight.shape[0]])
+            activation = typed(new_nodes[-1].outputs[0], output.dtype, rows)
+        elif len(x_shape) > rank:  # merge the trailing axes the first Reshape flattened too
             merge = new_constant(
                 graph, f"{ctx.spec.name}/{site}/merged", np.array([0] * (rank - 1) + [-1])
             )
             new_nodes.append(ir.node("Reshape", [activation, merge]))
             activation = new_nodes[-1].outputs[0]
-        output = layer.unflatten.outputs[0]
         # The layer's own output shape; the split's Reshape gives the site's.
         unsplit = None if split else output.shape
         result = ir.node("MatMul", [activation, weights]).outputs[0]

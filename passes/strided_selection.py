@@ -13,10 +13,16 @@ element j of the selection is element j*m + k of x's last axis. Written as that 
 the view goes, and the passes that read strided elements (the rotary fusion's pair-by-pair
 rotation) see one form. Pure data movement: exact.
 
-A Split part may also be read with its axis of one kept: onnx-simplifier takes away the
-Squeeze -> Unsqueeze that unbind and stack leave between a part and the Concat of the rotated
-pair. That part is Unsqueeze(x[..., k::m], -1), and is written so once it is the last part of
-the Split still read: the view and the Split then go, for as many nodes.
+onnx-simplifier also merges the view of the heads and the view of their pairs into one, [..., H
+* L] -> [..., H, L/m, m]. Such a view is first written as the two it merged, a Reshape to
+[..., H, L] then the pair view (split only where a selection of it is then rewritten, so
+the merged view goes): the selection is then the same strided Slice of the heads.
+
+A position may also be read with its axis of one kept (a Split part, a Slice of one):
+onnx-simplifier takes away the Squeeze -> Unsqueeze that unbind and stack leave between a part
+and the Concat of the rotated pair. That part is Unsqueeze(x[..., k::m], -1), and is written so
+once it is the last selection of the view still read: the view (and a Split) then go, for as
+many nodes.
 """
 
 from __future__ import annotations
@@ -71,6 +77,15 @@ def _dropped_position(ctx: PassContext, node: ir.Node) -> tuple[ir.Value, int] |
     return kept[0], kept[1][0]
 
 
+def _is_read(value: ir.Value) -> bool:
+    return bool(value.uses()) or value.is_graph_output()
+
+
+def _read(node: ir.Node) -> bool:
+    """Whether anything reads the node's outputs (a selection rewritten is left unread)."""
+    return any(map(_is_read, node.outputs))
+
+
 @register_pass
 class StridedSelectionCanonicalizationPass(FusionPass):
     """Not a pattern: each selection is judged alone, its view read by what it keeps."""
@@ -92,22 +107,31 @@ class StridedSelectionCanonicalizationPass(FusionPass):
     def run(self, model: ir.Model, ctx: PassContext) -> None:
         ctx.pattern("StridedSelection")  # reported where nothing matches too
         graph = model.graph
-        nodes = [
-            *ctx.op_index.of_type(graph, "Gather", DEFAULT_DOMAINS),
-            *ctx.op_index.of_type(graph, "Squeeze", DEFAULT_DOMAINS),
+        gathers = ctx.op_index.of_type(graph, "Gather", DEFAULT_DOMAINS)
+        # The positions kept with their axis of one (a Split part, a Slice of one) come second,
+        # each once it is the last of its view still read: the view then goes with it. Listed
+        # now, before the Slices this pass writes.
+        kept_axis = [
+            *ctx.op_index.of_type(graph, "Split", DEFAULT_DOMAINS),
+            *ctx.op_index.of_type(graph, "Slice", DEFAULT_DOMAINS),
+            *gathers,
         ]
-        for node in nodes:
+        for node in [*gathers, *ctx.op_index.of_type(graph, "Squeeze", DEFAULT_DOMAINS)]:
             if node.graph is not graph:
                 continue
-            self._select(ctx, graph, node, _dropped_position(ctx, node), node.outputs[0])
-        # Then the parts kept with their axis of one, each its Split's last part still read.
-        for split in ctx.op_index.of_type(graph, "Split", DEFAULT_DOMAINS):
-            read = [part for part in split.outputs if part.uses() or part.is_graph_output()]
-            if split.graph is not graph or len(split.outputs) < 2 or len(read) != 1:
+            found = _dropped_position(ctx, node)
+            self._select(ctx, graph, node, found, node.outputs[0], drops=True)
+        for node in kept_axis:
+            read = [part for part in node.outputs if _is_read(part)]
+            view = node.inputs[0] if node.inputs else None
+            if node.graph is not graph or len(read) != 1 or view is None:
+                continue
+            others = (user for user, _ in view.uses() if user is not node)
+            if view.is_graph_output() or any(map(_read, others)):
                 continue
             kept = last_axis_positions(ctx, read[0])
-            if kept is not None and len(kept[1]) == 1:
-                self._select(ctx, graph, split, (kept[0], kept[1][0]), read[0])
+            if kept is not None and kept[0] is view and len(kept[1]) == 1:
+                self._select(ctx, graph, node, (view, kept[1][0]), read[0], drops=False)
 
     def _select(
         self,
@@ -116,6 +140,8 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         node: ir.Node,
         found: tuple[ir.Value, int] | None,
         selected: ir.Value,
+        *,
+        drops: bool,
     ) -> None:
         """Rewrite ``selected``, position k of ``found``'s view made by ``node``, where the
         view splits its data's last axis; decline with the reason where it does not."""
@@ -124,13 +150,44 @@ class StridedSelectionCanonicalizationPass(FusionPass):
             return
         view, position = found
         x = reshape.inputs[0]
+        if ctx.opset >= _STEPS_OPSET and (inner := self._split_view(ctx, reshape, x, view)):
+            reshape, x = inner
         reason = self._unsplit(ctx, reshape, x, view)
         if reason is None and ctx.opset < _STEPS_OPSET:
             reason = f"a strided Slice needs opset >= {_STEPS_OPSET}, model has {ctx.opset}"
         if reason is not None:
             ctx.pattern("StridedSelection").decline(reason, node_label(node))
             return
-        self._rewrite(ctx, graph, node, x, position, ctx.shape(view)[-1], selected)  # type: ignore[index]
+        group = ctx.shape(view)[-1]  # type: ignore[index]
+        self._rewrite(ctx, graph, node, x, position, group, selected, drops)
+
+    def _split_view(
+        self, ctx: PassContext, reshape: ir.Node, x: ir.Value, view: ir.Value
+    ) -> tuple[ir.Node, ir.Value] | None:
+        """Where the view splits x's last axis into more than two, [..., H, L/m, m], the
+        Reshape written as x -> [..., H, L] -> the view: (the pair view, its data)."""
+        shape, viewed = ctx.shape(x), ctx.shape(view)
+        if shape is None or viewed is None or not shape or len(viewed) <= len(shape) + 1:
+            return None
+        leading = len(shape) - 1
+        tail = list(viewed[leading:])
+        if not all(isinstance(n, int) for n in (*tail, shape[-1])):
+            return None
+        if int(np.prod(tail)) != shape[-1] or not keeps_leading(
+            ctx, reshape, shape, viewed, leading
+        ):
+            return None
+        name = f"{self.spec.name}/{node_label(reshape)}"
+        heads = [*tail[:-2], tail[-2] * tail[-1]]
+        target = new_constant(reshape.graph, f"{name}_heads", np.array([0] * leading + heads))  # type: ignore[arg-type]
+        inner = ir.node("Reshape", [x, target])
+        typed(inner.outputs[0], ctx.dtype(view), ir.Shape([*shape[:leading], *heads]))
+        pairs = ir.node("Reshape", [inner.outputs[0], *reshape.inputs[1:]], reshape.attributes)
+        typed(pairs.outputs[0], ctx.dtype(view), view.shape)
+        replaced = replace_subgraph(
+            ctx, "MergedViewSplit", reshape, [reshape], [inner, pairs], [view], pairs.outputs
+        )
+        return None if replaced is not None else (pairs, inner.outputs[0])
 
     @staticmethod
     def _unsplit(ctx: PassContext, reshape: ir.Node, x: ir.Value, view: ir.Value) -> str | None:
@@ -156,6 +213,7 @@ class StridedSelectionCanonicalizationPass(FusionPass):
         position: int,
         group: int,
         selected: ir.Value,
+        drops: bool,
     ) -> None:
         rank = len(ctx.shape(x))  # type: ignore[arg-type]
         size = ctx.shape(x)[-1]  # type: ignore[index]
@@ -170,13 +228,13 @@ class StridedSelectionCanonicalizationPass(FusionPass):
             )
         ]
         sliced = ir.node("Slice", [x, *operands])
-        if node.op_type != "Split":  # the selection drops the view's last axis
+        if drops:  # the selection drops the view's last axis
             typed(sliced.outputs[0], ctx.dtype(selected), ctx.shape(selected))
             replace_subgraph(
                 ctx, "StridedSelection", node, [node], [sliced], node.outputs, sliced.outputs
             )
             return
-        shape = ctx.shape(selected)  # a Split part keeps it, of one
+        shape = ctx.shape(selected)  # a Split part or a Slice keeps it, of one
         typed(sliced.outputs[0], ctx.dtype(selected), ir.Shape(shape[:-1]) if shape else None)
         restored = new_unsqueeze(ctx, graph, sliced.outputs[0], [rank], f"{name}_axis")
         typed(restored.outputs[0], ctx.dtype(selected), shape)

@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.conftest import FIXTURES, assert_same_outputs, digest, optimize
+from tests.pass_helpers import assert_second_run_changes_nothing
 
 PASS = "ActivationRecognitionPass"
 ARCH = FIXTURES / "arch"
@@ -365,4 +366,79 @@ def test_other_hard_gates_are_x_times_hard_sigmoid(tmp_path: Path) -> None:
         0,
         0,
     )
+    assert_same_outputs(model, run.output)
+
+
+# --- a constant multiple of an activation ----------------------------------------------------
+
+# The erf GELU without its halving: x * (1 + erf(x / sqrt 2)), twice the GELU.
+TWICE_ERF = (
+    [
+        _n("Div", ["x", "root2"], "s"),
+        _n("Erf", ["s"], "e"),
+        _n("Add", ["e", "one"], "bracket"),
+        _n("Mul", ["x", "bracket"], "y"),
+    ],
+    {"root2": math.sqrt(2), "one": 1.0},
+)
+
+
+def test_gelu_after_onnx_simplifier_is_twice_the_gelu(tmp_path: Path) -> None:
+    """onnx-simplifier folds the GELU's ``* 0.5`` into the Conv after it
+    (tests/fixtures/make_preprocessed_fixtures.py). The cluster is recognized as twice the
+    GELU, written as the GELU times 2, and the 2 folds back into the Conv: the output has
+    the nodes the export's own output has."""
+    model = FIXTURES / "preprocessed" / "channel_affine_conv_ts17_onnxsim.onnx"
+    run = optimize(model, tmp_path)
+    assert run.passed(PASS)["patterns"] == {"GELU (erf) times 2": {"matched": 1, "effected": 1}}
+    gelu = run.report["coverage"]["GELU"]
+    assert (gelu["fused"], gelu["total"]) == (1, 1)
+    ops = run.op_counts()
+    assert ops["Gelu"] == 1 and ops["Erf"] == 0 and ops["Mul"] == 0
+    (tmp_path / "export").mkdir()
+    export = optimize(FIXTURES / "channel_affine_conv_ts17.onnx", tmp_path / "export")
+    assert ops == export.op_counts()
+    assert_same_outputs(model, run.output)
+    assert_second_run_changes_nothing(run, tmp_path, PASS)
+
+
+def test_a_multiple_of_a_spelling_no_pattern_lists_is_fused(tmp_path: Path) -> None:
+    """Twice the erf GELU, and Bloom's tanh GELU with x * 1.5 for its x * 0.5 (three times
+    the GELU): the bias Add and the activation fuse into one kernel, and the multiple stays a
+    Mul (no Conv after it to take it)."""
+    nodes, constants = BLOOM_TANH
+    cases = [
+        (TWICE_ERF, "GELU (erf) times 2", "BiasGelu"),
+        ((nodes, {**constants, "half": 1.5}), "GELU (tanh) times 3", "FastGelu"),
+    ]
+    for spelling, pattern, fused in cases:
+        model = _model(*spelling, tmp_path)
+        run = optimize(model, tmp_path)
+        assert run.passed(PASS)["patterns"] == {pattern: {"matched": 1, "effected": 1}}
+        assert run.op_counts() == {fused: 1, "Mul": 1}, pattern
+        # The kernel's site lists each original node once: the bias Add and the cluster (the
+        # canonical nodes it takes share the cluster's lineage).
+        (site,) = run.passed(f"{fused}FusionPass")["sites"]
+        assert len(site["original_types"]) == 1 + len(spelling[0]), site
+        assert_same_outputs(model, run.output)
+
+
+def test_multiples_are_not_read_into_what_is_no_multiple(tmp_path: Path) -> None:
+    # x * (1.1 + erf(x / sqrt 2)) is no multiple of the GELU: y(6) - y(-6) reads 2.2 as the
+    # multiple, and y / 2.2 is no activation.
+    nodes, constants = TWICE_ERF
+    model = _model(nodes, {**constants, "one": 1.1}, tmp_path)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0) and run.op_counts()["Erf"] == 1
+    (unfused,) = run.report["coverage"]["GELU"]["unfused"]
+    assert unfused["reason"] == "no pass recognized this spelling"
+    assert_same_outputs(model, run.output)
+    # The GELU in the spelling the GELU passes match, then doubled: the GELU is fused as it is
+    # and the Mul after it is left, not the whole rewritten as a multiple.
+    half = [*nodes[:-1], _n("Mul", ["x", "bracket"], "xb"), _n("Mul", ["xb", "half"], "g")]
+    doubled = [*half, _n("Mul", ["g", "two"], "y")]
+    model = _model(doubled, {**constants, "half": 0.5, "two": 2.0}, tmp_path)
+    run = optimize(model, tmp_path)
+    assert run.counts(PASS) == (0, 0)
+    assert run.op_counts() == {"BiasGelu": 1, "Mul": 1}
     assert_same_outputs(model, run.output)

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from tests.conftest import random_feeds
 from tests.pass_helpers import (
+    compare_on_feeds,
     const,
     fixture_path,
     optimize_checked,
@@ -250,10 +252,45 @@ def test_a_constant_target_with_a_leading_minus_one_restores_the_batch(tmp_path:
 
 
 @pytest.mark.parametrize(
-    ("x", "target", "reason", "runs"),
+    ("x", "target"),
     [
         # [-1, 2, N] of [4B, N] rows is [2B, 2, N]: not the activation's leading axes.
-        (["B", 4, K], [-1, 2, N], "the second Reshape's size 1 is not the activation's", True),
+        (["B", 4, K], [-1, 2, N]),
+        # Swin's window partition merged into the flatten (onnx-simplifier's): [B, 2, 3, K]
+        # windows of 3 tokens, [2B, 3, N].
+        (["B", 2, 3, K], [-1, 3, N]),
+    ],
+)
+def test_a_constant_target_that_regroups_the_rows_regroups_the_activation(
+    x: list[int | str], target: list[int], tmp_path: Path
+) -> None:
+    """The rows the first Reshape made are the activation's leading elements in order (its
+    last axis is the Gemm's K), so the activation viewed as [..., K] regroups them as the
+    second Reshape does: Reshape -> MatMul -> Add."""
+    model = _constant_unflatten(tmp_path / "regroup.onnx", x, target)
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"Reshape": 1, "MatMul": 1, "Add": 1}
+
+
+def test_onnx_simplifier_swin_windows_regroup_the_activation(tmp_path: Path) -> None:
+    """Swin through onnx-simplifier (tests/fixtures/make_preprocessed_fixtures.py): the window
+    partition is merged into the flatten, [B, 2, 2, 4, 4, 16] -> [-1, 16] -> Gemm -> [-1, 16,
+    16]. All ten layers are MatMul + Add on the windows, and the attention fuses 2/2 (none
+    before)."""
+    run = optimize_checked(fixture_path("preprocessed/swin_ts17_onnxsim"), tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (10, 10)}
+    assert reasons(run, PASS) == {}
+    attention = run.report["coverage"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("x", "target", "reason", "runs"),
+    [
+        # A 0 copies the Gemm output's rows: [4B, 1, N], and from the activation it would copy
+        # B.
+        (["B", 4, K], [0, 1, N], "the second Reshape's size 0 is not the activation's", True),
         # The first Reshape may have merged part of the last axis into the rows (the model
         # runs only where it is K: the feeds verify generates give it another size).
         (
@@ -272,3 +309,71 @@ def test_a_leading_minus_one_needs_every_other_size_proven(
     assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
     assert reasons(run, PASS) == {reason: 1}
     assert run.op_counts()["Gemm"] == 1
+
+
+def _computed_unflatten(path: Path, restored: list[str]) -> Path:
+    """x [B, S, K] -> Reshape [-1, K] -> Gemm -> Reshape to [B, S * 2 / 2, 2, 3], the
+    sequence computed past reading (wav2vec2's, from its feature extractor's arithmetic); the
+    result declared [*restored, 2, 3]."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w", "b"], ["y2"]),
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "axis0"], ["batch"]),
+        helper.make_node("Gather", ["x_shape", "axis1"], ["sequence"]),
+        helper.make_node("Mul", ["sequence", "two"], ["doubled"]),
+        helper.make_node("Div", ["doubled", "two"], ["computed"]),
+        helper.make_node("Unsqueeze", ["batch", "zero"], ["part0"]),
+        helper.make_node("Unsqueeze", ["computed", "zero"], ["part1"]),
+        helper.make_node("Concat", ["part0", "part1", "heads"], ["target"], axis=0),
+        helper.make_node("Reshape", ["y2", "target"], ["y"]),
+    ]
+    return save_model(
+        path,
+        nodes,
+        [value("x", ["B", "S", K])],
+        [value("y", [*restored, 2, 3])],
+        [
+            const("flat_shape", [-1, K], np.int64),
+            const("w", rng.standard_normal((K, N))),
+            const("b", rng.standard_normal(N)),
+            const("axis0", np.array(0), np.int64),
+            const("axis1", np.array(1), np.int64),
+            const("two", np.array(2), np.int64),
+            const("zero", [0], np.int64),
+            const("heads", [2, 3], np.int64),
+        ],
+    )
+
+
+def test_a_target_computed_past_reading_restores_by_the_shapes(tmp_path: Path) -> None:
+    """The result's leading sizes are the activation's by name: the layer is MatMul + Add on
+    x and the split to heads its own Reshape (the shape arithmetic goes)."""
+    model = _computed_unflatten(tmp_path / "computed.onnx", ["B", "S"])
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 1)}
+    assert run.op_counts() == {"MatMul": 1, "Add": 1, "Reshape": 1}
+
+
+def test_a_target_computed_past_reading_needs_the_shapes_to_say_so(tmp_path: Path) -> None:
+    """The result's sequence is named otherwise: nothing proves it the activation's."""
+    model = _computed_unflatten(tmp_path / "computed.onnx", ["B", "T"])
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (1, 0)}
+    reason = "the second Reshape does not restore the activation's leading axes"
+    assert reasons(run, PASS) == {reason: 1}
+
+
+def test_onnx_simplifier_wav2vec2_projections_viewed_to_heads(tmp_path: Path) -> None:
+    """wav2vec2 (dynamo) through onnx-simplifier: each projection's Gemm output is viewed
+    straight to heads by a target whose sequence is computed from the feature extractor's
+    arithmetic. All 13 layers are MatMul + Add, and the attention fuses 2/2 (none before)."""
+    model = fixture_path("preprocessed/wav2vec2_dynamo_onnxsim")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, PASS) == {PATTERN: (13, 13)}
+    assert reasons(run, PASS) == {}
+    attention = run.report["coverage"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2)
+    # Audio long enough for the feature extractor's convolutions: 400 samples, 39 frames.
+    compare_on_feeds(model, run.output, random_feeds(model, dims={"samples": 400}))

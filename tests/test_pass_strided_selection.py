@@ -43,8 +43,10 @@ CACHE_VIEW = "the view does not add one axis to its data"
         ("lucidrains_ts17", 0),  # rotate_half of pairs: GPT-J's rotate_every_two once sliced
         ("lucidrains_dynamo", 0),
         # Through onnx-simplifier (tests/fixtures/make_preprocessed_fixtures.py): one part of
-        # each pair is read with its axis of one; the rotary fused none before.
+        # each pair (a Split part, a Slice of one) is read with its axis of one; the rotary
+        # fused none before.
         ("preprocessed/lucidrains_ts17_onnxsim", 0),
+        ("preprocessed/lucidrains_dynamo_onnxsim", 0),
     ],
 )
 def test_complex_pair_rotary_is_fused_in_every_layer(
@@ -141,13 +143,21 @@ def test_every_spelling_of_the_selection_is_a_strided_slice(tmp_path: Path, sele
     compare_on_feeds(model, run.output, _feeds())
 
 
-def _kept_part_model(path: Path, *, read_both: bool = False) -> Path:
-    """x [batch, 3, 2, 8] viewed as pairs and split; the rotated pair stacked back as
-    onnx-simplifier leaves it: Concat(Unsqueeze(-b), a) on the last axis, the part a read with
-    its axis of one (no Squeeze -> Unsqueeze). ``read_both``: b's part is read unsqueezed too."""
+def _kept_part_model(path: Path, *, read_both: bool = False, sliced: bool = False) -> Path:
+    """x [batch, 3, 2, 8] viewed as pairs and split (``sliced``: two Slices of one); the
+    rotated pair stacked back as onnx-simplifier leaves it: Concat(Unsqueeze(-b), a) on the
+    last axis, the part a read with its axis of one (no Squeeze -> Unsqueeze). ``read_both``:
+    b's part is read unsqueezed too."""
+    if sliced:
+        parts = [
+            helper.make_node("Slice", ["pairs", "zeros", "ones", "last"], ["a1"]),
+            helper.make_node("Slice", ["pairs", "ones", "twos", "last"], ["b1"]),
+        ]
+    else:
+        parts = [helper.make_node("Split", ["pairs", "split"], ["a1", "b1"], axis=-1)]
     nodes = [
         helper.make_node("Reshape", ["x", "view"], ["pairs"]),
-        helper.make_node("Split", ["pairs", "split"], ["a1", "b1"], axis=-1),
+        *parts,
         helper.make_node("Squeeze", ["b1", "last"], ["b"]),
         helper.make_node("Neg", ["b"], ["minus_b"]),
         helper.make_node("Unsqueeze", ["minus_b", "last"], ["minus_b1"]),
@@ -161,6 +171,9 @@ def _kept_part_model(path: Path, *, read_both: bool = False) -> Path:
         const("view", [0, ROWS, HEADS, SIZE // 2, 2], np.int64),
         const("split", [1, 1], np.int64),
         const("last", [-1], np.int64),
+        const("zeros", [0], np.int64),
+        const("ones", [1], np.int64),
+        const("twos", [2], np.int64),
     ]
     return save_model(
         path,
@@ -171,11 +184,15 @@ def _kept_part_model(path: Path, *, read_both: bool = False) -> Path:
     )
 
 
-def test_a_part_kept_with_its_axis_of_one_is_an_unsqueezed_strided_slice(tmp_path: Path) -> None:
-    """onnx-simplifier takes away the Squeeze -> Unsqueeze between a Split part and the stack
-    of the rotated pair (lucidrains' decoder fused no rotary after it): the kept part is
-    Unsqueeze(x[..., 0::2], -1), and the view and Split go."""
-    model = _kept_part_model(tmp_path / "kept.onnx")
+@pytest.mark.parametrize("sliced", [False, True], ids=["split", "slice"])
+def test_a_part_kept_with_its_axis_of_one_is_an_unsqueezed_strided_slice(
+    tmp_path: Path, sliced: bool
+) -> None:
+    """onnx-simplifier takes away the Squeeze -> Unsqueeze between a Split part (TorchScript's
+    unbind) or a Slice of one (dynamo's) and the stack of the rotated pair (lucidrains'
+    decoder fused no rotary after it): the kept part is Unsqueeze(x[..., 0::2], -1), and the
+    view and the Split go."""
+    model = _kept_part_model(tmp_path / "kept.onnx", sliced=sliced)
     run = optimize_checked(model, tmp_path)
     assert pattern_counts(run, STRIDED) == {"StridedSelection": (2, 2)}
     counts = run.op_counts()
@@ -183,13 +200,18 @@ def test_a_part_kept_with_its_axis_of_one_is_an_unsqueezed_strided_slice(tmp_pat
     compare_on_feeds(model, run.output, _feeds())
 
 
-def test_a_kept_part_beside_another_part_still_read_stays(tmp_path: Path) -> None:
-    """Both parts of the Split are read with their axis of one: rewriting one would leave the
-    view and the Split for the other, and add nodes."""
-    model = _kept_part_model(tmp_path / "both.onnx", read_both=True)
+@pytest.mark.parametrize("sliced", [False, True], ids=["split", "slice"])
+def test_a_kept_part_beside_another_part_still_read_stays(tmp_path: Path, sliced: bool) -> None:
+    """Both parts are read with their axis of one: rewriting one would leave the view (and
+    the Split) for the other, and add nodes."""
+    model = _kept_part_model(tmp_path / "both.onnx", read_both=True, sliced=sliced)
     run = optimize_checked(model, tmp_path)
     assert pattern_counts(run, STRIDED) == {"StridedSelection": (1, 1)}
-    assert run.op_counts()["Split"] == 1
+    counts = run.op_counts()
+    # The view stays for the parts read with their axis of one (the stacked part, and the
+    # other part by the Add); the squeezed read of the other part is the one strided Slice.
+    parts = (0, 3) if sliced else (1, 1)
+    assert (counts["Reshape"], counts["Split"], counts["Slice"]) == (1, *parts)
     compare_on_feeds(model, run.output, _feeds())
 
 
@@ -211,12 +233,48 @@ def test_a_view_whose_last_axes_are_not_the_split_last_axis_stays(tmp_path: Path
     assert_declined(run, STRIDED, reason, "a", count=2)
 
 
-def test_a_view_that_splits_the_last_axis_twice_stays(tmp_path: Path) -> None:
-    """[..., 8] viewed as [..., 2, 2, 2]: a position of the last axis is every second element
-    of every second pair, not one stride of x."""
+def test_a_view_that_splits_the_last_axis_twice_is_written_as_the_two_views(
+    tmp_path: Path,
+) -> None:
+    """[..., 8] viewed as [..., 2, 2, 2] (onnx-simplifier merges the view of the heads and
+    the view of their pairs so): the view is [..., 2, 4] then the pairs, and a position of the
+    pairs is a strided Slice of [..., 2, 4]. The merged view goes."""
     model = _model(tmp_path / "deeper.onnx", "gather", view=(ROWS, HEADS, 2, 2, 2))
     run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, STRIDED) == {
+        "StridedSelection": (2, 2),
+        "MergedViewSplit": (1, 1),
+    }
+    counts = run.op_counts()
+    assert (counts["Slice"], counts["Reshape"], counts["Gather"]) == (2, 1, 0)
+    compare_on_feeds(model, run.output, _feeds())
+
+
+def test_a_merged_view_that_moves_the_leading_sizes_stays(tmp_path: Path) -> None:
+    """[2, 3, 2, 8] viewed as [2, 2, 3, 2, 2, 2]: the last axis is split twice, but rows and
+    heads trade places, so it is no view of x's heads: neither split nor selected."""
+    model = _model(tmp_path / "moved.onnx", "gather", view=(HEADS, ROWS, 2, 2, 2))
+    run = optimize_checked(model, tmp_path)
     assert_declined(run, STRIDED, CACHE_VIEW, "a", count=2)
+    assert run.op_counts()["Gather"] == 2
+
+
+def test_onnx_simplifier_merged_views_of_heads_and_pairs(tmp_path: Path) -> None:
+    """llama2.c's decoder (dynamo) through onnx-simplifier (tests/fixtures/
+    make_preprocessed_fixtures.py): q and k are viewed [B, L, 64] -> [B, L, 4, 8, 2] in one
+    Reshape. Each is written as the export's two views, and the rotary fuses 4/4 (none
+    before), with the nodes the export's own output has."""
+    run = optimize_checked(fixture_path("preprocessed/llama2c_dynamo_onnxsim"), tmp_path)
+    assert pattern_counts(run, STRIDED) == {
+        "StridedSelection": (8, 8),
+        "MergedViewSplit": (4, 4),
+    }
+    assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
+    assert run.op_counts()["RotaryEmbedding"] == 4
+    (tmp_path / "export").mkdir()
+    export = optimize_checked(fixture_path("llama2c_dynamo"), tmp_path / "export")
+    assert sum(run.op_counts().values()) == sum(export.op_counts().values())
+    assert_second_run_changes_nothing(run, tmp_path, STRIDED)
 
 
 def test_below_opset_10_the_selection_stays(tmp_path: Path) -> None:

@@ -340,9 +340,15 @@ class PassContext:
         names: list[str] = []
         types: list[str] = []
         # The matcher lists the root first; reversed, a chain reads in execution order.
+        # The nodes one earlier rewrite made share its lineage, which counts once.
+        inherited: set[tuple[str, str]] = set()
         for node in reversed(old_nodes):
             props = node.metadata_props
             if LINEAGE_NAMES in props:
+                key = (props[LINEAGE_NAMES], props[LINEAGE_TYPES])
+                if key in inherited:
+                    continue
+                inherited.add(key)
                 names.extend(json.loads(props[LINEAGE_NAMES]))
                 types.extend(json.loads(props[LINEAGE_TYPES]))
                 passes.extend(p for p in json.loads(props[LINEAGE_PASSES]) if p not in passes)

@@ -320,3 +320,45 @@ def test_a_model_the_converter_refuses_keeps_its_opset() -> None:
     model = ir.serde.deserialize_model(proto)
     heads = next(node for node in model.graph if node.op_type == "Reshape").outputs[0]
     assert ShapeOracle(model, None).shape(heads) is None
+
+
+def _viewed(tail: list[int]) -> ir.Model:
+    """x [batch, length, 64] viewed as [batch, length, *tail], its leading sizes read from x at
+    run time (dynamo's ``view(*x.shape[:2], ...)``)."""
+    proto = _model(
+        [
+            helper.make_node("Shape", ["x"], ["sizes"], end=2),
+            helper.make_node("Concat", ["sizes", "tail"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"]),
+        ],
+        [value("x", ["batch", "length", 64])],
+        [value("y", None)],
+        [const("tail", tail, np.int64)],
+    )
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        # The -1 is what is left of 64 once 4 and 2 divide it: the names cancel.
+        ([4, -1, 2], ["batch", "length", 4, 8, 2]),
+        # What is left is no static size (a -1 that merges the length), or none divides.
+        ([-1], None),
+        ([5, -1], None),
+    ],
+)
+def test_a_reshapes_minus_one_is_what_the_data_leaves(
+    tail: list[int], expected: list[int | str] | None
+) -> None:
+    """onnx leaves a Reshape's -1 unresolved once a size is symbolic (an export stripped of its
+    value_info: llama.c's pairs viewed [batch, length, 4, -1, 2]); the sizes that cancel
+    resolve it."""
+    model = _viewed(tail)
+    oracle = ShapeOracle(model, None)
+    shape = oracle.shape(model.graph.node(2).outputs[0])
+    assert shape is not None
+    if expected is not None:
+        assert shape == ir.Shape(expected)
+    else:
+        assert not shapes.named(shape[-1])

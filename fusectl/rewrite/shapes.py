@@ -20,7 +20,7 @@ from onnx_ir.passes.common import _c_api_utils
 
 from fusectl.errors import FusectlError
 from fusectl.rewrite.contrib_inference import contrib_schemas
-from fusectl.rewrite.graph import attribute_graphs
+from fusectl.rewrite.graph import attribute_graphs, constant_value
 
 logger = logging.getLogger("fusectl")
 
@@ -347,6 +347,7 @@ class ShapeOracle:
                         shape = _own_symbols(shape, self._runs, interface)
                     results.append((value, proto, shape))
         same = _same_dims(results, self._runs)
+        same.update(_minus_ones(results, same, self._runs))
         for value, proto, shape in results:
             self._take(value, proto, _renamed(shape, same) if same else shape)
 
@@ -676,6 +677,93 @@ def _same_dims(
             if name not in found or _rank_of(before) > _rank_of(found[name]):
                 found[name] = before
     return found
+
+
+def _minus_ones(
+    results: list[tuple[ir.Value, onnx.TypeProto, ir.Shape | None]],
+    same: dict[str, int | ir.SymbolicDim],
+    run: int,
+) -> dict[str, int]:
+    """The sizes a Reshape's -1 proves for the names this run made up there. onnx leaves a
+    -1 unresolved as soon as a size is symbolic; where every other size of the data and of
+    the result is known, the -1 is what remains of the data's after the result's cancel
+    (``[batch, length, 4, 16]`` viewed ``[batch, length, 4, -1, 2]``: 8). The name stands for
+    that size in every value that carries it. An export without its value_info (another
+    tool dropped it) then has the shapes the exporter had declared."""
+    prefix = f"unk__{run}."
+    inferred = {value: shape for value, _, shape in results}
+    found: dict[str, int] = {}
+
+    def current(value: ir.Value) -> list[int | ir.SymbolicDim] | None:
+        shape = _renamed(inferred.get(value, value.shape), {**same, **found})
+        return None if shape is None else list(shape)
+
+    for value, _, _ in results:
+        node = value.producer()
+        if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+            continue
+        result = current(value)
+        data = current(node.inputs[0]) if node.inputs[0] is not None else None
+        if result is None or data is None or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        unknown = [i for i, dim in enumerate(result) if not (isinstance(dim, int) or named(dim))]
+        if len(unknown) != 1:
+            continue
+        dim = result[unknown[0]]
+        name = dim.value if isinstance(dim, ir.SymbolicDim) else None
+        if not (name and name.startswith(prefix)):
+            continue
+        if _target_element(node.inputs[1], unknown[0], current) != -1:
+            continue
+        size = _quotient(data, [d for i, d in enumerate(result) if i != unknown[0]])
+        if size is not None:
+            found[name] = size
+    return found
+
+
+def _target_element(
+    target: ir.Value, index: int, shape: Callable[[ir.Value], list | None]
+) -> int | None:
+    """Element ``index`` of a Reshape target, where it is a constant: the whole target, or
+    the part of a Concat of 1-D parts that holds it (the other parts' lengths known)."""
+    array = constant_value(target)
+    if array is not None:
+        flat = array.reshape(-1)
+        return int(flat[index]) if index < flat.size else None
+    concat = target.producer()
+    if concat is None or concat.op_type != "Concat" or concat.domain not in ("", "ai.onnx"):
+        return None
+    start = 0
+    for part in concat.inputs:
+        length = (shape(part) or [None])[0] if part is not None else None
+        if not isinstance(length, int):
+            return None
+        if index < start + length:
+            array = constant_value(part)  # type: ignore[arg-type]
+            return None if array is None else int(array.reshape(-1)[index - start])
+        start += length
+    return None
+
+
+def _quotient(data: list[int | ir.SymbolicDim], kept: list[int | ir.SymbolicDim]) -> int | None:
+    """The size left when the ``kept`` sizes divide the ``data`` sizes' product: names cancel
+    one for one, static sizes divide; None where a name is left over or a size does not
+    divide."""
+    names: dict[str, int] = {}
+    numerator = denominator = 1
+    for dims, sign in ((data, 1), (kept, -1)):
+        for dim in dims:
+            if isinstance(dim, int):
+                numerator, denominator = (
+                    (numerator * dim, denominator) if sign > 0 else (numerator, denominator * dim)
+                )
+            elif dim.value:
+                names[dim.value] = names.get(dim.value, 0) + sign
+            else:
+                return None
+    if any(names.values()) or denominator <= 0 or numerator % denominator:
+        return None
+    return numerator // denominator
 
 
 def _renamed(shape: ir.Shape | None, same: dict[str, int | ir.SymbolicDim]) -> ir.Shape | None:

@@ -160,6 +160,9 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
         priority=3030,
         emits=("Reshape",),
         canonical=True,
+        # A fused op's output has the sizes its inputs prove: a target read from it becomes a
+        # constant only then (LeViT after onnx-simplifier changed on a second run).
+        again_after_fusions=True,
     )
     counts_changes = True
 

@@ -493,6 +493,7 @@ def test_passes_lists_the_catalogue() -> None:
         "HeadRepeatTransposeCanonicalizationPass",
         "LayoutChainFusionPass",
         "ReshapeReshapeFusionPass",
+        "ReshapeTargetCanonicalizationPass",
         "TransposePushCanonicalizationPass",
         "TransposeTransposeFusionPass",
     }

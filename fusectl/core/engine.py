@@ -291,6 +291,10 @@ def run_plan(
                 break
             for index in tidy:
                 run_one(index, decisions[index])
+            if shapes is not None:
+                # What a later pass of the round made (a layout chain's constant target) is
+                # what the next round's earlier passes read, as a second run would.
+                shapes.invalidate()
     for graph in graphs:
         graph.removed = not graph.scope.alive(model)
         graph.nodes_after = 0 if graph.removed else len(graph.scope.graph)

@@ -87,8 +87,13 @@ def _refusal(ctx: PassContext, layer: _Layer) -> str | _Form:
     """Why the layer cannot be written as MatMul + Add on the activation; else its form."""
     gemm = layer.gemm
     # The flatten may be shared (MindSpore flattens once for the query, key and value): it
-    # stays for its other readers, each rewritten in turn.
-    shared = uses_outside([gemm, layer.unflatten], [layer.unflatten.outputs[0]])
+    # stays for its other readers, each rewritten in turn. The 2-D product may be read past
+    # the second Reshape too (onnx-simplifier takes away the view back and the flatten again
+    # between ALBERT's embedding projection and its query, key and value): those readers read
+    # the layer's result flattened again, a flatten they then share.
+    if gemm.outputs[0].is_graph_output():
+        return "an intermediate value (Gemm output) is a graph output"
+    shared = uses_outside([gemm, layer.unflatten], [layer.unflatten.outputs[0], gemm.outputs[0]])
     if shared is not None:
         return shared
     if gemm.attributes.get_int("transA", 0):
@@ -256,6 +261,15 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
             result = ir.node("Add", [result, layer.bias]).outputs[0]
             layer_nodes.append(result.producer())
         typed(result, output.dtype, unsplit)
+        product = gemm.outputs[0]
+        replaced, replacing = [output], []
+        if any(user is not layer.unflatten for user, _ in product.uses()):
+            flat = new_constant(
+                graph, f"{ctx.spec.name}/{site}/flat", np.array([-1, weight.shape[1]])
+            )
+            layer_nodes.append(ir.node("Reshape", [result, flat]))
+            replaced.append(product)
+            replacing.append(typed(layer_nodes[-1].outputs[0], output.dtype, product.shape))
         if split:
             target = new_constant(
                 graph, f"{ctx.spec.name}/{site}/split", np.array([0] * (rank - 1) + split)
@@ -272,7 +286,7 @@ class FlattenedGemmCanonicalizationPass(FusionPass):
         )
         old = [layer.flatten, gemm, layer.unflatten] if alone else [gemm, layer.unflatten]
         declined = replace_subgraph(
-            ctx, PATTERN, layer.unflatten, old, new_nodes, [output], [result]
+            ctx, PATTERN, layer.unflatten, old, new_nodes, replaced, [result, *replacing]
         )
         if declined is None:
             remove_dead(graph, [*shape_code, layer.flatten])

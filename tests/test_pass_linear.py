@@ -377,3 +377,47 @@ def test_onnx_simplifier_wav2vec2_projections_viewed_to_heads(tmp_path: Path) ->
     assert (attention["fused"], attention["total"]) == (2, 2)
     # Audio long enough for the feature extractor's convolutions: 400 samples, 39 frames.
     compare_on_feeds(model, run.output, random_feeds(model, dims={"samples": 400}))
+
+
+def test_a_product_read_by_the_next_layers_is_flattened_again_for_them(tmp_path: Path) -> None:
+    """x -> flatten -> Gemm, its 2-D product restored to [B, 4, N] and read as it is by a second
+    Gemm (onnx-simplifier takes away the view back and the flatten again): both layers are
+    MatMul + Add, the second on the first's 3-D result, and no Reshape is left."""
+    rng = np.random.default_rng(0)
+    model = save_model(
+        tmp_path / "chained.onnx",
+        [
+            helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
+            helper.make_node("Gemm", ["flat", "w", "b"], ["y2"]),
+            helper.make_node("Reshape", ["y2", "target"], ["y"]),
+            helper.make_node("Gemm", ["y2", "w2", "b2"], ["z2"]),
+            helper.make_node("Reshape", ["z2", "target"], ["z"]),
+        ],
+        [value("x", ["B", 4, K])],
+        [value("y", ["B", 4, N]), value("z", ["B", 4, N])],
+        [
+            const("flat_shape", [-1, K], np.int64),
+            const("w", rng.standard_normal((K, N))),
+            const("b", rng.standard_normal(N)),
+            const("w2", rng.standard_normal((N, N))),
+            const("b2", rng.standard_normal(N)),
+            const("target", [-1, 4, N], np.int64),
+        ],
+    )
+    run = optimize_checked(model, tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (2, 2)}
+    assert run.op_counts() == {"MatMul": 2, "Add": 2}
+
+
+def test_onnx_simplifier_albert_projection_read_by_query_key_value(tmp_path: Path) -> None:
+    """ALBERT (dynamo) through onnx-simplifier: the embedding projection's 2-D product is read
+    by the residual's view and straight by the query, key and value Gemms. All 13 layers are
+    MatMul + Add, the attention fuses 2/2 (1/2 before), with the ops the export's output has."""
+    run = optimize_checked(fixture_path("preprocessed/albert_dynamo_onnxsim"), tmp_path)
+    assert pattern_counts(run, PASS) == {PATTERN: (13, 13)}
+    assert reasons(run, PASS) == {}
+    attention = run.report["coverage"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2)
+    (tmp_path / "export").mkdir()
+    export = optimize_checked(fixture_path("arch/albert_dynamo"), tmp_path / "export")
+    assert run.op_counts() == export.op_counts()

@@ -12,6 +12,8 @@ shape arithmetic go.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
@@ -71,16 +73,17 @@ def _parts_by_shape(ctx: PassContext, layer: _Layer) -> list | None:
     return [(layer.x, axis) for axis in range(leading)] + trailing
 
 
+@dataclass(frozen=True)
 class _Form:
     """How a layer is written as MatMul + Add: its [in, out] weights, the rank of its output,
     the sizes its outputs are split into after (heads split at once; none where they are not)
     and the constant target the activation is regrouped to first (none where the first
     Reshape flattened only its leading axes, or those and its trailing ones)."""
 
-    def __init__(
-        self, weight: np.ndarray, rank: int, split: list[int], regroup: list[int] | None = None
-    ) -> None:
-        self.weight, self.rank, self.split, self.regroup = weight, rank, split, regroup
+    weight: np.ndarray
+    rank: int
+    split: list[int]
+    regroup: list[int] | None = None
 
 
 def _refusal(ctx: PassContext, layer: _Layer) -> str | _Form:

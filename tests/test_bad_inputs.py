@@ -608,6 +608,30 @@ def test_what_only_the_checker_minds_passes_with_a_warning(tmp_path: Path) -> No
     assert [n.name for n in onnx.load(str(output)).graph.node] == ["first", "second"]
 
 
+def test_one_name_for_two_axes_of_an_input_is_warned_of(tmp_path: Path) -> None:
+    """ImageGPT's export with every dynamic axis named '?' (a script that makes a model dynamic
+    so): equal names are one size, which the fusions prove on, and fusectl's output fails where
+    batch and sequence differ. The run warns and goes on; the export as named does not warn."""
+    model = onnx.load(str(FIXTURES / "arch" / "imagegpt_ts17.onnx"))
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = "?"
+    path = tmp_path / "one_name.onnx"
+    onnx.save(model, str(path))
+    output = tmp_path / "out.onnx"
+    result = run_cli("optimize", path, "-o", output, "--export_compile_stat", "0")
+    assert result.exit_code == 0, result.stderr
+    warning = (
+        "graph input 'input_ids' names axes 0 and 1 both '?': equal names are one size to "
+        "fusectl, as to onnxruntime, so the output may not run where they differ; name them "
+        "apart"
+    )
+    assert warning in " ".join(result.stderr.split())
+    named = run_cli("optimize", FIXTURES / "arch" / "imagegpt_ts17.onnx", "-o", output)
+    assert named.exit_code == 0 and "names axes" not in named.stderr
+
+
 def test_an_onnxruntime_op_in_the_onnx_domain_is_no_fault(tmp_path: Path) -> None:
     """onnxruntime's SimplifiedLayerNormalization in the ONNX domain (onnxruntime's optimizer
     and onnxscript's write it): onnxruntime runs it, so fusectl optimizes the model with the

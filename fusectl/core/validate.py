@@ -308,6 +308,25 @@ class _Validator:
                     self.warning(f"{where}graph output '{value.name}' declares no type")
                 elif problem is not None:
                     self.error(f"{where}graph {kind} '{value.name}' has {problem}")
+                elif kind == "input" and not where:
+                    self.one_name_for_two_axes(value)
+
+    def one_name_for_two_axes(self, value: onnx.ValueInfoProto) -> None:
+        """A script that makes every axis dynamic with one name (``"?"``) declares them one
+        size: the passes prove on that, and the output may not run where they differ (ImageGPT
+        and XLNet fused so fail at the attention's bias where batch and sequence differ)."""
+        seen: dict[str, int] = {}
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if not dim.dim_param:
+                continue
+            if dim.dim_param in seen:
+                self.warning(
+                    f"graph input '{value.name}' names axes {seen[dim.dim_param]} and {axis} "
+                    f"both '{dim.dim_param}': equal names are one size to fusectl, as to "
+                    "onnxruntime, so the output may not run where they differ; name them apart"
+                )
+                return
+            seen[dim.dim_param] = axis
 
     def graph(self, graph: onnx.GraphProto, outer: _Scope | None, where: str) -> set[str]:
         """Check one graph and its subgraphs; returns the names it reads from outer scopes.

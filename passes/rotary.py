@@ -49,7 +49,6 @@ import onnx_ir as ir
 from fusectl.rewrite import runtime
 from fusectl.rewrite.axes import (
     HEADS_PERM,
-    Size,
     axis_size,
     head_split,
     keeps_leading,
@@ -73,6 +72,7 @@ from fusectl.rewrite.graph import (
 )
 from fusectl.rewrite.registry import Category, FusionPass, Numerics, PassSpec, register_pass
 from fusectl.rewrite.shapes import named
+from fusectl.rewrite.sizes import Size
 
 MS = "com.microsoft"
 # How the last axis of cos / sin holds each angle twice: its two halves equal (rotate_half's

@@ -19,6 +19,7 @@ from fusectl.rewrite.graph import (
     transpose_perm,
 )
 from fusectl.rewrite.shapes import named
+from fusectl.rewrite.sizes import Size, product, quotient
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max
@@ -639,29 +640,6 @@ def _copied_dimension(value: ir.Value | None) -> tuple[ir.Value, int] | None:
     if shape.attributes.get_int("start", 0) != 0:
         return None
     return shape.inputs[0], int(index.reshape(-1)[0])
-
-
-# A size as a product: an integer coefficient and the sorted names of symbolic factors.
-Size = tuple[int, tuple[str, ...]]
-
-
-def product(a: Size | None, b: Size | None) -> Size | None:
-    if a is None or b is None:
-        return None
-    return a[0] * b[0], tuple(sorted(a[1] + b[1]))
-
-
-def quotient(a: Size | None, b: Size | None) -> Size | None:
-    """a / b when b divides a for every value of the names (its coefficient divides a's, its
-    names are among a's), else None."""
-    if a is None or b is None or b[0] <= 0 or a[0] % b[0]:
-        return None
-    names = list(a[1])
-    for name in b[1]:
-        if name not in names:
-            return None
-        names.remove(name)
-    return a[0] // b[0], tuple(names)
 
 
 def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48) -> Size | None:

@@ -16,10 +16,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx.reference.ops import load_op
 
-from fusectl.rewrite.axes import Size, size_sources, symbolic_size
+from fusectl.rewrite.axes import size_sources, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value
 from fusectl.rewrite.shapes import arithmetic_dim, arithmetic_names
+from fusectl.rewrite.sizes import Size
 
 # Nodes a probe evaluation walks at most: a mask or a shape computation, not a network.
 _MAX_NODES = 256

@@ -2,7 +2,7 @@
 
 Every axis is followed as a list of pieces of the source's axes, in row-major order: a Reshape
 regroups the pieces (dividing one where a size falls inside it), a Transpose reorders the axes.
-Sizes are products of static and named dimensions (``axes.Size``), so a conclusion holds for
+Sizes are products of static and named dimensions (``sizes.Size``), so a conclusion holds for
 every size the model takes. The chain is then one Transpose when each result axis is exactly
 one source axis, one Reshape when the source's order is kept.
 """
@@ -13,9 +13,10 @@ import itertools
 
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import Size, product, quotient, symbolic_size
+from fusectl.rewrite.axes import symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import constant_value, node_axes, transpose_perm
+from fusectl.rewrite.sizes import Size, product, quotient
 
 _ONE: Size = (1, ())
 

@@ -21,6 +21,7 @@ from onnx_ir.passes.common import _c_api_utils
 from fusectl.errors import FusectlError
 from fusectl.rewrite.contrib_inference import contrib_schemas
 from fusectl.rewrite.graph import attribute_graphs, constant_value
+from fusectl.rewrite.sizes import Size, product, quotient
 
 logger = logging.getLogger("fusectl")
 
@@ -693,9 +694,10 @@ def _minus_ones(
     prefix = f"unk__{run}."
     inferred = {value: shape for value, _, shape in results}
     found: dict[str, int] = {}
+    known: dict[str, int | ir.SymbolicDim] = dict(same)  # and what is found, as it is
 
     def current(value: ir.Value) -> list[int | ir.SymbolicDim] | None:
-        shape = _renamed(inferred.get(value, value.shape), {**same, **found})
+        shape = _renamed(inferred.get(value, value.shape), known)
         return None if shape is None else list(shape)
 
     for value, _, _ in results:
@@ -717,7 +719,7 @@ def _minus_ones(
             continue
         size = _quotient(data, [d for i, d in enumerate(result) if i != unknown[0]])
         if size is not None:
-            found[name] = size
+            found[name] = known[name] = size
     return found
 
 
@@ -746,24 +748,20 @@ def _target_element(
 
 
 def _quotient(data: list[int | ir.SymbolicDim], kept: list[int | ir.SymbolicDim]) -> int | None:
-    """The size left when the ``kept`` sizes divide the ``data`` sizes' product: names cancel
-    one for one, static sizes divide; None where a name is left over or a size does not
-    divide."""
-    names: dict[str, int] = {}
-    numerator = denominator = 1
-    for dims, sign in ((data, 1), (kept, -1)):
-        for dim in dims:
-            if isinstance(dim, int):
-                numerator, denominator = (
-                    (numerator * dim, denominator) if sign > 0 else (numerator, denominator * dim)
-                )
-            elif dim.value:
-                names[dim.value] = names.get(dim.value, 0) + sign
-            else:
-                return None
-    if any(names.values()) or denominator <= 0 or numerator % denominator:
+    """The static size left when the ``kept`` sizes divide the ``data`` sizes' product (names
+    cancel one for one); None where a name is left over or a size does not divide."""
+    sizes = [[_as_size(dim) for dim in dims] for dims in (data, kept)]
+    if any(size is None for dims in sizes for size in dims):
         return None
-    return numerator // denominator
+    total, known = (functools.reduce(product, dims, (1, ())) for dims in sizes)
+    left = quotient(total, known)
+    return left[0] if left is not None and not left[1] else None
+
+
+def _as_size(dim: int | ir.SymbolicDim) -> Size | None:
+    if isinstance(dim, int):
+        return dim, ()
+    return (1, (dim.value,)) if dim.value else None
 
 
 def _renamed(shape: ir.Shape | None, same: dict[str, int | ir.SymbolicDim]) -> ir.Shape | None:

@@ -13,6 +13,9 @@ benchmarks/out/latency/models):
   ``mobilenetv2-fp16``, the float32 exports converted with onnxruntime's
   ``float16.convert_float_to_float16`` (inputs and outputs float16 too), as GPU deployments
   of exported vision models are usually made;
+* opt-in, ``llama-opset23``: the same LLaMA by the dynamo exporter at opset 23, which writes
+  its attention, RMS norms and rotary as the standard Attention, RMSNormalization and
+  RotaryEmbedding ops;
 * opt-in, a decode step: ``llama-decode``, the same 4-layer LLaMA exported with its KV cache
   (``_export.py --past``: past_key_<i> / past_value_<i> in, presents out, batch, new tokens and
   past all dynamic), timed at one new token on a past of 128 (batch 1), which is what a
@@ -112,6 +115,8 @@ DECODE = ";".join(
     ]
 )
 MODELS["llama-decode"] = {**LLAMA, "past": True, "shape": DECODE}
+# The dynamo exporter at opset 23 (opt-in): attention, RMS norm and rotary as the standard ops.
+MODELS["llama-opset23"] = {**LLAMA, "exporter": "dynamo", "extra": ["--opset", "23"]}
 DEFAULT_MODELS = ("bert", "gpt2", "llama", "vit", "resnet50", "mobilenetv2")
 TOOLS = ("fusectl", "fusectl-none", "fusectl-ext", "fusectl-fixed", "onnxscript", "ORT")
 
@@ -123,7 +128,12 @@ def export(name: str, force: bool) -> Path:
     if "kind" in case:
         extra = ["--half"] if case.get("half") else []
         extra += ["--past"] if case.get("past") else []
-        h.ensure_export(case["kind"], path, layers=case.get("layers"), force=force, extra=extra)
+        extra += case.get("extra", [])
+        exporter = case.get("exporter", "torchscript")
+        h.ensure_export(
+            case["kind"], path, exporter=exporter, layers=case.get("layers"), force=force,
+            extra=extra,
+        )  # fmt: skip
         return path
     if "converted" in case:
         if force or not path.exists():

@@ -33,6 +33,7 @@ from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     bypass,
     bypass_refusal,
+    computation_key,
     constant_value,
     element_count,
     new_constant,
@@ -309,8 +310,6 @@ class LateCommonSubexpressionEliminationPass(CommonSubexpressionEliminationPass)
     )
 
 
-# Constants up to this many elements are compared by value.
-_CSE_CONSTANT_LIMIT = 16
 _SHAPE_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL})
 
 
@@ -328,54 +327,16 @@ def _repeats(graph: ir.Graph) -> list[tuple[ir.Node, ir.Node]]:
         # shape inference on graphs no pass needed it for. (First: it turns most nodes down.)
         if not constant and not all(v.dtype in _SHAPE_TYPES for v in node.outputs):
             continue
-        if node.op_type in _RANDOM or any(v.is_graph_output() for v in node.outputs):
+        if any(v.is_graph_output() for v in node.outputs):
             continue
-        key = _key(node, merged)
-        if key is None:
+        key = computation_key(node, merged)
+        if key is None:  # not compared: random, a subgraph, a large constant
             continue
         first = seen.setdefault(key, node)
         if first is not node:
             found.append((node, first))
             merged.update(zip(node.outputs, first.outputs, strict=True))
     return found
-
-
-def _key(node: ir.Node, merged: dict[ir.Value, ir.Value]) -> tuple | None:
-    """What the node computes: op, attributes and inputs (as merged so far); None for what is
-    not compared (large constants, subgraphs)."""
-    attributes = []
-    for name, attribute in sorted(node.attributes.items()):
-        content = attribute.value
-        if attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-            return None
-        if isinstance(content, ir.TensorProtocol):
-            if content.size > _CSE_CONSTANT_LIMIT:
-                return None
-            content = (content.dtype, tuple(content.shape), content.tobytes())
-        attributes.append((name, repr(content)))
-    inputs = tuple(_input_key(merged.get(v, v)) if v is not None else None for v in node.inputs)
-    return (node.domain, node.op_type, node.overload, inputs, tuple(attributes))
-
-
-def _input_key(value: ir.Value) -> object:
-    """A small initializer by its contents (equal constants lifted from separate Constant
-    nodes are one input), any other value by identity."""
-    tensor = value.const_value
-    if tensor is None or value.is_graph_input() or tensor.size > _CSE_CONSTANT_LIMIT:
-        return id(value)
-    return tensor.dtype, tuple(tensor.shape), tensor.tobytes()
-
-
-_RANDOM = frozenset(
-    {
-        "RandomUniform",
-        "RandomNormal",
-        "RandomUniformLike",
-        "RandomNormalLike",
-        "Multinomial",
-        "Bernoulli",
-    }
-)
 
 
 @register_pass

@@ -756,6 +756,10 @@ def size_sources(ctx: PassContext, value: ir.Value, axis: int) -> list[tuple[ir.
     return chain
 
 
+# Ops whose first output has their first input's shape (beyond the element-wise ones).
+_SHAPE_KEEPING = frozenset({"LayerNormalization", "RMSNormalization", "RotaryEmbedding"})
+
+
 def _copied_axis(
     ctx: PassContext, node: ir.Node, value: ir.Value, axis: int, rank: int
 ) -> tuple[ir.Value, int] | None:
@@ -770,7 +774,7 @@ def _copied_axis(
     first = inputs[0] if inputs else None
     if first is None:
         return None
-    if (op in _SAME_SHAPE or op == "LayerNormalization") and value is node.outputs[0]:
+    if (op in _SAME_SHAPE or op in _SHAPE_KEEPING) and value is node.outputs[0]:
         return first, axis
     if op == "Gather" and len(inputs) > 1 and inputs[1] is not None:
         # data[..., indices, ...]: the indices' axes replace the gathered one (none for a

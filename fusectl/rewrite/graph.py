@@ -719,3 +719,49 @@ def absorb_shape_arithmetic(ctx: PassContext, nodes: list[ir.Node], keep: set[ir
                     members.add(producer)
                     nodes.append(producer)
                     changed = True
+
+
+# Constants up to this many elements are compared by value.
+_COMPARED_CONSTANT_LIMIT = 16
+
+# Ops that compute something else at each run: never one computation with another node.
+RANDOM_OPS = frozenset(
+    {
+        "RandomUniform",
+        "RandomNormal",
+        "RandomUniformLike",
+        "RandomNormalLike",
+        "Multinomial",
+        "Bernoulli",
+    }
+)
+
+
+def computation_key(node: ir.Node, merged: dict[ir.Value, ir.Value] | None = None) -> tuple | None:
+    """What the node computes: op, attributes and inputs (each as ``merged`` maps it); two nodes
+    with one key compute one value. None for what is not compared (large constants, subgraphs,
+    random ops)."""
+    if node.op_type in RANDOM_OPS:
+        return None
+    merged = merged or {}
+    attributes = []
+    for name, attribute in sorted(node.attributes.items()):
+        content = attribute.value
+        if attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            return None
+        if isinstance(content, ir.TensorProtocol):
+            if content.size > _COMPARED_CONSTANT_LIMIT:
+                return None
+            content = (content.dtype, tuple(content.shape), content.tobytes())
+        attributes.append((name, repr(content)))
+    inputs = tuple(_input_key(merged.get(v, v)) if v is not None else None for v in node.inputs)
+    return (node.domain, node.op_type, node.overload, inputs, tuple(attributes))
+
+
+def _input_key(value: ir.Value) -> object:
+    """A small initializer by its contents (equal constants lifted from separate Constant
+    nodes are one input), any other value by identity."""
+    tensor = value.const_value
+    if tensor is None or value.is_graph_input() or tensor.size > _COMPARED_CONSTANT_LIMIT:
+        return id(value)
+    return tensor.dtype, tuple(tensor.shape), tensor.tobytes()

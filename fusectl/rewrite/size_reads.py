@@ -131,14 +131,9 @@ def _source(
     read = next(((source, index) for source, index in copies if source in kept), None)
     if read is not None:
         return read
-    size = symbolic_size(ctx, value, axis)
-    if size is not None and size[0] == 1 and len(size[1]) == 1:
-        for given in inputs():
-            for index, input_dim in enumerate(given.shape or ()):
-                if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
-                    return given, index
-                if input_axis_name(given, index) == size[1][0]:
-                    return given, index
+    given = named_input_axis(ctx, value, axis, inputs)
+    if given is not None:
+        return given
     if copies:
         return copies[-1]
     # A matched Concat: along its axis the sum of its parts' sizes, off it any part's.
@@ -152,6 +147,23 @@ def _source(
     if all(isinstance(part, int) for part in parts):
         return sum(parts)  # type: ignore[arg-type]
     return parts  # type: ignore[return-value]
+
+
+def named_input_axis(
+    ctx: PassContext, value: ir.Value, axis: int, inputs: Callable[[], list[ir.Value]]
+) -> tuple[ir.Value, int] | None:
+    """The axis of one of the ``inputs`` (asked for only where needed: it may walk the graph)
+    that has the one named size ``value`` has along ``axis``: equal names, equal sizes."""
+    size = symbolic_size(ctx, value, axis)
+    if size is None or size[0] != 1 or len(size[1]) != 1:
+        return None
+    for given in inputs():
+        for index, input_dim in enumerate(given.shape or ()):
+            if named(input_dim) and input_dim.value == size[1][0]:  # type: ignore[union-attr]
+                return given, index
+            if input_axis_name(given, index) == size[1][0]:
+                return given, index
+    return None
 
 
 class Reread(NamedTuple):
@@ -310,6 +322,11 @@ class _Sizes:
         joined = ir.node("Concat", pieces, attributes={"axis": 0})
         typed(joined.outputs[0], ir.DataType.INT64, ir.Shape([len(parts)]))
         return [*self.made, joined]
+
+
+def shape_nodes(ctx: PassContext, graph: ir.Graph, name: str, parts: list[Part]) -> list[ir.Node]:
+    """New nodes computing the 1-D shape ``parts`` describe, the last one giving it."""
+    return _Sizes(ctx, graph, name, set()).joined(parts)
 
 
 def read_axes(reader: ir.Node, rank: int) -> list[int]:

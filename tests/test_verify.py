@@ -239,6 +239,33 @@ def test_a_cut_is_fed_by_what_its_inputs_were_called(tmp_path: Path) -> None:
     assert plans["v1"].kind == "positions" and feeds["v1"].tolist() == [list(range(64))] * 2
 
 
+def test_an_original_onnxruntime_rejects_is_computed_as_onnx_defines_it(tmp_path: Path) -> None:
+    """The dynamo exporter's opset-23 LLaMA runs on onnxruntime at batch 1 only (its
+    RotaryEmbedding's caches have batch 1), so no generated size runs it. Its outputs come from
+    onnx's reference evaluator instead, and the verdict says so; fusectl's output, which runs
+    at batch 2, is compared with them. A model neither runs is still an error."""
+    original = FIXTURES / "llama_tiny_dynamo23.onnx"
+    output = optimize(original, tmp_path).output
+    result = run_cli("verify", original, output)
+    assert result.exit_code == 0, result.stderr
+    assert "original computed by onnx's reference evaluator (onnxruntime cannot run it: " in (
+        " ".join(result.stderr.split())
+    )
+    document = verify_json(original, output, expect=0)
+    assert document["reference_evaluator"] == "onnx reference"
+    assert "RotaryEmbedding" in document["reference_fallback"]
+    assert document["inputs"]["input_ids"]["shape"] == [2, 8]
+    assert all(check["passed"] and check["max_abs"] < 1e-4 for check in document["outputs"])
+    ordinary = verify_json(LLAMA, LLAMA, expect=0)
+    assert (ordinary["reference_evaluator"], ordinary["reference_fallback"]) == (
+        "onnxruntime",
+        None,
+    )
+    result = run_cli("verify", original, original)  # the optimized side must run on onnxruntime
+    assert result.exit_code == 1
+    assert f"verification failed: {original}: onnxruntime cannot run it: " in result.stderr
+
+
 def test_a_model_that_does_not_run_on_guessed_sizes_says_so(tmp_path: Path) -> None:
     """Optimum declares an image's channels symbolic: generated 8 channels meet a 3-channel
     Conv. The one-line error names the generated inputs and the option that sets the sizes."""

@@ -225,7 +225,7 @@ def bench_models(
     paths = [Path(m) for m in models]
     for path in paths[1:]:
         _readable(path)  # a missing or non-ONNX file fails here, before any timing
-    feeds, plans, _ = reference_run(
+    feeds, plans, _, _ = reference_run(
         paths[0], load_model(paths[0]).model, shapes, inputs, seed, chosen
     )
     result = BenchResult(paths, levels, chosen, threads, runs, warmup, feeds, plans, session_runs)

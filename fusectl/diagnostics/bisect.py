@@ -175,8 +175,8 @@ class Bisector:
         self.workdir = workdir
         self.rounds = 0
         source = load_model(model_path)
-        self.feeds, _, self.expected = reference_run(
-            model_path, source.model, self.shapes, inputs, seed, self.providers
+        self.feeds, _, self.expected, _ = reference_run(
+            model_path, source.model, self.shapes, inputs, seed, self.providers, definition=True
         )
         self.atol, self.rtol = atol, rtol
         # Set by the first (full) run: every round is judged by the tolerance it earns, as a

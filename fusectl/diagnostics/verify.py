@@ -417,6 +417,8 @@ class VerifyResult:
     feeds: dict[str, np.ndarray]
     plans: dict[str, FeedPlan]
     checks: list[OutputCheck] = field(default_factory=list)
+    # Why onnx's reference evaluator computed the reference outputs ("": onnxruntime did).
+    fallback: str = ""
 
     @property
     def passed(self) -> bool:
@@ -433,6 +435,8 @@ class VerifyResult:
             "reference": self.reference,
             self.reference: str(self.reference_path),
             "optimized": str(self.optimized),
+            "reference_evaluator": "onnx reference" if self.fallback else "onnxruntime",
+            "reference_fallback": self.fallback or None,
             "providers": self.providers,
             "tolerance": {
                 "atol": tol.atol,
@@ -529,15 +533,28 @@ def verify_models(
             )
             raise FusectlError(f"{problem} (outputs: {', '.join(names)})", path=golden)
         expected = {name: golden_outputs[name] for name in names}
-        reference, reference_path = "golden", golden
+        reference, reference_path, fallback = "golden", golden, ""
     else:
         assert original is not None
-        feeds, plans, expected = reference_run(original, source_model, shapes, inputs, seed, chosen)
+        feeds, plans, expected, fallback = reference_run(
+            original, source_model, shapes, inputs, seed, chosen, definition=True
+        )
         reference, reference_path = "original", original
     actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
     result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)
+    result.fallback = fallback
     result.checks = pair_outputs(expected, actual, tolerance)
     return result
+
+
+class Reference(NamedTuple):
+    """The feeds, their plans, the original's outputs on them, and what computed those: an
+    empty ``fallback``, onnxruntime; else why onnx's reference evaluator did instead."""
+
+    feeds: dict[str, np.ndarray]
+    plans: dict[str, FeedPlan]
+    outputs: dict[str, Any]
+    fallback: str = ""
 
 
 def reference_run(
@@ -547,25 +564,36 @@ def reference_run(
     inputs: Path | None,
     seed: int,
     providers: list[str],
-) -> tuple[dict[str, np.ndarray], dict[str, FeedPlan], dict[str, Any]]:
+    *,
+    definition: bool = False,
+) -> Reference:
     """The feeds every command runs models on, and ``original``'s outputs on them (onnxruntime's
     optimizer off). Generated sizes for dimensions nothing sizes are guesses: where the model
     does not run at one, the next of FREE_SIZES is tried, and the error, if every one fails,
-    names the inputs of the first try."""
+    names the inputs of the first try. With ``definition``, a model onnxruntime runs at none of
+    them is run by onnx's reference evaluator on the first try's feeds, the ops as onnx defines
+    them (the dynamo exporter's opset-23 RotaryEmbedding, whose batch-1 caches onnxruntime's
+    kernel rejects above batch 1), where that evaluator can run it."""
     sizes = free_sizes(model, shapes) if inputs is None else [DEFAULT_DIM]
     first: tuple[_Failed, str] | None = None
     tried: list[int] = []
+    first_feeds: tuple[dict[str, np.ndarray], dict[str, FeedPlan]] | None = None
     for free in sizes:
         feeds, plans = model_feeds(model, shapes, inputs, seed, free)
         outcome = _run(original, feeds, providers)
         if not isinstance(outcome, _Failed):
-            return feeds, plans, outcome
+            return Reference(feeds, plans, outcome)
         tried.append(free)
         first = first or (outcome, describe_feeds(feeds, plans).removeprefix("inputs: "))
+        first_feeds = first_feeds or (feeds, plans)
         if outcome.at_load:
             break  # no size makes a model onnxruntime cannot load run
-    assert first is not None
+    assert first is not None and first_feeds is not None
     failed, described = first
+    if definition:
+        outputs = _by_definition(original, first_feeds[0])
+        if outputs is not None:
+            return Reference(*first_feeds, outputs, f"onnxruntime cannot run it: {failed.message}")
     hint = ""
     # Generated sizes are guesses for symbolic dimensions (a 2-D mask, 8 channels): say so.
     if inputs is None and any(
@@ -579,6 +607,19 @@ def reference_run(
             f" (on generated {described}; --input_shape sets the symbolic sizes, --inputs the data)"
         )
     raise FusectlError(f"onnxruntime cannot run it: {failed.message}{hint}", path=original)
+
+
+def _by_definition(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """The model's outputs by onnx's reference evaluator; None where it cannot run it either
+    (onnxruntime's contrib ops, say)."""
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        evaluator = ReferenceEvaluator(str(path))
+        values = evaluator.run(None, {k: v for k, v in feeds.items() if k in evaluator.input_names})
+    except Exception:  # any failure of the evaluator: the caller reports onnxruntime's error
+        return None
+    return dict(zip(evaluator.output_names, values, strict=True))
 
 
 def _number(x: float) -> str:
@@ -611,6 +652,12 @@ def print_result(console: Console, result: VerifyResult) -> None:
             verdict,
         )
     console.print(table)
+    if result.fallback:
+        console.print(
+            f"{result.reference} computed by onnx's reference evaluator ({result.fallback})",
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(describe_feeds(result.feeds, result.plans), markup=False, soft_wrap=True)
     tol = result.tolerance
     why = "given" if tol.numerics == "given" else f"{tol.numerics} passes fired"

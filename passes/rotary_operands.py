@@ -12,8 +12,9 @@ onnxruntime at any batch above 1.
 Spreading the operand with ``Expand`` to x's batch and sequence is what broadcasting does, and
 Expand fails on exactly the sizes broadcasting fails on, so the result is the op's own at every
 input, in the shape its kernel takes. Only the sizes not provably x's are spread (the target
-has 1 elsewhere); each is read from its farthest copy (the graph input it comes from), so the
-layers reading one cache share one Expand.
+has 1 elsewhere). Each size is read from the graph input of its name (else its farthest copy),
+so every layer reads one target, and operands computing the same (the exporter computes a Cos
+and a Sin per RotaryEmbedding node) share one Expand.
 """
 
 from __future__ import annotations

@@ -541,8 +541,9 @@ def verify_models(
         )
         reference, reference_path = "original", original
     actual = run_model(optimized, feeds, chosen, failure=VerifyFailed)
-    result = VerifyResult(reference, reference_path, optimized, chosen, tolerance, feeds, plans)
-    result.fallback = fallback
+    result = VerifyResult(
+        reference, reference_path, optimized, chosen, tolerance, feeds, plans, fallback=fallback
+    )
     result.checks = pair_outputs(expected, actual, tolerance)
     return result
 

@@ -1480,6 +1480,25 @@ def test_context_gated_per_head_is_read_split_back(exporter: str, tmp_path: Path
     assert run.op_counts()["Softmax"] == 0
 
 
+@pytest.mark.parametrize("model", ["lfm3_ts17", "lfm2_ts17"])
+def test_per_head_norms_as_the_opset_23_op_keep_the_heads_known(model: str, tmp_path: Path) -> None:
+    """LFM2 and LFM3 norm q and k per head. Converted to opset 23 (onnx's version converter),
+    those norms fuse to the standard RMSNormalization on [B, S, N, H], whose output TorchScript's
+    run-time head split leaves without static sizes: the head count and size are read through
+    it as through any op that keeps its input's shape (attention 0/2 and 0/1 before)."""
+    from onnx import version_converter
+
+    source = tmp_path / f"{model}_23.onnx"
+    original = onnx.load(str(fixture_path(f"arch/{model}")))
+    onnx.save(version_converter.convert_version(original, 23), str(source))
+    run = optimize_checked(source, tmp_path)
+    # LFM2's heads of 8 are no GroupQueryAttention's (multiples of 16): MultiHeadAttention's
+    fusion, layers = {"lfm3_ts17": (GQA, 2), "lfm2_ts17": (MHA, 1)}[model]
+    assert run.counts(fusion) == (layers, layers)
+    assert run.report["coverage"]["attention"] == {"fused": layers, "total": layers, "unfused": []}
+    assert run.op_counts()["RMSNormalization"] >= 2 * layers  # the per-head q and k norms
+
+
 def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
     """Dynamo transposes K by folding [B, N, L, H] to [B*N, L, H], swapping the last two and
     unfolding. With layer 0's fold target reordered ([L, B*N, H]: the same count, other

@@ -132,6 +132,9 @@ _SAME_SHAPE = frozenset(
     # point are outputs 1 and 2)
     | {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 )
+# Ops whose first output has their first input's shape beyond the element-wise ones: the norms
+# (onnxruntime's contrib RotaryEmbedding too, the one contrib op axis_size reads through).
+_SHAPE_KEEPING = frozenset({"LayerNormalization", "RMSNormalization", "RotaryEmbedding"})
 # Matrix products: MatMulInteger's inputs 2 and 3 are zero points, not operands.
 _MATMULS = frozenset({"MatMul", "MatMulInteger"})
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Pow"})
@@ -154,7 +157,7 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     if node.domain not in ("", "ai.onnx") and not (contrib and op == "RotaryEmbedding"):
         return None
     inputs = [v for v in node.inputs if v is not None]
-    same = (op in _SAME_SHAPE or op == "RotaryEmbedding") and value is node.outputs[0]
+    same = (op in _SAME_SHAPE or op in _SHAPE_KEEPING) and value is node.outputs[0]
     if shape is None and (same or op == "Slice") and inputs:
         shape = ctx.shape(inputs[0])  # these keep their input's rank
     if shape is None or not -len(shape) <= axis < len(shape):
@@ -754,10 +757,6 @@ def size_sources(ctx: PassContext, value: ir.Value, axis: int) -> list[tuple[ir.
         node = value.producer()
         source = None if node is None else _copied_axis(ctx, node, value, axis, len(shape))
     return chain
-
-
-# Ops whose first output has their first input's shape (beyond the element-wise ones).
-_SHAPE_KEEPING = frozenset({"LayerNormalization", "RMSNormalization", "RotaryEmbedding"})
 
 
 def _copied_axis(

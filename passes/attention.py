@@ -1155,9 +1155,23 @@ def _expanded_rows(
     return expand.outputs[0], [*nodes, target, expand]
 
 
+def _uncast(bias: ir.Value) -> tuple[ir.Value, ir.DataType | None]:
+    """The value behind a Cast of the bias (its promotion to the type the op computes in) and
+    the type cast to; the bias itself and None where it is no Cast."""
+    cast = producer_of(bias, "Cast")
+    if cast is None or cast.inputs[0] is None:
+        return bias, None
+    return cast.inputs[0], ir.DataType(cast.attributes.get_int("to", 0))
+
+
 def _bias_values(bias: ir.Value) -> list[np.ndarray] | None:
     """Every value the additive bias can hold, when known: a constant, or the constant
-    branches of Where(c, a, b) (how exporters build padding masks)."""
+    branches of Where(c, a, b) (how exporters build padding masks), either possibly cast to
+    another float type (a float16 mask promoted with the scores)."""
+    source, to = _uncast(bias)
+    if to is not None:
+        values = _bias_values(source)
+        return None if values is None else [v.astype(to.numpy()) for v in values]
     array = constant_value(bias)
     if array is not None:
         return [array]
@@ -1197,7 +1211,7 @@ def _clamped(
     if len(branches) == 1:
         shared[bias] = (branches[0],)
         return branches[0], []
-    where = producer_of(bias, "Where")
+    where = producer_of(_uncast(bias)[0], "Where")  # the branches are the cast's type already
     assert where is not None
     select = ir.node("Where", [where.inputs[0], *branches])
     typed(select.outputs[0], bias.dtype, bias.shape)

@@ -98,3 +98,25 @@ def test_kv_cache_left_to_multi_head_attention(tmp_path: Path) -> None:
     assert len(got) == 5  # last_hidden_state and the present key/value of both layers
     for expected, actual in zip(want, got, strict=True):
         np.testing.assert_allclose(actual, expected, atol=1e-4, rtol=1e-3)
+
+
+# A float16 mask promoted with the scores: the standard op's mask is the promoted (Cast) mask,
+# whose values are the float16 branches' cast to float32 (none near -FLT_MAX: no clamp).
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_a_promoted_half_precision_mask_at_opset_23(target: str, tmp_path: Path) -> None:
+    """XLM (dynamo, float16) adds its mask in float16 and promotes the scores to float32 for
+    the Softmax. Converted to opset 23 (onnx's version converter), the standard op takes that
+    mask promoted; reading its values failed on the Cast (an internal error, the pass lost)."""
+    from onnx import version_converter
+
+    upgraded = tmp_path / "xlm_fp16_opset23.onnx"
+    original = onnx.load(str(fixture_path("xlm_dynamo_fp16")))
+    onnx.save(version_converter.convert_version(original, 23), str(upgraded))
+    run = optimize_checked(upgraded, tmp_path, "--target", target, atol=1e-2)
+    assert run.counts(ATTENTION) == (2, 2)
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    graph = onnx.load(str(run.output)).graph
+    made = {output: node for node in graph.node for output in node.output}
+    masks = {node.input[3] for node in _attention_nodes(run.output)}
+    assert [made[mask].op_type for mask in masks] == ["Cast"]  # one promoted mask, not clamped
+    assert run.op_counts()["Softmax"] == 0

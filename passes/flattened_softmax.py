@@ -68,7 +68,8 @@ class FlattenedSoftmaxCanonicalizationPass(FusionPass):
         if shape is None:
             return "the flattened tensor's rank is unknown"
         rank = len(shape)
-        if flatten.attributes.get_int("axis", 1) % max(rank, 1) != rank - 1 or rank < 2:
+        axis = flatten.attributes.get_int("axis", 1)
+        if rank < 2 or (axis + rank if axis < 0 else axis) != rank - 1:
             return "the Flatten keeps more than the last axis in a row: a softmax over several axes"
         if softmax.attributes.get_int("axis", -1) not in (1, -1):
             return "the softmax is not along the flattened rows"
@@ -82,9 +83,7 @@ class FlattenedSoftmaxCanonicalizationPass(FusionPass):
             or softmax.outputs[0].is_graph_output()
             or target is None
             or target.inputs[0] is not x
-            or any(key not in ("start", "end") for key in target.attributes)
-            or target.attributes.get_int("start", 0) != 0
-            or target.attributes.get_int("end", rank) % (rank + 1) != rank % (rank + 1)
+            or not _whole_shape(target, rank)
         ):
             return "the softmax's result is not viewed back to the flattened tensor's shape"
         direct = ir.node(softmax.op_type, [x], attributes={"axis": -1})
@@ -95,3 +94,14 @@ class FlattenedSoftmaxCanonicalizationPass(FusionPass):
         outputs = [back.outputs[0]]
         replace_subgraph(ctx, self.pattern, softmax, old, [direct], outputs, direct.outputs)
         return None
+
+
+def _whole_shape(shape: ir.Node, rank: int) -> bool:
+    """Whether Shape(x, start, end) reads every one of x's ``rank`` sizes (negative bounds
+    count from the end, bounds past it are clamped)."""
+
+    def bound(name: str, default: int) -> int:
+        value = shape.attributes.get_int(name, default)
+        return min(max(value + rank if value < 0 else value, 0), rank)
+
+    return bound("start", 0) == 0 and bound("end", rank) == rank

@@ -993,8 +993,8 @@ def _bias(ctx: PassContext, match: _Attention) -> tuple[list[ir.Value], str | No
 
 def _rank(ctx: PassContext, value: ir.Value | None) -> int | None:
     """The value's rank where inferred and at most 4 (what attention_bias can broadcast)."""
-    shape = ctx.shape(value) if value is not None else None
-    return len(shape) if shape is not None and len(shape) <= 4 else None
+    rank = ctx.rank(value)
+    return rank if rank is not None and rank <= 4 else None
 
 
 def _bias_source(node: ir.Node) -> ir.Value:

@@ -75,7 +75,7 @@ class RotaryOperandExpandCanonicalizationPass(NodeByNodePass):
         positions = rotary.inputs[_POSITIONS] if len(rotary.inputs) > _POSITIONS else None
         slots = [_POSITIONS] if positions is not None else [_COS, _SIN]
         rank = 2 if positions is not None else 3
-        if any(_rank(ctx, rotary.inputs[slot]) not in (rank, None) for slot in slots):
+        if any(ctx.rank(rotary.inputs[slot]) not in (rank, None) for slot in slots):
             return None  # not the op's form: onnxruntime says so itself
         graph: ir.Graph = rotary.graph  # type: ignore[assignment]
         parts = self._sizes(ctx, graph, x, shape, rotary.inputs[slots[0]], rank)  # type: ignore[arg-type]
@@ -137,11 +137,6 @@ class RotaryOperandExpandCanonicalizationPass(NodeByNodePass):
         if parts == [1, 1]:
             return None
         return parts + [1] * (rank - 2)
-
-
-def _rank(ctx: PassContext, value: ir.Value | None) -> int | None:
-    shape = ctx.shape(value) if value is not None else None
-    return len(shape) if shape is not None else None
 
 
 def _key(part: Part) -> object:

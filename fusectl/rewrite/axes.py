@@ -19,7 +19,7 @@ from fusectl.rewrite.graph import (
     transpose_perm,
 )
 from fusectl.rewrite.shapes import named
-from fusectl.rewrite.sizes import Size, product, quotient
+from fusectl.rewrite.sizes import Size, of_dim, product, quotient
 
 MS = "com.microsoft"
 _INT64_MAX = np.iinfo(np.int64).max
@@ -658,10 +658,8 @@ def symbolic_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 48)
         return None
     axis %= len(shape)
     dim = shape[axis]
-    if isinstance(dim, int):
-        return dim, ()
-    if named(dim):
-        return 1, (str(dim.value),)
+    if isinstance(dim, int) or named(dim):
+        return of_dim(dim)
     if value.is_graph_input():  # a size nothing names but the input it is given with
         return 1, (input_axis_name(value, axis),)
     key = (value, axis)
@@ -727,10 +725,8 @@ def _traced_size(
     chain = size_sources(ctx, value, axis)
     for source, index in chain[1:]:
         found = ctx.shape(source)[index]  # type: ignore[index]
-        if isinstance(found, int):
-            return found, ()
-        if named(found):
-            return 1, (str(found.value),)
+        if isinstance(found, int) or named(found):
+            return of_dim(found)
     return symbolic_size(ctx, *chain[-1], depth - 1) if len(chain) > 1 else None
 
 

@@ -281,6 +281,11 @@ class PassContext:
         """The value's shape, inferring shapes for the whole graph once if it is unknown."""
         return self.shapes.shape(value) if self.shapes is not None else value.shape
 
+    def rank(self, value: ir.Value | None) -> int | None:
+        """The value's rank, where its shape is known (an absent optional input: None)."""
+        shape = self.shape(value) if value is not None else None
+        return len(shape) if shape is not None else None
+
     def dtype(self, value: ir.Value) -> ir.DataType | None:
         """The value's element type, inferred like shape() when the file does not say."""
         return self.shapes.dtype(value) if self.shapes is not None else value.dtype

@@ -21,7 +21,7 @@ from onnx_ir.passes.common import _c_api_utils
 from fusectl.errors import FusectlError
 from fusectl.rewrite.contrib_inference import contrib_schemas
 from fusectl.rewrite.graph import attribute_graphs, constant_value
-from fusectl.rewrite.sizes import Size, product, quotient
+from fusectl.rewrite.sizes import of_dim, product, quotient
 
 logger = logging.getLogger("fusectl")
 
@@ -750,18 +750,12 @@ def _target_element(
 def _quotient(data: list[int | ir.SymbolicDim], kept: list[int | ir.SymbolicDim]) -> int | None:
     """The static size left when the ``kept`` sizes divide the ``data`` sizes' product (names
     cancel one for one); None where a name is left over or a size does not divide."""
-    sizes = [[_as_size(dim) for dim in dims] for dims in (data, kept)]
+    sizes = [[of_dim(dim) for dim in dims] for dims in (data, kept)]
     if any(size is None for dims in sizes for size in dims):
         return None
     total, known = (functools.reduce(product, dims, (1, ())) for dims in sizes)
     left = quotient(total, known)
     return left[0] if left is not None and not left[1] else None
-
-
-def _as_size(dim: int | ir.SymbolicDim) -> Size | None:
-    if isinstance(dim, int):
-        return dim, ()
-    return (1, (dim.value,)) if dim.value else None
 
 
 def _renamed(shape: ir.Shape | None, same: dict[str, int | ir.SymbolicDim]) -> ir.Shape | None:

@@ -8,6 +8,15 @@ from __future__ import annotations
 Size = tuple[int, tuple[str, ...]]
 
 
+def of_dim(dim: object) -> Size | None:
+    """A shape's dimension as a Size: a static size, or a symbol by its name (None for an
+    unknown or unnamed one). Callers choose which names count (made-up ones may not)."""
+    if isinstance(dim, int):
+        return dim, ()
+    name = getattr(dim, "value", None)
+    return (1, (str(name),)) if name else None
+
+
 def product(a: Size | None, b: Size | None) -> Size | None:
     if a is None or b is None:
         return None

@@ -583,6 +583,30 @@ def test_a_section_measured_elsewhere_applies_with_a_warning(
     assert run.op_counts()["SkipLayerNormalization"] == 0
 
 
+@pytest.mark.parametrize("here_decides", [UNFUSED, FUSED])
+def test_the_section_of_this_cpu_decides_among_several(
+    tuned: tuple[Path, Any], tmp_path: Path, here_decides: str
+) -> None:
+    """A repository measured on several CPUs (the shipped one is) decides by the section of
+    this machine's CPU, wherever it stands in the file, and without a warning."""
+    here = json.loads(
+        with_decision(tuned[0], tmp_path / "here.json", SKIP_LN, decision=here_decides).read_text()
+    )["sections"][0]
+    elsewhere = json.loads(json.dumps(here))
+    elsewhere["device"] = "a CPU no machine has"
+    for site in elsewhere["sites"].values():
+        if site["pass"] == SKIP_LN:
+            site["decision"] = FUSED if here_decides == UNFUSED else UNFUSED
+    document = json.loads(tuned[0].read_text())
+    document["sections"] = [here, elsewhere]  # the other CPU's last: not taken by position
+    repository = tmp_path / "two_cpus.json"
+    repository.write_text(json.dumps(document))
+    run = optimize(BERT, tmp_path, "--repository", repository)
+    assert "measured on" not in run.stderr
+    assert run.op_counts()["SkipLayerNormalization"] == (0 if here_decides == UNFUSED else 4)
+    assert run.passed(SKIP_LN)["repository_hits"] == 4
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -635,19 +659,22 @@ def test_missing_repository_unknown_provider_and_repository_over_the_input(tmp_p
 
 def test_the_shipped_repository_and_its_provenance() -> None:
     shipped = load_repository(shipped_path())
-    (section,) = (s for s in shipped.sections if s.provider == "CPUExecutionProvider")
-    assert section.onnxruntime and section.device and section.measured and section.models
-    unfused = {entry["pass"] for entry in section.sites.values() if entry["decision"] == UNFUSED}
-    assert SKIP_LN in unfused  # onnxruntime's CPU SkipLayerNormalization is the slow kernel
+    sections = [s for s in shipped.sections if s.provider == "CPUExecutionProvider"]
+    # One section per CPU it was measured on (an AMD EPYC and an Intel Xeon).
+    assert len({section.device for section in sections}) == len(sections) == 2
     listing = run_cli("passes")
     assert listing.exit_code == 0
-    assert f"  {section.provenance}: {len(section.sites)} site class(es) measured" in (
-        listing.stdout
-    )
     catalogue = json.loads(run_cli("passes", "--json").stdout)
     (skip,) = (entry for entry in catalogue if entry["name"] == SKIP_LN)
-    assert skip["repository"][0]["provenance"] == section.provenance
-    assert skip["repository"][0]["unfused"]
+    verdicts = {verdict["provenance"]: verdict for verdict in skip["repository"]}
+    for section in sections:
+        assert section.onnxruntime and section.device and section.measured and section.models
+        unfused = {e["pass"] for e in section.sites.values() if e["decision"] == UNFUSED}
+        assert SKIP_LN in unfused  # onnxruntime's CPU SkipLayerNormalization is the slow kernel
+        assert f"  {section.provenance}: {len(section.sites)} site class(es) measured" in (
+            listing.stdout
+        )
+        assert verdicts[section.provenance]["unfused"]
 
 
 CUDA_GQA_REFUSALS = {

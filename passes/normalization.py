@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from fusectl.rewrite.axes import same_dim, size_sources, symbolic_size
-from fusectl.rewrite.graph import constant_value, node_axes
+from fusectl.rewrite.graph import constant_value, drawn_from, node_axes
 from fusectl.rewrite.patterns import Decline, PatternPass, Rule, Site
 from fusectl.rewrite.registry import Category, Numerics, PassSpec, register_pass
 
@@ -1001,38 +1001,11 @@ def _embed_written_fixed(op, ids, word, segment, segment_ids, positions, eps, ga
     return _decomposed(op, total, eps, gamma, beta, two)
 
 
-_DATA_MOVEMENT = frozenset(
-    {
-        "Expand",
-        "GatherElements",
-        "Gather",
-        "Slice",
-        "Reshape",
-        "Unsqueeze",
-        "Squeeze",
-        "Cast",
-        "Identity",
-    }
-)
-
-
 def _all_zeros(value: ir.Value | None) -> bool:
     """Whether every element is a zero taken from an all-zero constant by data movement, or
     filled in by ConstantOfShape with zero (transformers' default token types, TorchScript)."""
-    for _ in range(8):
-        if value is None:
-            return False
-        array = constant_value(value)
-        if array is not None:
-            return not np.any(array)
-        producer = value.producer()
-        if producer is not None and producer.op_type == "ConstantOfShape":
-            fill = producer.attributes.get("value")
-            return fill is None or not np.any(fill.as_tensor().numpy())
-        if producer is None or producer.op_type not in _DATA_MOVEMENT:
-            return False
-        value = producer.inputs[0]
-    return False
+    source = drawn_from(value)
+    return source is not None and not np.any(source)
 
 
 def _is_arange(site: Site, value: ir.Value) -> bool:

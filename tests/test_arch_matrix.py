@@ -113,6 +113,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "mpt_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "nanochat_dynamo": ((2, 10, 10, 0, 4), (2, 10, None, 0, 4)),
     "nanochat_ts17": ((2, 10, 10, 0, 4), (2, 10, None, 0, 4)),
+    "openai_gpt_dynamo": ((2, 4, 4, 2, 0), (2, 4, None, 2, 0)),
+    "openai_gpt_ts17": ((2, 4, 4, 2, 0), (2, 4, None, 2, 0)),
     "openai_privacy_filter_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "openai_privacy_filter_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "phi3_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),

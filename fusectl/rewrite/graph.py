@@ -55,6 +55,38 @@ def constant_scalar(value: ir.Value | None) -> float | None:
     return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
+# Ops whose output elements are some of their first input's (copied, repeated, rearranged) or,
+# for Cast, each of them converted.
+_TAKES_ELEMENTS = frozenset(
+    {"Expand", "GatherElements", "Gather", "Slice", "Reshape", "Unsqueeze", "Squeeze", "Cast"}
+    | {"Identity", "Transpose", "Flatten"}
+)
+
+
+def drawn_from(value: ir.Value | None, *, depth: int = 8) -> np.ndarray | None:
+    """The constant whose elements are all ``value`` has, each possibly converted by a Cast:
+    ``value`` taken from it by ops that only move elements (a Slice of a constant sized at run
+    time, an Expand of one), or filled by ConstantOfShape (its fill). Whatever the sizes are,
+    a property every element of the constant has that a conversion keeps (zero; zero or one)
+    holds for ``value``."""
+    for _ in range(depth):
+        if value is None:
+            return None
+        array = constant_value(value)
+        if array is not None:
+            return array
+        producer = value.producer()
+        if producer is None or producer.domain not in DEFAULT_DOMAINS:
+            return None
+        if producer.op_type == "ConstantOfShape":
+            fill = producer.attributes.get("value")
+            return np.zeros(1, np.float32) if fill is None else fill.as_tensor().numpy()
+        if producer.op_type not in _TAKES_ELEMENTS:
+            return None
+        value = producer.inputs[0]
+    return None
+
+
 def element_count(tensor: ir.TensorProtocol) -> int:
     """How many elements a tensor holds, from the stored dimensions where it is still a
     protobuf (onnx-ir's ``size`` builds the shape first: 8 µs a tensor, 0.2 s over the 23k

@@ -667,13 +667,18 @@ def test_the_shipped_repository_and_its_provenance() -> None:
     catalogue = json.loads(run_cli("passes", "--json").stdout)
     (skip,) = (entry for entry in catalogue if entry["name"] == SKIP_LN)
     verdicts = {verdict["provenance"]: verdict for verdict in skip["repository"]}
+    taken, _ = shipped.section("CPUExecutionProvider")
     for section in sections:
         assert section.onnxruntime and section.device and section.measured and section.models
         unfused = {e["pass"] for e in section.sites.values() if e["decision"] == UNFUSED}
         assert SKIP_LN in unfused  # onnxruntime's CPU SkipLayerNormalization is the slow kernel
-        assert f"  {section.provenance}: {len(section.sites)} site class(es) measured" in (
-            listing.stdout
-        )
+        (line,) = [
+            line
+            for line in listing.stdout.splitlines()
+            if line.startswith(f"  {section.provenance}: {len(section.sites)} site class(es)")
+        ]
+        # the section this machine's CPU takes is marked, and only that one
+        assert line.endswith("; the one this machine takes") == (section is taken)
         assert verdicts[section.provenance]["unfused"]
 
 

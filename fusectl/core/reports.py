@@ -233,11 +233,17 @@ def repository_lines(repository: Repository) -> list[str]:
     if not repository.sections:
         return [f"Knowledge repository {repository.label}: empty"]
     lines = [f"Knowledge repository {repository.label}"]
+    # Of several sections for a provider (one per CPU or GPU measured), the one this machine
+    # takes (Repository.section) is marked.
+    taken = {
+        p: repository.section(p)[0] for p in dict.fromkeys(s.provider for s in repository.sections)
+    }
     for section in repository.sections:
         unfused = [v for v in section.sites.values() if v["decision"] in KEPT_UNFUSED]
+        here = "; the one this machine takes" if taken[section.provider] is section else ""
         lines.append(
             f"  {section.provenance}: {len(section.sites)} site class(es) measured, "
-            f"{len(unfused)} kept unfused as slower (or not run there)"
+            f"{len(unfused)} kept unfused as slower (or not run there){here}"
         )
         if section.models:
             lines.append(f"  measured on: {', '.join(section.models)}")

@@ -91,6 +91,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "granite_swa_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "imagegpt_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "imagegpt_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "inkling_text_dynamo": ((2, 10, 10, 3, 0), (2, 10, None, 3, 0)),
+    "inkling_text_ts17": ((2, 10, 10, 3, 0), (2, 10, None, 3, 0)),
     "levit_dynamo": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "levit_ts17": ((5, 0, 0, 0, 0), (5, 0, None, 0, 0)),
     "lfm2_dynamo": ((1, 7, 7, 2, 2), (1, 7, None, 2, 2)),

@@ -1499,6 +1499,21 @@ def test_per_head_norms_as_the_opset_23_op_keep_the_heads_known(model: str, tmp_
     assert run.op_counts()["RMSNormalization"] >= 2 * layers  # the per-head q and k norms
 
 
+def test_heads_counted_through_sizes_inference_left_unnamed(tmp_path: Path) -> None:
+    """Inkling's TorchScript export adds to its key projection a short convolution of that
+    projection masked by attention_mask[:, -S:], a Slice with a run-time start that onnx's
+    inference gives no sizes: the sum is [?, ?, 32] to inference, and the head split's -1 was
+    not counted (attention 0/2: "the number of heads or the head size of the query or key is
+    unknown"). Each size traced to what it is ([batch, sequence, 32]), the -1 is 2 heads."""
+    model = fixture_path("arch/inkling_text_ts17")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    for batch, length in ((1, 1), (2, 8), (3, 13)):  # the last row padded (named_dim_feeds)
+        feeds = named_dim_feeds(model, {"batch": batch, "sequence": length})
+        compare_on_feeds(model, run.output, feeds)
+
+
 def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
     """Dynamo transposes K by folding [B, N, L, H] to [B*N, L, H], swapping the last two and
     unfolding. With layer 0's fold target reordered ([L, B*N, H]: the same count, other

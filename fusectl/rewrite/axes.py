@@ -209,8 +209,8 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         element = shape_element(ctx, inputs[1], axis, max(depth, 8))
         if element == 0 and not node.attributes.get_int("allowzero", 0):
             return axis_size(ctx, inputs[0], axis, depth - 1)
-        if element == -1:
-            return inferred_dimension(ctx, node)
+        if element == -1:  # an axis size is all it answers: the sizes may also be traced
+            return inferred_dimension(ctx, node) or _traced_count(ctx, node)
         return element if element is not None and element > 0 else None
     return None
 
@@ -435,6 +435,36 @@ def _counted_dimension(
         return None
     total = int(np.prod(remaining, dtype=np.int64))
     return total // known if known and total % known == 0 else None
+
+
+def _traced_count(ctx: PassContext, reshape: ir.Node) -> int | None:
+    """A Reshape's -1 by the element count, every size traced (symbolic_size) where shape
+    inference left it unnamed: a key projection plus a short convolution of itself (Inkling's
+    TorchScript export) has [?, ?, 32] from inference, [batch, sequence, 32] traced. For the
+    axis proofs only: ReshapeTargetCanonicalizationPass writes what inferred_dimension counts
+    into the graph, from the sizes inference gives."""
+    data, source = reshape.inputs[0], ctx.shape(reshape.inputs[0])
+    parts = target_parts(ctx, reshape.inputs[1])
+    if source is None or parts is None or parts.count(-1) != 1:
+        return None
+    rank = len(source)
+    total: Size | None = (1, ())
+    for axis in range(rank):
+        total = product(total, symbolic_size(ctx, data, axis))  # type: ignore[arg-type]
+    copying_zero = not reshape.attributes.get_int("allowzero", 0)
+    known: Size | None = (1, ())
+    for index, part in enumerate(parts):
+        if part == -1:
+            continue
+        if part == 0 and copying_zero and index < rank:
+            size = symbolic_size(ctx, data, index)  # type: ignore[arg-type]
+        elif isinstance(part, tuple):
+            size = symbolic_size(ctx, *part)
+        else:
+            size = (part, ()) if part > 0 else None
+        known = product(known, size)
+    left = quotient(total, known)
+    return left[0] if left is not None and not left[1] else None
 
 
 def target_parts(ctx: PassContext, target: ir.Value, depth: int = 4) -> list | None:

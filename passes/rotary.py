@@ -36,7 +36,9 @@ proof goes through (repeat_interleave lowered to NonZero + GatherND), read from 
 evaluated on random positions at two probe sizes (``_repeats_on_samples``); and which axis
 of x their rows run along, from how they broadcast against it. Either rotation goes with either
 layout: heads transposed to [B, N, S, H] (RotaryEmbedding on the projection before their head
-split, or on the 4-D heads) or not, [B, S, N, H] (GPT-J: merged to [B, S, N*H] around it).
+split, or on the 4-D heads) or not, [B, S, N, H] (GPT-J: merged to [B, S, N*H] around it), and
+rotate_half also on heads with no batch axis, [S, N, H] (a VLM vision tower's patches of all
+images as one sequence: merged to [1, S, N*H] around it).
 """
 
 from __future__ import annotations
@@ -182,11 +184,10 @@ def _rotate_half_of(
     H/2:], Neg(x[..., :H/2])), the nodes doing it and whether it is negated. The halves are
     read by which elements they hold (two Slices, a Split, Gathers), not by the op."""
     concat = producer_of(value, "Concat")
-    if (
-        concat is None
-        or len(concat.inputs) != 2
-        or concat.attributes.get_int("axis") not in (-1, 3)
-    ):
+    if concat is None or len(concat.inputs) != 2:
+        return None
+    joined, rank = concat.attributes.get_int("axis"), len(ctx.shape(value) or ())
+    if joined not in (-1, 3) and not (rank == 3 and joined == 2):
         return None
     signed = _one_negated(*concat.inputs)
     if signed is None:
@@ -210,11 +211,14 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
     for direct, rotated in (products, products[::-1]):
         for x, cos in (direct.inputs, direct.inputs[::-1]):
             shape = ctx.shape(x)
-            if shape is None or len(shape) != 4 or not isinstance(shape[3], int):
+            if shape is None or len(shape) not in (3, 4) or not isinstance(shape[-1], int):
                 continue
             for half_turn, sin in (rotated.inputs, rotated.inputs[::-1]):
-                halves = _rotate_half_of(ctx, half_turn, int(shape[3]))
-                pairs = None if halves is not None else _rotate_every_two_of(ctx, half_turn)
+                halves = _rotate_half_of(ctx, half_turn, int(shape[-1]))
+                four_d = len(shape) == 4  # rotate_every_two reads 4-D heads
+                pairs = None
+                if halves is None and four_d:
+                    pairs = _rotate_every_two_of(ctx, half_turn)
                 for found, interleaved in ((halves, False), (pairs, True)):
                     if found is not None and found[0] is x:
                         nodes = [add, direct, rotated, *found[1]]
@@ -602,15 +606,20 @@ class RotaryEmbeddingFusionPass(FusionPass):
     ) -> str | None:
         shape = ctx.shape(match.x)
         assert shape is not None
-        head_size = int(shape[3])
+        head_size = int(shape[-1])
+        # [S, N, H] with no batch axis (a VLM vision tower's tokens of all images, one
+        # sequence): read as [1, S, N, H], heads not transposed.
+        packed = len(shape) == 3
         kind = PAIRS if match.interleaved else HALVES
         width = head_size
         if match.once:  # each angle once: the whole last axis is the cache, as a first half is
             kind, width = HALVES, head_size // 2
         # x [B, N, S, H] split into heads by Reshape + Transpose: the positions are its axis 2.
-        split = head_split(ctx, match.x)
+        split = None if packed else head_split(ctx, match.x)
         x_dims = _dims(ctx, match.x)  # traced as the tables' are: the batch by its name
         assert x_dims is not None
+        if packed:
+            x_dims = [1, *x_dims]
         placements = set()
         for angles in (match.cos, match.sin):
             if not match.once and not (
@@ -630,7 +639,7 @@ class RotaryEmbeddingFusionPass(FusionPass):
             return "cos and sin run along different axes of the input"
         # [B, S, N, H] heads not transposed: merged to [B, S, N*H] around the rotary.
         merging = placement.axis == 1
-        head_count = axis_size(ctx, match.x, 2) if merging else None
+        head_count = axis_size(ctx, match.x, 1 if packed else 2) if merging else None
         if merging and head_count is None:
             return "the number of heads of the rotary's [B, S, N, H] input is unknown"
         dtype = ctx.dtype(match.x)
@@ -659,7 +668,8 @@ class RotaryEmbeddingFusionPass(FusionPass):
                 rows_shape = (ctx.shape(cos_table)[0], head_size // 2)  # type: ignore[index]
             else:
                 cos_table, sin_table = match.cos, match.sin
-                rows_shape = (_cache_rows(placement, shape[0]), head_size // 2)
+                batch = 1 if packed else shape[0]
+                rows_shape = (_cache_rows(placement, batch), head_size // 2)
                 if placement.per_batch:
                     id_nodes, positions = _batch_row_positions(ctx, match.cos, placement, label)
                 else:
@@ -677,17 +687,22 @@ class RotaryEmbeddingFusionPass(FusionPass):
             graph = match.root.graph
             assert graph is not None
             assert head_count is not None
-            targets = {
-                "merged": [0, 0, head_count * head_size],
-                "split": [0, 0, head_count, head_size],
+            width = head_count * head_size
+            targets = {  # [S, N, H] <-> [1, S, N*H] where packed
+                "merged": [1, -1, width] if packed else [0, 0, width],
+                "split": [-1, head_count, head_size] if packed else [0, 0, head_count, head_size],
             }
+            layout = "packed_" if packed else ""
             merge, back = (
-                _shared_constant(graph, f"{ctx.spec.name}/{name}_{head_count}x{head_size}", t)
-                for name, t in targets.items()
+                _shared_constant(
+                    graph, f"{ctx.spec.name}/{name}_{layout}{head_count}x{head_size}", target
+                )
+                for name, target in targets.items()
             )
             merged = ir.node("Reshape", [match.x, merge])
             new_nodes.append(merged)
-            merged_shape = ir.Shape([shape[0], shape[1], head_count * head_size])
+            leading = [1, shape[0]] if packed else [shape[0], shape[1]]
+            merged_shape = ir.Shape([*leading, width])
             source = typed(merged.outputs[0], ctx.dtype(match.x), merged_shape)
             attributes["num_heads"] = head_count
         rotary = ir.node(

@@ -1290,3 +1290,78 @@ def test_rotation_pair_by_pair_by_one_angle_is_declined(tmp_path: Path) -> None:
     reason = "cos / sin do not have half the head size as their last axis"
     assert_declined(run, ROTARY, reason, "q_out")
     _compare(model, run, batch=3, seq=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads with no batch axis: a VLM vision tower's patches of all images as one sequence.
+# ---------------------------------------------------------------------------------------------
+
+QWEN3_VL_VISION = fixture_path("qwen3_vl_vision_ts17")
+
+
+def test_vision_tower_rotates_packed_heads(tmp_path: Path) -> None:
+    """Qwen3-VL's vision tower (TorchScript; tests/fixtures/make_transformer_fixtures.py)
+    rotates q and k as [patches, heads, head size], no batch axis, by the standard rotate_half
+    (0/4 before: the pass took 4-D heads only). Each becomes RotaryEmbedding on [1, S, N*H],
+    and both attentions fuse."""
+    run = optimize_checked(QWEN3_VL_VISION, tmp_path)
+    assert run.counts(ROTARY) == (4, 4)
+    coverage = run.report["coverage"]
+    assert coverage["rotary"] == {"fused": 4, "total": 4, "unfused": []}
+    assert coverage["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    assert (run.op_counts()["RotaryEmbedding"], run.op_counts()["Neg"]) == (4, 0)
+    for seed in (1, 2):
+        compare_on_feeds(QWEN3_VL_VISION, run.output, random_feeds(QWEN3_VL_VISION, seed=seed))
+
+
+def _packed(path: Path, *, per_head: bool = False) -> Path:
+    """x_out = x * cos + rotate_half(x) * sin for x [S, N, H] with no batch axis, cos / sin
+    [S, 1, H] from positions [S]; with ``per_head`` scaled per head ([S, N, H])."""
+    suffix = "_shared" if per_head else ""
+    nodes = [
+        _n("Cast", ["pos"], "pos_f", to=TensorProto.FLOAT),
+        _n("Unsqueeze", ["pos_f", "axis1"], "pos_2"),  # [S, 1]
+        _n("Mul", ["pos_2", "inv_freq"], "f"),  # [S, H/2]
+        _n("Concat", ["f", "f"], "emb", axis=-1),
+        _n("Cos", ["emb"], "cos_2"),
+        _n("Sin", ["emb"], "sin_2"),
+        _n("Unsqueeze", ["cos_2", "axis1"], f"cos{suffix}"),  # [S, 1, H]
+        _n("Unsqueeze", ["sin_2", "axis1"], f"sin{suffix}"),
+    ]
+    constants = []
+    if per_head:
+        nodes += [
+            _n("Mul", ["cos_shared", "heads"], "cos"),
+            _n("Mul", ["sin_shared", "heads"], "sin"),
+        ]
+        constants.append(const("heads", np.linspace(0.5, 1.5, HEADS).reshape(1, HEADS, 1)))
+    nodes += _rotate("x", axis="axis_last")
+    inputs = [value("x", ["seq", HEADS, HEAD]), value("pos", ["seq"], TensorProto.INT64)]
+    outputs = [value("x_out", ["seq", HEADS, HEAD])]
+    return save_model(path, nodes, inputs, outputs, [*_constants(nodes), *constants])
+
+
+def _packed_feeds(length: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((length, HEADS, HEAD)).astype(np.float32)
+    return {"x": x, "pos": np.arange(length, dtype=np.int64)}
+
+
+def test_packed_heads_rotate_on_the_merged_projection(tmp_path: Path) -> None:
+    model = _packed(tmp_path / "packed.onnx")
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(ROTARY) == (1, 1)
+    (rotary,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    attributes = {a.name: helper.get_attribute_value(a) for a in rotary.attribute}
+    assert attributes == {"interleaved": 0, "num_heads": HEADS}
+    for length in (1, 5, 12):
+        compare_on_feeds(model, run.output, _packed_feeds(length))
+
+
+def test_packed_heads_with_angles_per_head_are_declined(tmp_path: Path) -> None:
+    """cos / sin [S, N, H]: each head rotated by its own angles, which no cache shared by the
+    heads holds."""
+    model = _packed(tmp_path / "per_head.onnx", per_head=True)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert_declined(run, ROTARY, "cos / sin differ per head", "x_out")
+    compare_on_feeds(model, run.output, _packed_feeds(5))

@@ -1314,10 +1314,12 @@ def test_vision_tower_rotates_packed_heads(tmp_path: Path) -> None:
         compare_on_feeds(QWEN3_VL_VISION, run.output, random_feeds(QWEN3_VL_VISION, seed=seed))
 
 
-def _packed(path: Path, *, per_head: bool = False) -> Path:
+def _packed(path: Path, *, per_head: bool = False, along_heads: bool = False) -> Path:
     """x_out = x * cos + rotate_half(x) * sin for x [S, N, H] with no batch axis, cos / sin
-    [S, 1, H] from positions [S]; with ``per_head`` scaled per head ([S, N, H])."""
+    [S, 1, H] from positions [S]; with ``per_head`` scaled per head ([S, N, H]); with
+    ``along_heads`` [1, N, H] from N positions (a row of angles for each head)."""
     suffix = "_shared" if per_head else ""
+    rows_axis = "zero" if along_heads else "axis1"
     nodes = [
         _n("Cast", ["pos"], "pos_f", to=TensorProto.FLOAT),
         _n("Unsqueeze", ["pos_f", "axis1"], "pos_2"),  # [S, 1]
@@ -1325,8 +1327,8 @@ def _packed(path: Path, *, per_head: bool = False) -> Path:
         _n("Concat", ["f", "f"], "emb", axis=-1),
         _n("Cos", ["emb"], "cos_2"),
         _n("Sin", ["emb"], "sin_2"),
-        _n("Unsqueeze", ["cos_2", "axis1"], f"cos{suffix}"),  # [S, 1, H]
-        _n("Unsqueeze", ["sin_2", "axis1"], f"sin{suffix}"),
+        _n("Unsqueeze", ["cos_2", rows_axis], f"cos{suffix}"),  # [S, 1, H] (or [1, N, H])
+        _n("Unsqueeze", ["sin_2", rows_axis], f"sin{suffix}"),
     ]
     constants = []
     if per_head:
@@ -1336,15 +1338,16 @@ def _packed(path: Path, *, per_head: bool = False) -> Path:
         ]
         constants.append(const("heads", np.linspace(0.5, 1.5, HEADS).reshape(1, HEADS, 1)))
     nodes += _rotate("x", axis="axis_last")
-    inputs = [value("x", ["seq", HEADS, HEAD]), value("pos", ["seq"], TensorProto.INT64)]
+    positions = [HEADS] if along_heads else ["seq"]
+    inputs = [value("x", ["seq", HEADS, HEAD]), value("pos", positions, TensorProto.INT64)]
     outputs = [value("x_out", ["seq", HEADS, HEAD])]
     return save_model(path, nodes, inputs, outputs, [*_constants(nodes), *constants])
 
 
-def _packed_feeds(length: int) -> dict[str, np.ndarray]:
+def _packed_feeds(length: int, positions: int | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((length, HEADS, HEAD)).astype(np.float32)
-    return {"x": x, "pos": np.arange(length, dtype=np.int64)}
+    return {"x": x, "pos": np.arange(positions or length, dtype=np.int64)}
 
 
 def test_packed_heads_rotate_on_the_merged_projection(tmp_path: Path) -> None:
@@ -1365,3 +1368,17 @@ def test_packed_heads_with_angles_per_head_are_declined(tmp_path: Path) -> None:
     run = optimize_checked(model, tmp_path, compare=False)
     assert_declined(run, ROTARY, "cos / sin differ per head", "x_out")
     compare_on_feeds(model, run.output, _packed_feeds(5))
+
+
+def test_packed_heads_with_angles_along_their_second_axis_rotate_it(tmp_path: Path) -> None:
+    """cos / sin [1, N, H] against x [S, N, H]: a row of angles for each index of x's second
+    axis. That is RotaryEmbedding's [batch, sequence, H] with one head, on x as it is (no
+    merge), its rows the cache's."""
+    model = _packed(tmp_path / "along_heads.onnx", along_heads=True)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert run.counts(ROTARY) == (1, 1)
+    (rotary,) = [n for n in _graph(run.output).node if n.op_type == "RotaryEmbedding"]
+    assert rotary.input[0] == "x"
+    assert {a.name: helper.get_attribute_value(a) for a in rotary.attribute} == {"interleaved": 0}
+    for length in (1, 5):
+        compare_on_feeds(model, run.output, _packed_feeds(length, positions=HEADS))

@@ -213,9 +213,9 @@ def _match(add: ir.Node, ctx: PassContext) -> _Rotary | None:
             shape = ctx.shape(x)
             if shape is None or len(shape) not in (3, 4) or not isinstance(shape[-1], int):
                 continue
+            four_d = len(shape) == 4  # rotate_every_two reads 4-D heads; rotate_half 3-D too
             for half_turn, sin in (rotated.inputs, rotated.inputs[::-1]):
                 halves = _rotate_half_of(ctx, half_turn, int(shape[-1]))
-                four_d = len(shape) == 4  # rotate_every_two reads 4-D heads
                 pairs = None
                 if halves is None and four_d:
                     pairs = _rotate_every_two_of(ctx, half_turn)

@@ -80,24 +80,22 @@ def _gate(value: ir.Value) -> _Gate | None:
     return _Gate(value, None)
 
 
-def _gates(product: ir.Node) -> list[tuple[_Gate, ir.Value]]:
-    """(the gate, the other factor) for each way a Mul reads as a gated value."""
-    if product.op_type != "Mul" or len(product.inputs) != 2 or None in product.inputs:
-        return []
-    found = []
-    for index, value in enumerate(product.inputs):
-        gate = _gate(value)  # type: ignore[arg-type]
-        if gate is not None:
-            found.append((gate, product.inputs[1 - index]))
-    return found  # type: ignore[return-value]
-
-
 def _factors(product: ir.Node) -> list[tuple[ir.Value, ir.Value]]:
     """(a factor, the other) for each order of a Mul's two operands."""
     if product.op_type != "Mul" or len(product.inputs) != 2 or None in product.inputs:
         return []
     first, second = product.inputs
     return [(first, second), (second, first)]  # type: ignore[list-item]
+
+
+def _gates(product: ir.Node) -> list[tuple[_Gate, ir.Value]]:
+    """(the gate, the other factor) for each way a Mul reads as a gated value."""
+    found = []
+    for factor, other in _factors(product):
+        gate = _gate(factor)
+        if gate is not None:
+            found.append((gate, other))
+    return found
 
 
 def _choice(total: ir.Node) -> tuple[_Gate, ir.Value, ir.Value, list[ir.Node]] | str | None:

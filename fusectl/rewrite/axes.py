@@ -5,6 +5,8 @@ graph computes rather than from one exporter's spelling."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -408,33 +410,9 @@ def _counted_dimension(
     ctx: PassContext, reshape: ir.Node, source: ir.Shape, parts: list
 ) -> int | None:
     """inferred_dimension by the element count, where the symbolic sizes cancel."""
-    copying_zero = not reshape.attributes.get_int("allowzero", 0)
-    remaining: list = list(source)
-    known = 1
-    for index, part in enumerate(parts):
-        if part == -1:
-            continue
-        if part == 0 and copying_zero and index < len(source):
-            size = source[index]
-        elif isinstance(part, tuple):  # a size copied from some value's shape
-            size = read_size(ctx, part)
-        elif part > 0:
-            size = part
-        else:
-            return None
-        if isinstance(size, int):
-            known *= size
-            continue
-        # A symbolic size cancels the data dimension of the same name.
-        named = size is not None and size.value is not None
-        match = next((i for i, d in enumerate(remaining) if named and d == size), None)
-        if match is None:
-            return None
-        remaining[match] = 1
-    if not all(isinstance(dim, int) for dim in remaining):
-        return None
-    total = int(np.prod(remaining, dtype=np.int64))
-    return total // known if known and total % known == 0 else None
+    return _count(
+        reshape, parts, [of_dim(dim) for dim in source], lambda read: of_dim(read_size(ctx, read))
+    )
 
 
 def _traced_count(ctx: PassContext, reshape: ir.Node) -> int | None:
@@ -447,22 +425,32 @@ def _traced_count(ctx: PassContext, reshape: ir.Node) -> int | None:
     parts = target_parts(ctx, reshape.inputs[1])
     if source is None or parts is None or parts.count(-1) != 1:
         return None
-    rank = len(source)
-    total: Size | None = (1, ())
-    for axis in range(rank):
-        total = product(total, symbolic_size(ctx, data, axis))  # type: ignore[arg-type]
+    sizes = [symbolic_size(ctx, data, axis) for axis in range(len(source))]  # type: ignore[arg-type]
+    return _count(reshape, parts, sizes, lambda read: symbolic_size(ctx, *read))
+
+
+def _count(
+    reshape: ir.Node,
+    parts: list,
+    sizes: list[Size | None],
+    read: Callable[[tuple[ir.Value, int]], Size | None],
+) -> int | None:
+    """A Reshape's -1: the data's element count (``sizes``, one per axis) over the target's
+    other parts (a 0 copies the data's size there, a (value, axis) is ``read``), where the
+    symbolic sizes cancel one for one; None where one is unknown or left over."""
     copying_zero = not reshape.attributes.get_int("allowzero", 0)
     known: Size | None = (1, ())
     for index, part in enumerate(parts):
         if part == -1:
             continue
-        if part == 0 and copying_zero and index < rank:
-            size = symbolic_size(ctx, data, index)  # type: ignore[arg-type]
-        elif isinstance(part, tuple):
-            size = symbolic_size(ctx, *part)
+        if part == 0 and copying_zero and index < len(sizes):
+            size = sizes[index]
+        elif isinstance(part, tuple):  # a size copied from some value's shape
+            size = read(part)
         else:
             size = (part, ()) if part > 0 else None
         known = product(known, size)
+    total = functools.reduce(product, sizes, (1, ()))
     left = quotient(total, known)
     return left[0] if left is not None and not left[1] else None
 

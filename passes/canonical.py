@@ -155,8 +155,9 @@ class ReshapeTargetCanonicalizationPass(FusionPass):
         category=Category.GRAPH,
         description="Reshape targets computed from Shape -> Gather -> Concat at run time -> "
         "constant targets, with 0 for a size copied from the same position of the data and "
-        "-1 for the one size left, a -1 already there counted from the element count or "
-        "bounded to 1 (the shape arithmetic goes with them)",
+        "-1 for the one size left, a -1 already there counted from the element count (its "
+        "sizes traced through the ops where inference left them unnamed) or bounded to 1 "
+        "(the shape arithmetic goes with them)",
         aliases=("ReshapeShapeFolding",),
         priority=3030,
         emits=("Reshape",),
@@ -205,8 +206,9 @@ def _constant_target(
     and one size left unknown -1 (the reshape keeps the element count, so that size is what
     -1 computes; a -1 the target has already is counted from the element count, where the
     symbols cancel or bounded to 1, to free it: ``flatten(1, 2)`` of a repeat, torchtune's
-    view of its sliced rotary cache); why not when more than one size stays unknown; None
-    when the target is not built from constants and sizes read with Shape. With the target,
+    view of its sliced rotary cache, SAM's head merge over windows padded at run time); why
+    not when more than one size stays unknown; None when the target is not built from
+    constants and sizes read with Shape. With the target,
     the output's dimensions as the computed target proved them (a size copied from another
     tensor keeps that tensor's symbol, which the constant target no longer shows; a -1 the
     size it counts to)."""

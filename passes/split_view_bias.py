@@ -16,7 +16,9 @@ where each axis of ``S`` is a run of axes of ``V`` (their product); a bias keeps
 run's axes merge into one. Exact: the same additions of the same values, in the same order.
 
 Which axes merge is read from the sizes: static ones, and a named dimension (the batch) that is
-an axis of its own on both sides.
+an axis of its own on both sides, or a product of such dimensions traced through the ops where
+inference left a size unnamed (ViTDet's TorchScript export folds the heads into the batch with
+sizes read at run time: ``[B*H, ...]``).
 """
 
 from __future__ import annotations
@@ -26,24 +28,25 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from fusectl.rewrite.axes import symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import new_constant, node_label, producer_of, replace_subgraph, typed
 from fusectl.rewrite.registry import Category, NodeByNodePass, PassSpec, register_pass
-from fusectl.rewrite.shapes import named
+from fusectl.rewrite.sizes import Size
 
-_Dim = int | ir.SymbolicDim
+_Dim = int | Size
 
 
 def _runs(view: list[_Dim], shape: list[_Dim]) -> list[list[int]] | None:
     """The axes of ``view`` that make up each axis of ``shape`` (in order, products equal),
-    or None where the view is no split of the shape. A named dimension is a run of one axis of
-    the same name. A view axis of size 1 joins the run it comes first in (where it goes
+    or None where the view is no split of the shape. A symbolic size is a run of one axis of
+    the same size. A view axis of size 1 joins the run it comes first in (where it goes
     changes nothing: broadcast along it is no broadcast)."""
     runs: list[list[int]] = []
     axis = 0
     for size in shape:
         if not isinstance(size, int):
-            if axis >= len(view) or view[axis] != size or not named(size):
+            if axis >= len(view) or view[axis] != size:
                 return None
             runs.append([axis])
             axis += 1
@@ -68,11 +71,19 @@ def _ints(view: list[_Dim], run: list[int]) -> list[int]:
     return [d if isinstance(d, int) else 0 for d in (view[a] for a in run)]
 
 
-def _known(shape: ir.Shape | None) -> list[_Dim] | None:
-    """The sizes, where each is static or a named dimension."""
-    if shape is None or not all(isinstance(d, int) or named(d) for d in shape):
+def _known(ctx: PassContext, value: ir.Value) -> list[_Dim] | None:
+    """The value's sizes, each static or a product of named dimensions (symbolic_size), or
+    None where one is neither."""
+    shape = ctx.shape(value)
+    if shape is None:
         return None
-    return list(shape)
+    sizes: list[_Dim] = []
+    for axis, dim in enumerate(shape):
+        size = dim if isinstance(dim, int) else symbolic_size(ctx, value, axis)
+        if size is None:
+            return None
+        sizes.append(size if isinstance(size, int) or size[1] else size[0])
+    return sizes
 
 
 def _viewed(
@@ -85,7 +96,7 @@ def _viewed(
         varies = [a for a in run if bias[a] != 1]
         if not varies:
             merged.append(1)
-        elif not isinstance(view[run[0]], int):  # a named dimension, the bias has it
+        elif not isinstance(view[run[0]], int):  # a symbolic size, the bias has it
             merged.append(-1)
         else:
             for a in run:
@@ -145,11 +156,11 @@ class SplitViewBiasCanonicalizationPass(NodeByNodePass):
         split, adds, biases = found
         source, view_value = split.inputs[0], split.outputs[0]
         assert source is not None
-        shape = _known(ctx.shape(source))
-        if shape is None or _known(ctx.shape(back.outputs[0])) != shape:
+        shape = _known(ctx, source)
+        if shape is None or _known(ctx, back.outputs[0]) != shape:
             return None  # not a round trip, as far as the sizes tell
-        view = _known(ctx.shape(view_value))
-        bias_shapes = [_known(ctx.shape(bias)) for bias in biases]
+        view = _known(ctx, view_value)
+        bias_shapes = [_known(ctx, bias) for bias in biases]
         if view is None or None in bias_shapes:
             return "the view's or a bias's sizes are not known"
         padded = [[1] * (len(view) - len(b)) + b for b in bias_shapes]  # type: ignore[operator]
@@ -159,7 +170,7 @@ class SplitViewBiasCanonicalizationPass(NodeByNodePass):
             return "a bias has more axes than the view"
         if any(b not in (1, v) for p in padded for b, v in zip(p, view, strict=True)):
             return "a bias does not broadcast to the view"
-        if any(_known(ctx.shape(add.outputs[0])) != view for add in adds):
+        if any(_known(ctx, add.outputs[0]) != view for add in adds):
             return "a bias enlarges the sum"
         runs = _runs(view, shape)
         viewed = [_viewed(p, view, runs) for p in padded] if runs is not None else [None]
@@ -171,6 +182,7 @@ class SplitViewBiasCanonicalizationPass(NodeByNodePass):
         graph = back.graph
         assert graph is not None
         label = node_label(back)
+        dims = list(ctx.shape(source))  # type: ignore[arg-type]
         nodes: list[ir.Node] = []
         total = source
         # The first bias added first, as in the view: the Adds nearest the split come last.
@@ -188,10 +200,10 @@ class SplitViewBiasCanonicalizationPass(NodeByNodePass):
                 operand = widened.outputs[0]
             flat = new_constant(graph, f"{label}/merged_{index}", np.array(merged, np.int64))
             reshape = ir.node("Reshape", [operand, flat])
-            sizes = [d if m == -1 else m for d, m in zip(shape, merged, strict=True)]
+            sizes = [d if m == -1 else m for d, m in zip(dims, merged, strict=True)]
             typed(reshape.outputs[0], dtype, ir.Shape(sizes))
             added = ir.node("Add", [total, reshape.outputs[0]])
-            typed(added.outputs[0], ctx.dtype(back.outputs[0]), ir.Shape(shape))
+            typed(added.outputs[0], ctx.dtype(back.outputs[0]), ir.Shape(dims))
             nodes += [reshape, added]
             total = added.outputs[0]
         replace_subgraph(

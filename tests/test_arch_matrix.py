@@ -136,7 +136,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "roformer_dynamo": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "roformer_ts17": ((2, 5, 5, 2, 4), (2, 5, None, 2, 4)),
     "sam_vision_dynamo": ((2, 6, 0, 2, 0), (2, 6, None, 2, 0)),
-    "sam_vision_ts17": ((0, 6, 0, 2, 0), (2, 6, None, 2, 0)),
+    "sam_vision_ts17": ((2, 6, 0, 2, 0), (2, 6, None, 2, 0)),
     "siglip_vision_dynamo": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "siglip_vision_ts17": ((3, 6, 5, 3, 0), (3, 6, None, 3, 0)),
     "squeezebert_dynamo": ((2, 5, 1, 2, 0), (2, 5, None, 2, 0)),
@@ -146,7 +146,7 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "swinv2_dynamo": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
     "swinv2_ts17": ((2, 7, 1, 2, 0), (2, 7, None, 2, 0)),
     "vitdet_dynamo": ((2, 4, 0, 2, 0), (2, 4, None, 2, 0)),
-    "vitdet_ts17": ((0, 4, 0, 2, 0), (2, 4, None, 2, 0)),
+    "vitdet_ts17": ((2, 4, 0, 2, 0), (2, 4, None, 2, 0)),
     "wav2vec2_dynamo": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "wav2vec2_ts17": ((2, 6, 5, 5, 0), (2, 6, None, 5, 0)),
     "whisper_dynamo": ((6, 12, 12, 6, 0), (6, 12, None, 6, 0)),
@@ -171,22 +171,6 @@ WHY: dict[tuple[str, str], str] = {
         " or differs; MultiHeadAttentionFusionPass: the Softmax has a sink per head (a "
         "logit joined to the scores and dropped after it), which MultiHeadAttention "
         "cannot take (GroupQueryAttention's head_sink)"
-    ),
-    ("sam_vision_ts17", "attention"): (
-        "AttentionFusionPass: the context's head size is unknown; "
-        "GroupQueryAttentionFusionPass: the context's head size is unknown; "
-        "QkvAttentionFusionPass: the context's head size is unknown; "
-        "MultiHeadAttentionFusionPass: the context's head size is unknown"
-    ),
-    ("vitdet_ts17", "attention"): (
-        "AttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Reshape); "
-        "GroupQueryAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Reshape); "
-        "QkvAttentionFusionPass: the scores are not MatMul(query, key^T) with additive "
-        "biases and a constant scale (they come from Reshape); "
-        "MultiHeadAttentionFusionPass: the scores are not MatMul(query, key^T) with "
-        "additive biases and a constant scale (they come from Reshape)"
     ),
 }  # fmt: skip
 

@@ -1514,6 +1514,22 @@ def test_heads_counted_through_sizes_inference_left_unnamed(tmp_path: Path) -> N
         compare_on_feeds(model, run.output, feeds)
 
 
+def test_head_merge_counted_through_sizes_inference_left_unnamed(tmp_path: Path) -> None:
+    """SAM's TorchScript vision encoder merges its heads back with a -1 over a context whose
+    sizes inference leaves unnamed (its windows are padded to sizes computed at run time): the
+    merge's target stayed computed and the head size unknown (attention 0/2: "the context's
+    head size is unknown"). ReshapeTargetCanonicalizationPass counts that -1 from the sizes
+    traced through the attention, so the merge reads a constant head size and both layers
+    fuse. The batch is fed at two sizes."""
+    model = fixture_path("arch/sam_vision_ts17")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(MHA) == (2, 2)
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    assert run.op_counts()["Softmax"] == 0
+    for batch in (1, 3):
+        compare_on_feeds(model, run.output, named_dim_feeds(model, {"batch": batch}))
+
+
 def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:
     """Dynamo transposes K by folding [B, N, L, H] to [B*N, L, H], swapping the last two and
     unfolding. With layer 0's fold target reordered ([L, B*N, H]: the same count, other

@@ -1,7 +1,8 @@
 """SplitViewBiasCanonicalizationPass: Swin's shifted-window mask, added per group of windows in a
 5-D view of the scores and viewed back, becomes a bias on the scores themselves, so the
 attention fusions take it (torchvision's and timm's Swin-T: 7 of 12 attentions fused before,
-12 now, under either exporter); so do ViTDet's decomposed relative positions (0/2 -> 2/2).
+12 now, under either exporter); so do ViTDet's decomposed relative positions (0/2 -> 2/2),
+also where TorchScript computes the folded batch of heads at run time.
 
 Fixtures: tests/fixtures/make_fixtures.py build_window_mask (ShiftedWindowAttention, the
 torchvision / timm spelling, static sizes as both exporters write them by default) and
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 from onnx import helper
 
@@ -23,7 +23,7 @@ from tests.conftest import random_feeds, run_model
 from tests.pass_helpers import fixture_path, optimize_checked
 
 PASS = "SplitViewBiasCanonicalizationPass"
-BATCH = ir.SymbolicDim("batch")
+BATCH = (1, ("batch",))  # sizes as products of named dimensions (sizes.Size)
 # Per exporter: nodes left. The window attention's QKV projection, viewed [B, L, 3, N, H] and
 # cut into query, key and value (ProjectionPieceCanonicalizationPass), is three projections
 # the packed Attention op takes with its weights: the whole block is three nodes.
@@ -118,6 +118,24 @@ def test_decomposed_relative_positions_become_biases_of_a_dynamic_batch(tmp_path
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_relative_positions_of_heads_folded_at_run_time(tmp_path: Path) -> None:
+    """ViTDet's TorchScript export folds the heads into the batch with sizes multiplied at run
+    time (``reshape(3, B*N, H*W, -1)``): inference names neither the batch of heads nor the
+    head size. The batch of heads traced as a product (4·batch) on the scores, the view and
+    both biases, each bias is viewed as the scores (ViTDet 0/2 -> 2/2 attentions); the head
+    size is counted from those products too. Compared at batches 1 and 3."""
+    model = fixture_path("arch/vitdet_ts17")
+    run = optimize_checked(model, tmp_path)
+    assert run.counts(PASS) == (2, 2)
+    assert run.passed(PASS)["near_misses"] == []
+    assert run.counts("MultiHeadAttentionFusionPass") == (2, 2)
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    for batch in (1, 3):
+        feeds = random_feeds(model, dims={"batch": batch})
+        for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("view", "shape", "runs"),
     [
@@ -127,8 +145,9 @@ def test_decomposed_relative_positions_become_biases_of_a_dynamic_batch(tmp_path
         ([16, 16, 16], [8, 2, 16, 16], None),  # 16 is no run of 8
         ([2, 4, 3], [8, 2], None),  # 3 left over
         ([BATCH, 4, 4, 4, 4], [BATCH, 16, 16], [[0], [1, 2], [3, 4]]),
-        ([BATCH, 4, 4], [ir.SymbolicDim("other"), 16], None),  # another name
-        ([ir.SymbolicDim(None), 4, 4], [ir.SymbolicDim(None), 16], None),  # no name
+        ([BATCH, 4, 4], [(1, ("other",)), 16], None),  # another name
+        ([(4, ("batch",)), 4, 4], [(4, ("batch",)), 16], [[0], [1, 2]]),  # heads in the batch
+        ([(4, ("batch",)), 4, 4], [(2, ("batch",)), 32], None),  # another product
     ],
 )
 def test_runs_of_view_axes(view: list, shape: list, runs: list[list[int]] | None) -> None:

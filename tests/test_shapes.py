@@ -277,6 +277,44 @@ def test_axis_size_reads_whole_shape_targets_as_far_up_as_the_walk() -> None:
     assert axis_size(ctx, values["key"], 1) == 4
 
 
+@pytest.mark.parametrize(
+    ("shape", "sizes", "head_size"),
+    [
+        # ViTDet's fold of the heads into the batch: [B*2, 16, -1] of [B, 2, 16, 4]. The
+        # target multiplies a size read at run time, so inference knows no size of the
+        # result; traced as products, B*2*16*4 over B*2 * 16 leaves 4.
+        (["B", 2, 16, 4], ["b2", "sixteen", "minus_one"], 4),
+        # Near miss: [B*2, -1] of [B, S, 8] leaves 4*S, a size only known at run time.
+        (["B", "S", 8], ["b2", "minus_one"], None),
+    ],
+)
+def test_axis_size_counts_a_minus_one_from_sizes_multiplied_at_run_time(
+    shape: list, sizes: list[str], head_size: int | None
+) -> None:
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "i0"], ["b"], axis=0),
+        helper.make_node("Mul", ["b", "two"], ["b_times_two"]),
+        helper.make_node("Unsqueeze", ["b_times_two", "zero"], ["b2"]),
+        helper.make_node("Concat", sizes, ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["folded"]),
+    ]
+    inits = [
+        const("i0", 0, np.int64),
+        const("zero", [0], np.int64),
+        const("two", 2, np.int64),
+        const("sixteen", [16], np.int64),
+        const("minus_one", [-1], np.int64),
+    ]
+    proto = _model(nodes, [value("x", shape)], [value("folded", None)], inits)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    spec = PassSpec(name="Probe", category=Category.GRAPH, description="reads sizes")
+    ctx = PassContext(spec=spec, target="ort", opset=17)
+    folded = next(v for node in model.graph for v in node.outputs if v.name == "folded")
+    assert not isinstance(ctx.shape(folded)[-1], int)  # inference does not know it
+    assert axis_size(ctx, folded, len(sizes) - 1) == head_size
+
+
 def _head_split(opset: int, extra: list[onnx.NodeProto] = ()) -> onnx.ModelProto:
     """x [b, s, 8] reshaped to [b, -1, 2, 4] by a target computed from x's shape (every
     exporter's head split), then ``extra``."""

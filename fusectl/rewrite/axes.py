@@ -146,7 +146,18 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     """The static size of one axis of ``value``, derived from what produced it where shape
     inference does not know it (contrib ops on the way, shapes computed at run time): through
     element-wise ops, broadcasting, Concat, Slice, Split, Transpose, Reshape targets and
-    onnxruntime's shape-preserving contrib ops (RotaryEmbedding)."""
+    onnxruntime's shape-preserving contrib ops (RotaryEmbedding); else the size traced as a
+    product (symbolic_size) where its named factors cancel: ViTDet's TorchScript head split
+    ``reshape(3, B*N, H*W, -1)`` counts its -1 from sizes multiplied at run time."""
+    size = _walked_size(ctx, value, axis, depth)
+    if size is not None:
+        return size
+    traced = symbolic_size(ctx, value, axis)
+    return traced[0] if traced is not None and not traced[1] and traced[0] > 0 else None
+
+
+def _walked_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> int | None:
+    """axis_size through the ops that produced the value, step by step."""
     shape = ctx.shape(value)
     if shape is not None and not -len(shape) <= axis < len(shape):
         return None
@@ -167,7 +178,7 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
     rank = len(shape)
     axis %= rank
     if same:
-        return axis_size(ctx, inputs[0], axis, depth - 1)
+        return _walked_size(ctx, inputs[0], axis, depth - 1)
     if op in _BROADCASTING:
         sizes = []
         for operand in inputs:
@@ -176,23 +187,23 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
                 return None
             position = axis - (rank - len(operand_shape))
             if position >= 0:
-                sizes.append(axis_size(ctx, operand, position, depth - 1))
+                sizes.append(_walked_size(ctx, operand, position, depth - 1))
         known = {size for size in sizes if size is not None and size != 1}
         return known.pop() if len(known) == 1 else None
     if op == "Concat":
         if node.attributes.get_int("axis", 0) % rank != axis:
-            return axis_size(ctx, inputs[0], axis, depth - 1)
-        parts = [axis_size(ctx, part, axis, depth - 1) for part in inputs]
+            return _walked_size(ctx, inputs[0], axis, depth - 1)
+        parts = [_walked_size(ctx, part, axis, depth - 1) for part in inputs]
         return None if None in parts else sum(parts)  # type: ignore[arg-type]
     if op == "Transpose":
         perm = transpose_perm(node, rank)
-        return axis_size(ctx, inputs[0], perm[axis], depth - 1)
+        return _walked_size(ctx, inputs[0], perm[axis], depth - 1)
     if op == "Slice":
         operands = slice_operands(node, rank)
         if operands is None:
             return None
         bounds = {a: (start, end, step) for a, start, end, step in operands}
-        size = axis_size(ctx, inputs[0], axis, depth - 1)
+        size = _walked_size(ctx, inputs[0], axis, depth - 1)
         if axis not in bounds or size is None:
             return size
         return kept_length(*bounds[axis], size)
@@ -200,7 +211,7 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         return _split_size(ctx, node, value, axis, rank, depth)
     if op == "Tile" and len(inputs) == 2:
         size, times = (
-            axis_size(ctx, inputs[0], axis, depth - 1),
+            _walked_size(ctx, inputs[0], axis, depth - 1),
             shape_element(ctx, inputs[1], axis, max(depth, 8)),
         )
         return size * times if size is not None and times is not None else None
@@ -210,9 +221,9 @@ def axis_size(ctx: PassContext, value: ir.Value, axis: int, depth: int = 12) -> 
         # the key's repeat).
         element = shape_element(ctx, inputs[1], axis, max(depth, 8))
         if element == 0 and not node.attributes.get_int("allowzero", 0):
-            return axis_size(ctx, inputs[0], axis, depth - 1)
+            return _walked_size(ctx, inputs[0], axis, depth - 1)
         if element == -1:  # an axis size is all it answers: the sizes may also be traced
-            return inferred_dimension(ctx, node) or _traced_count(ctx, node)
+            return inferred_dimension(ctx, node)
         return element if element is not None and element > 0 else None
     return None
 
@@ -341,7 +352,8 @@ def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     """The size a Reshape infers for its -1: the data's element count over the target's other
     sizes, where the symbolic sizes cancel (the target copies them from the data with
     Shape -> Gather, or with 0); or 1 where the data provably holds no more elements than
-    the other sizes multiply to (_at_most_the_rest)."""
+    the other sizes multiply to (_at_most_the_rest); or the same count over sizes traced
+    through the ops where inference left them unnamed (_traced_count)."""
     data, target = reshape.inputs[0], reshape.inputs[1]
     source, parts = ctx.shape(data), target_parts(ctx, target)
     if source is None or parts is None or parts.count(-1) != 1:
@@ -349,7 +361,7 @@ def inferred_dimension(ctx: PassContext, reshape: ir.Node) -> int | None:
     counted = _counted_dimension(ctx, reshape, source, parts)
     if counted is None and _at_most_the_rest(ctx, data, source, parts):  # type: ignore[arg-type]
         return 1
-    return counted
+    return counted if counted is not None else _traced_count(ctx, reshape)
 
 
 def _at_most_the_rest(ctx: PassContext, data: ir.Value, source: ir.Shape, parts: list) -> bool:
@@ -418,9 +430,8 @@ def _counted_dimension(
 def _traced_count(ctx: PassContext, reshape: ir.Node) -> int | None:
     """A Reshape's -1 by the element count, every size traced (symbolic_size) where shape
     inference left it unnamed: a key projection plus a short convolution of itself (Inkling's
-    TorchScript export) has [?, ?, 32] from inference, [batch, sequence, 32] traced. For the
-    axis proofs only: ReshapeTargetCanonicalizationPass writes what inferred_dimension counts
-    into the graph, from the sizes inference gives."""
+    TorchScript export) has [?, ?, 32] from inference, [batch, sequence, 32] traced; SAM's
+    TorchScript vision encoder merges heads of windows padded at run time with a -1."""
     data, source = reshape.inputs[0], ctx.shape(reshape.inputs[0])
     parts = target_parts(ctx, reshape.inputs[1])
     if source is None or parts is None or parts.count(-1) != 1:

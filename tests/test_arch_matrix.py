@@ -59,6 +59,8 @@ ROWS: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {
     "deepseek_v3_ts17": ((2, 9, 9, 3, 4), (2, 9, None, 3, 4)),
     "deit_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "deit_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "dpt_dynamo": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
+    "dpt_ts17": ((2, 5, 5, 2, 0), (2, 5, None, 2, 0)),
     "ernie_dynamo": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "ernie_ts17": ((2, 5, 4, 2, 0), (2, 5, None, 2, 0)),
     "falcon_dynamo": ((2, 3, 2, 2, 4), (2, 3, None, 2, 4)),

@@ -1240,7 +1240,10 @@ def test_a_one_row_table_is_broadcast_not_a_skip(tmp_path: Path) -> None:
 # positions (Range, Expand), CLIP's sliced position table (Min(rows, S)), wav2vec2's
 # convolutional position embedding (Conv, then the last position sliced off), DeiT's class and
 # distillation tokens joined to the patches (Concat of Expands), Swin's patches (a run of
-# copied sizes, then a canonical target). Every residual norm is fused; outputs compared at
+# copied sizes, then a canonical target), DPT's class token expanded by TorchScript's
+# expand(B, -1, -1) (Where(Equal(sizes, -1), 1, sizes): a -1 written in the sizes is the 1 it
+# selects) and joined to the patches (the joined axis's size the sum of static parts), added
+# to its position table resized at run time. Every residual norm is fused; outputs compared at
 # sizes other than the export's.
 ARCH_DIMS = {"batch": 3, "sequence": 5, "decoder_sequence": 4, "samples": 560}
 
@@ -1252,6 +1255,7 @@ ARCH_DIMS = {"batch": 3, "sequence": 5, "decoder_sequence": 4, "samples": 560}
         ("arch/clip_text_ts17", 5),
         ("arch/wav2vec2_ts17", 5),
         ("arch/deit_ts17", 5),
+        ("arch/dpt_ts17", 5),
         ("arch/swin_ts17", 3),
     ],
 )

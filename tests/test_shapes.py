@@ -11,7 +11,7 @@ import pytest
 from onnx import helper
 
 from fusectl.rewrite import shapes
-from fusectl.rewrite.axes import axis_size
+from fusectl.rewrite.axes import axis_size, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.registry import Category, PassSpec
 from fusectl.rewrite.shapes import ShapeOracle
@@ -313,6 +313,43 @@ def test_axis_size_counts_a_minus_one_from_sizes_multiplied_at_run_time(
     folded = next(v for node in model.graph for v in node.outputs if v.name == "folded")
     assert not isinstance(ctx.shape(folded)[-1], int)  # inference does not know it
     assert axis_size(ctx, folded, len(sizes) - 1) == head_size
+
+
+@pytest.mark.parametrize(
+    ("kept", "sizes"), [("one", [(1, ("B",)), 17, 8]), ("x_shape", [(1, ("B",)), None, 8])]
+)
+def test_symbolic_sizes_through_expand_minus_ones_and_a_join(kept: str, sizes: list) -> None:
+    """DPT's class token: TorchScript writes ``cls.expand(B, -1, -1)`` as
+    Expand(cls, Where(Equal(s, -1), 1, s)) with s = [B, -1, -1]: a -1 is the 1 the Where
+    selects, so the token is [B, 1, 8]; joined to the [B, 16, 8] patches, the joined axis is
+    17. Near miss: where the Where selects a size read at run time instead of a constant, the
+    -1s say nothing (the batch is still the patches')."""
+    nodes = [
+        helper.make_node("Shape", ["patches"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "i0"], ["b"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "zero"], ["b1"]),
+        helper.make_node("Concat", ["b1", "minus_ones"], ["s"], axis=0),
+        helper.make_node("Equal", ["s", "minus_one"], ["is_minus_one"]),
+        helper.make_node("Where", ["is_minus_one", kept, "s"], ["target"]),
+        helper.make_node("Expand", ["cls", "target"], ["token"]),
+        helper.make_node("Concat", ["token", "patches"], ["joined"], axis=1),
+    ]
+    inits = [
+        const("i0", 0, np.int64),
+        const("zero", [0], np.int64),
+        const("one", [1], np.int64),
+        const("minus_one", [-1], np.int64),
+        const("minus_ones", [-1, -1], np.int64),
+        const("cls", np.ones((1, 1, 8)), np.float32),
+    ]
+    proto = _model(nodes, [value("patches", ["B", 16, 8])], [value("joined", None)], inits)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    spec = PassSpec(name="Probe", category=Category.GRAPH, description="reads sizes")
+    ctx = PassContext(spec=spec, target="ort", opset=17)
+    joined = next(v for node in model.graph for v in node.outputs if v.name == "joined")
+    assert not isinstance(ctx.shape(joined)[1], int)  # inference does not know it
+    traced = [symbolic_size(ctx, joined, axis) for axis in range(3)]
+    assert [size[0] if size is not None and not size[1] else size for size in traced] == sizes
 
 
 def _head_split(opset: int, extra: list[onnx.NodeProto] = ()) -> onnx.ModelProto:

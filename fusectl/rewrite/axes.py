@@ -739,6 +739,11 @@ def _traced_size(
             if size is not None:
                 return size
         return None
+    if joined:  # the joined axis: the parts' sizes added, where each is static
+        sizes = [symbolic_size(ctx, part, axis, depth - 1) for part in inputs]  # type: ignore[arg-type]
+        if any(size is None or size[1] for size in sizes):
+            return None
+        return sum(size[0] for size in sizes), ()  # type: ignore[index]
     if standard and node.op_type == "Split" and inputs and inputs[0] is not None:
         part = _split_size(ctx, node, value, axis, len(shape), 1)  # a constant part, if one
         if part is not None:
@@ -1059,13 +1064,22 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
         if shape is not None and len(shape) == 1:
             return _element_size(ctx, node.inputs[0], index, depth - 1)
     if node.op_type == "Where" and len(node.inputs) == 3 and node.inputs[2] is not None:
-        # TorchScript's expand(sizes): Where(Equal(sizes, -1), 1, sizes) keeps every size
+        # TorchScript's expand(sizes): Where(Equal(sizes, -1), 1, sizes) keeps every size,
+        # and a -1 written in the sizes (expand(B, -1, -1)) is the other operand's element
         equal = producer_of(node.inputs[0], "Equal")
         flag = [constant_value(v) for v in equal.inputs if v is not node.inputs[2]] if equal else []
         if equal is not None and node.inputs[2] in equal.inputs and len(flag) == 1:
             size = _element_size(ctx, node.inputs[2], index, depth - 1)
             negative = flag[0] is not None and bool(np.all(flag[0] < 0))
-            return size if negative and size is not None and size[0] > 0 else None
+            if not negative or size is None:
+                return None
+            if size[0] > 0:
+                return size
+            if size != (_broadcast_item(flag[0], index), ()):
+                return None
+            chosen = constant_value(node.inputs[1])
+            item = _broadcast_item(chosen, index) if chosen is not None else None
+            return (item, ()) if item is not None else None
     if node.op_type == "Mul" and len(node.inputs) == 2 and None not in node.inputs:
         parts = [_element_size(ctx, v, index, depth - 1) for v in node.inputs]  # type: ignore[arg-type]
         return product(*parts)
@@ -1086,6 +1100,14 @@ def _element_size(ctx: PassContext, value: ir.Value, index: int, depth: int) -> 
                 return _element_size(ctx, part, index, depth - 1)
             index -= size[0]
     return None
+
+
+def _broadcast_item(array: np.ndarray, index: int) -> int | None:
+    """Element ``index`` of a 1-D operand as it broadcasts (one element stands for all)."""
+    flat = array.reshape(-1)
+    if flat.size == 1:
+        return int(flat[0])
+    return int(flat[index]) if 0 <= index < flat.size else None
 
 
 def _shape_product(ctx: PassContext, node: ir.Node, depth: int) -> Size | None:

@@ -208,10 +208,9 @@ def _constant_target(
     symbols cancel or bounded to 1, to free it: ``flatten(1, 2)`` of a repeat, torchtune's
     view of its sliced rotary cache, SAM's head merge over windows padded at run time); why
     not when more than one size stays unknown; None when the target is not built from
-    constants and sizes read with Shape. With the target,
-    the output's dimensions as the computed target proved them (a size copied from another
-    tensor keeps that tensor's symbol, which the constant target no longer shows; a -1 the
-    size it counts to)."""
+    constants and sizes read with Shape. With the target, the output's dimensions as the
+    computed target proved them (a size copied from another tensor keeps that tensor's
+    symbol, which the constant target no longer shows; a -1 the size it counts to)."""
     data = reshape.inputs[0]
     source = ctx.shape(data) if data is not None else None
     parts = target_parts(ctx, reshape.inputs[1])

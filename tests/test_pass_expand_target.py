@@ -71,18 +71,15 @@ def test_torchtune_torchscript_expand_sizes_through_the_minus_one_test(tmp_path:
     # The rotary tables' views read the head size from the pair views, whose -1 shape
     # inference resolves to the 8 it counts to (the shape oracle's _minus_ones): constant
     # folding makes four of those targets constants before this pass, and it rewrites the rest.
-    # The context merges, [B, L, -1] of a context whose sizes are not known before the
-    # attention is fused, stay (the fused op takes them).
-    assert reasons(run, RESHAPE) == {
-        "more than one size of the target is read at run time from another tensor than the "
-        "data, at another position": 2
-    }
-    assert run.counts(RESHAPE) == (20, 18)
+    # The context merges, [B, L, -1] of a context whose sizes inference leaves unnamed, count
+    # their -1 from the sizes traced through the attention: every target is constant.
+    assert reasons(run, RESHAPE) == {}
+    assert run.counts(RESHAPE) == (20, 20)
     assert run.report["model"]["after"]["nodes"] == 105
 
 
 @pytest.mark.parametrize(
-    ("exporter", "nodes", "reshapes"), [("ts17", 79, (10, 8)), ("dynamo", 67, (14, 0))]
+    ("exporter", "nodes", "reshapes"), [("ts17", 79, (10, 10)), ("dynamo", 67, (14, 0))]
 )
 def test_litgpt_key_value_expanded_to_their_query_group(
     tmp_path: Path, exporter: str, nodes: int, reshapes: tuple[int, int]
@@ -91,7 +88,8 @@ def test_litgpt_key_value_expanded_to_their_query_group(
     the batch and length read at run time) before the rotary: constant targets under both
     exporters, and under TorchScript the head merge after them, [0, N, -1, H] once its -1 is
     counted, so the attention of both layers fuses (0/2 before; dynamo's were fused already,
-    its views' targets read two sizes and stay). With the QKV cut per group and the key's
+    its views' targets read two sizes and stay); TorchScript's context merges count their -1
+    from the sizes traced through the attention. With the QKV cut per group and the key's
     rotary moved before the repeat (test_pass_projection_pieces.py), it is GroupQueryAttention."""
     run = optimize_checked(fixture_path(f"litgpt_{exporter}"), tmp_path)
     assert pattern_counts(run, EXPAND) == {"ExpandTarget": (4, 4)}

@@ -2380,16 +2380,20 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
     ) -> _Prelude:
         """seqlens_k ([B] int32, T - 1: every key is there; padding is in the mask) and
         total_sequence_length (T: the query's length S, plus the past's P with a KV cache),
-        from the shapes; shared by the layers whose queries (and pasts) have the same named
-        dimensions."""
+        from the shapes; shared by the layers whose queries (and pasts) have the same sizes:
+        traced to one product of named dimensions (Gemma 3n's layers that share an earlier
+        layer's keys), else the same dimensions as inferred."""
         shape = ctx.shape(match.query)
         assert shape is not None
         past = match.key.cache.past if _grouped_cache(match) else None  # type: ignore[union-attr]
         past_shape = ctx.shape(past) if past is not None else None
         dims = (shape[0], shape[1], *(() if past_shape is None else (past_shape[2],)))
-        named = all(isinstance(d, int) or d.value is not None for d in dims)
-        if named and dims in shared:
-            return list(shared[dims]), []
+        axes = [(match.query, 0), (match.query, 1), *(() if past is None else [(past, 2)])]
+        traced = tuple(symbolic_size(ctx, value, axis) for value, axis in axes)
+        key: object = ("traced", traced) if None not in traced else dims
+        named = None not in traced or all(isinstance(d, int) or d.value is not None for d in dims)
+        if named and key in shared:
+            return list(shared[key]), []
         graph = match.root.graph
         assert graph is not None
         base = f"{ctx.spec.name}/{match.root.name}"
@@ -2418,5 +2422,5 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
             typed(node.outputs[0], dtype, ir.Shape(known))
         lengths = (seqlens.outputs[0], total.outputs[0])
         if named:
-            shared[dims] = lengths
+            shared[key] = lengths
         return list(lengths), [node for node, _, _ in computed]

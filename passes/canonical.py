@@ -26,6 +26,7 @@ from fusectl.rewrite.axes import (
     kept_length,
     read_size,
     same_dimension,
+    same_traced_size,
     slice_operands,
     target_parts,
 )
@@ -225,13 +226,18 @@ def _constant_target(
             dims.append(part if part > 0 else None)
             continue
         size = read_size(ctx, part)
+        if not isinstance(size, int):  # static where the sizes traced to it cancel
+            size = axis_size(ctx, *part) or size
         dims.append(size)
         if isinstance(size, int):
             resolved.append(size)
         elif (
             copying_zero
             and position < len(source)
-            and same_dimension(part, size, data, position, source)
+            and (
+                same_dimension(part, size, data, position, source)
+                or same_traced_size(ctx, part, data, position)
+            )
         ):
             resolved.append(0)
             if not isinstance(size, int) and not named(size):  # proven the same size: keep

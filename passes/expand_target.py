@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusectl.rewrite.axes import read_size, same_dimension, target_parts
+from fusectl.rewrite.axes import read_size, same_dimension, same_traced_size, target_parts
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
@@ -51,7 +51,9 @@ def _constant_target(ctx: PassContext, expand: ir.Node) -> np.ndarray | str | No
             resolved.append(size)
         elif aligned < 0 or source[aligned] == 1:
             return None
-        elif same_dimension(part, size, data, aligned, source):
+        elif same_dimension(part, size, data, aligned, source) or same_traced_size(
+            ctx, part, data, aligned
+        ):
             resolved.append(1)
         else:
             return "a size of the target is read from another tensor, not proven the input's"

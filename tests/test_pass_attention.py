@@ -179,6 +179,19 @@ GPT2_PAST = ["gpt2_tiny_past_ts17", "gpt2_tiny_past_dynamo"]
 SEQLENS_CHAIN = Counter({"Shape": 1, "Gather": 2, "Cast": 1, "Sub": 1, "Expand": 1})
 
 
+def _assert_one_seqlens_chain(run: Run, graph: onnx.GraphProto) -> dict:
+    """GroupQueryAttention's seqlens_k / total_sequence_length computed once for the model,
+    not once per layer; the lineage of the output's nodes."""
+    made = lineage(run)
+    chain = Counter(
+        n.op_type
+        for n in graph.node
+        if GQA in made.get(n.name, ([], []))[0] and n.op_type in SEQLENS_CHAIN
+    )
+    assert chain == SEQLENS_CHAIN
+    return made
+
+
 def _graph(path: Path) -> onnx.GraphProto:
     return onnx.load(str(path)).graph
 
@@ -275,13 +288,7 @@ def test_llama_grouped_query_attention_fused_in_every_layer(name: str, tmp_path:
     assert len({tuple(n.input[5:7]) for n in fused}) == 1
     seqlens, total = (producers[v] for v in fused[0].input[5:7])
     assert (seqlens.op_type, total.op_type) == ("Expand", "Cast")
-    made = lineage(run)
-    chain = Counter(
-        n.op_type
-        for n in graph.node
-        if GQA in made.get(n.name, ([], []))[0] and n.op_type in SEQLENS_CHAIN
-    )
-    assert chain == SEQLENS_CHAIN  # one chain, not one per layer
+    made = _assert_one_seqlens_chain(run, graph)
     (shape,) = [n for n in graph.node if n.op_type == "Shape" and n.name in made]
     assert shape.input[0] == fused[0].input[0]
     # The export shape (batch 2, sequence 8), then batch 3, sequence 5, left-padded: row 1
@@ -1528,6 +1535,23 @@ def test_head_merge_counted_through_sizes_inference_left_unnamed(tmp_path: Path)
     assert run.op_counts()["Softmax"] == 0
     for batch in (1, 3):
         compare_on_feeds(model, run.output, named_dim_feeds(model, {"batch": batch}))
+
+
+@pytest.mark.parametrize("name", ["arch/qwen3_ts17", "arch/gemma3_ts17", "arch/nanochat_ts17"])
+def test_seqlens_shared_where_only_traced_sizes_tie_the_layers(name: str, tmp_path: Path) -> None:
+    """Per-head query norms (Qwen3, Gemma 3, nanochat) leave each layer's query with sizes
+    inference made up for it alone: the layers' seqlens_k / total_sequence_length were
+    computed once per layer. Traced through the ops, both queries are [batch, sequence, ...]:
+    one chain serves both layers."""
+    run = optimize_checked(fixture_path(name), tmp_path)
+    assert run.counts(GQA) == (2, 2)
+    graph = _graph(run.output)
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 2 and len({tuple(n.input[5:7]) for n in fused}) == 1
+    _assert_one_seqlens_chain(run, graph)
+    for batch, length in ((1, 1), (3, 7)):
+        feeds = named_dim_feeds(fixture_path(name), {"batch": batch, "sequence": length})
+        compare_on_feeds(fixture_path(name), run.output, feeds)
 
 
 def test_key_folded_to_other_sizes_keeps_the_attention(tmp_path: Path) -> None:

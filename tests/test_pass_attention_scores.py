@@ -288,16 +288,18 @@ def test_position_term_before_the_scale_is_no_mask_the_standard_op_clamps(
     assert_declined(run, "AttentionFusionPass", reason, "probs")
 
 
-def test_key_length_read_from_the_scores_is_read_from_the_key(tmp_path: Path) -> None:
+def test_key_length_read_from_the_scores_is_read_from_the_input(tmp_path: Path) -> None:
     """The scores' shape read outside the attention (XLNet's relative shift takes klen from
-    it): the fused op removes the scores, so the size is read where it is copied from, the
-    key projection the fused op reads; nothing of the scores' product stays."""
+    it): the fused op removes the scores, so the size is read where it is copied from: the
+    graph input's axis of that named size (the key is projected from it), which every layer
+    reads alike, before the key projection the fused op reads; nothing of the scores'
+    product stays."""
     model = _eager(tmp_path / "klen.onnx", key_length=True)
     run = optimize_checked(model, tmp_path, "--disable_pass", QKV, compare=False)
     assert run.counts(MHA) == (1, 1)
     graph = onnx.load(str(run.output)).graph
     (shape,) = [n for n in graph.node if n.op_type == "Shape"]
-    assert shape.input[0] == "K"
+    assert shape.input[0] == "x"
     counts = _fused(run.output)
     assert (counts["MatMul"], counts["Softmax"]) == (3, 0)  # the projections alone
     for batch, seq in [(3, 5), (2, 1)]:

@@ -75,11 +75,14 @@ def test_torchtune_torchscript_expand_sizes_through_the_minus_one_test(tmp_path:
     # their -1 from the sizes traced through the attention: every target is constant.
     assert reasons(run, RESHAPE) == {}
     assert run.counts(RESHAPE) == (20, 20)
-    assert run.report["model"]["after"]["nodes"] == 105
+    # 105 before the sizes read outside the fused attention were read from the graph input
+    # (the same for both layers, merged) and before the queries' traced sizes shared one
+    # seqlens_k / total_sequence_length chain.
+    assert run.report["model"]["after"]["nodes"] == 96
 
 
 @pytest.mark.parametrize(
-    ("exporter", "nodes", "reshapes"), [("ts17", 79, (10, 10)), ("dynamo", 67, (14, 0))]
+    ("exporter", "nodes", "reshapes"), [("ts17", 70, (10, 10)), ("dynamo", 58, (14, 0))]
 )
 def test_litgpt_key_value_expanded_to_their_query_group(
     tmp_path: Path, exporter: str, nodes: int, reshapes: tuple[int, int]

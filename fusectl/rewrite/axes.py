@@ -545,6 +545,17 @@ def same_dimension(
     return named(size) and isinstance(mine, ir.SymbolicDim) and mine.value == size.value  # type: ignore[union-attr]
 
 
+def same_traced_size(
+    ctx: PassContext, copied: tuple[ir.Value, int], data: ir.Value, position: int
+) -> bool:
+    """Whether a size read from ``copied`` is the data's at ``position``, the two traced to
+    one product of named dimensions (symbolic_size) where inference named them apart: a fused
+    op's output keeps a batch inference made up before the fusion (BEAM's gate viewed as the
+    attention output's whole shape), Gemma 3n's expand_as of a sliced stream."""
+    traced = symbolic_size(ctx, *copied)
+    return traced is not None and traced == symbolic_size(ctx, data, position)
+
+
 def same_dim(a: int | ir.SymbolicDim | None, b: int | ir.SymbolicDim | None) -> bool:
     """Equal sizes, or one named symbol (an unnamed dim proves nothing: ir compares it equal
     to any other unnamed one); an unknown size (None) equals nothing."""

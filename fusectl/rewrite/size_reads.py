@@ -128,12 +128,12 @@ def _source(
         if (producer := source.producer()) is None
         or (producer.graph is not None and producer not in members)
     ]
-    read = next(((source, index) for source, index in copies if source in kept), None)
-    if read is not None:
-        return read
     given = named_input_axis(ctx, value, axis, inputs)
     if given is not None:
         return given
+    read = next(((source, index) for source, index in copies if source in kept), None)
+    if read is not None:
+        return read
     if copies:
         return copies[-1]
     # A matched Concat: along its axis the sum of its parts' sizes, off it any part's.

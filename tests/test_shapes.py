@@ -11,7 +11,7 @@ import pytest
 from onnx import helper
 
 from fusectl.rewrite import shapes
-from fusectl.rewrite.axes import axis_size, symbolic_size
+from fusectl.rewrite.axes import axis_size, same_traced_size, symbolic_size
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.registry import Category, PassSpec
 from fusectl.rewrite.shapes import ShapeOracle
@@ -350,6 +350,38 @@ def test_symbolic_sizes_through_expand_minus_ones_and_a_join(kept: str, sizes: l
     assert not isinstance(ctx.shape(joined)[1], int)  # inference does not know it
     traced = [symbolic_size(ctx, joined, axis) for axis in range(3)]
     assert [size[0] if size is not None and not size[1] else size for size in traced] == sizes
+
+
+def test_same_traced_size_ties_only_equal_products() -> None:
+    """A size read from another tensor is the data's where both trace to one product of
+    named dimensions: the batch of x folded with its 2 heads and unfolded again is x's batch
+    (inference names the result's sizes apart); the fold itself, 2·B, is not."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "i0"], ["b"], axis=0),
+        helper.make_node("Mul", ["b", "two"], ["b_times_two"]),
+        helper.make_node("Unsqueeze", ["b_times_two", "zero"], ["b2"]),
+        helper.make_node("Concat", ["b2", "minus_one"], ["fold"], axis=0),
+        helper.make_node("Reshape", ["x", "fold"], ["folded"]),
+        helper.make_node("Unsqueeze", ["b", "zero"], ["b1"]),
+        helper.make_node("Concat", ["b1", "minus_one"], ["unfold"], axis=0),
+        helper.make_node("Reshape", ["folded", "unfold"], ["unfolded"]),
+    ]
+    inits = [
+        const("i0", 0, np.int64),
+        const("zero", [0], np.int64),
+        const("two", 2, np.int64),
+        const("minus_one", [-1], np.int64),
+    ]
+    proto = _model(nodes, [value("x", ["B", 2, 8])], [value("unfolded", None)], inits)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    spec = PassSpec(name="Probe", category=Category.GRAPH, description="reads sizes")
+    ctx = PassContext(spec=spec, target="ort", opset=17)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    x = model.graph.inputs[0]
+    assert ctx.shape(values["unfolded"])[0] != ctx.shape(x)[0]  # named apart by inference
+    assert same_traced_size(ctx, (values["unfolded"], 0), x, 0)
+    assert not same_traced_size(ctx, (values["folded"], 0), x, 0)
 
 
 def _head_split(opset: int, extra: list[onnx.NodeProto] = ()) -> onnx.ModelProto:

@@ -2381,8 +2381,9 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         """seqlens_k ([B] int32, T - 1: every key is there; padding is in the mask) and
         total_sequence_length (T: the query's length S, plus the past's P with a KV cache),
         from the shapes; shared by the layers whose queries (and pasts) have the same sizes:
-        traced to one product of named dimensions (Gemma 3n's layers that share an earlier
-        layer's keys), else the same dimensions as inferred."""
+        traced to one product of named dimensions (per-head query norms leave each layer's
+        query with sizes inference named for it alone: Qwen3, Gemma 3), else the same
+        dimensions as inferred."""
         shape = ctx.shape(match.query)
         assert shape is not None
         past = match.key.cache.past if _grouped_cache(match) else None  # type: ignore[union-attr]
@@ -2391,8 +2392,10 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         axes = [(match.query, 0), (match.query, 1), *(() if past is None else [(past, 2)])]
         traced = tuple(symbolic_size(ctx, value, axis) for value, axis in axes)
         key: object = ("traced", traced) if None not in traced else dims
-        named = None not in traced or all(isinstance(d, int) or d.value is not None for d in dims)
-        if named and key in shared:
+        shareable = None not in traced or all(
+            isinstance(d, int) or d.value is not None for d in dims
+        )
+        if shareable and key in shared:
             return list(shared[key]), []
         graph = match.root.graph
         assert graph is not None
@@ -2421,6 +2424,6 @@ class GroupQueryAttentionFusionPass(_AttentionFusion):
         for node, dtype, known in computed:
             typed(node.outputs[0], dtype, ir.Shape(known))
         lengths = (seqlens.outputs[0], total.outputs[0])
-        if named:
+        if shareable:
             shared[key] = lengths
         return list(lengths), [node for node, _, _ in computed]

@@ -109,10 +109,11 @@ def _source(
     kept: Collection[ir.Value],
     inputs: Callable[[], list[ir.Value]],
 ) -> Part | None:
-    """A static size; else a copy of it that stays for sure: one the fused op reads, a graph
-    input's axis of that one named size; else the farthest copy outside the fused nodes (the
-    nearer ones may live only for them, and a later fusion may take the farthest); else, for a
-    matched Concat, a part's size (the sum of its parts' along its axis)."""
+    """A static size; else a copy of it that stays for sure: a graph input's axis of that one
+    named size (every layer reads that one, and the reads merge), one the fused op reads;
+    else the farthest copy outside the fused nodes (the nearer ones may live only for them,
+    and a later fusion may take the farthest); else, for a matched Concat, a part's size (the
+    sum of its parts' along its axis)."""
     shape = ctx.shape(value)
     dim = shape[axis] if shape is not None else None
     if isinstance(dim, int):

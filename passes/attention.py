@@ -834,7 +834,8 @@ def _sunk(
 ) -> tuple[ir.Value, np.ndarray] | None:
     """(scores, sink values) of Concat(scores, column) on the last axis whose column is a
     constant logit per head broadcast to every row (Expand of [1, N, 1, 1], or the constant
-    itself), the nodes going to ``nodes``."""
+    itself), possibly cast with the scores (a float16 sink joined to scores promoted to
+    float32: the values as cast), the nodes going to ``nodes``."""
     concat = producer_of(value, "Concat")
     if concat is None or len(concat.inputs) != 2 or None in concat.inputs:
         return None
@@ -844,13 +845,20 @@ def _sunk(
     if shape is None or concat.attributes.get_int("axis", 0) % len(shape) != len(shape) - 1:
         return None
     joined: list[ir.Node] = [concat]
-    expand = producer_of(column, "Expand")
-    if expand is not None and expand.inputs[0] is not None:
-        joined.append(expand)
-        column = expand.inputs[0]
+    casts: list[ir.DataType] = []  # outermost first
+    for op_type in ("Cast", "Expand", "Cast"):
+        node = producer_of(column, op_type)
+        if node is None or node.inputs[0] is None:
+            continue
+        if op_type == "Cast":
+            casts.append(ir.DataType(node.attributes.get_int("to", 0)))
+        joined.append(node)
+        column = node.inputs[0]
     values = constant_value(column)
     if values is None or values.ndim != len(shape) or values.shape[-1] != 1:
         return None
+    for to in reversed(casts):
+        values = values.astype(to.numpy())
     if any(size != 1 for axis, size in enumerate(values.shape) if axis != 1):
         return None  # one logit per head (axis 1), the same for every batch row and query
     nodes += joined

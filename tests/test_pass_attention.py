@@ -1599,6 +1599,70 @@ def test_sink_applied_after_the_attention_is_the_head_sink(exporter: str, tmp_pa
     assert counts["ReduceLogSumExp"] == counts["Sigmoid"] == counts["Softmax"] == 0
 
 
+def _cast_sinks(graph: onnx.GraphProto) -> list[str]:
+    """The initializers behind each sink column: Concat(scores, Cast(Expand(sink, ...)))."""
+    producers = _producers(graph)
+    found = []
+    for concat in (n for n in graph.node if n.op_type == "Concat" and len(n.input) == 2):
+        cast = producers.get(concat.input[1])
+        if cast is None or cast.op_type != "Cast":
+            continue
+        expand = producers.get(cast.input[0])
+        if expand is not None and expand.op_type == "Expand":
+            found.append(expand.input[0])
+    return found
+
+
+def test_a_sink_cast_with_promoted_scores_is_the_head_sink(tmp_path: Path) -> None:
+    """Flint in float16 (TorchScript): the scores are promoted to float32, and its sink
+    column, a float16 logit per head expanded to every row, is cast to float32 with them
+    before the Concat. The logits as cast are GroupQueryAttention's head_sink (0/2 before:
+    "the scores ... come from Concat"); the op computes in float32 as the scores did."""
+    model = fixture_path("flint_ts17_fp16")
+    source = onnx.load(str(model)).graph
+    sinks = _cast_sinks(source)
+    assert len(sinks) == 2
+    run = optimize(model, tmp_path)
+    check_output(run)
+    assert run.counts(GQA) == (2, 2)
+    assert run.report["coverage"]["attention"] == {"fused": 2, "total": 2, "unfused": []}
+    graph = onnx.load(str(run.output)).graph
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    originals = {t.name: onnx.numpy_helper.to_array(t) for t in source.initializer}
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    for node, sink in zip(fused, sinks, strict=True):
+        head_sink = weights[node.input[11]]
+        assert head_sink.dtype == np.float32
+        np.testing.assert_array_equal(head_sink, originals[sink].astype(np.float32).reshape(-1))
+    for batch, length in ((1, 1), (2, 8)):
+        feeds = named_dim_feeds(model, {"batch": batch, "sequence": length})
+        for want, got in zip(run_model(model, feeds), run_model(run.output, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-2, rtol=1e-2)  # float16 outputs
+
+
+def test_a_sink_column_computed_at_run_time_keeps_the_attention(tmp_path: Path) -> None:
+    """Near miss: the sink logits fed as a graph input, not constants, are no head_sink (the
+    op takes constants per head): both layers stay written out, and say why."""
+
+    def feed_the_sinks(model: onnx.ModelProto) -> None:
+        for name in _cast_sinks(model.graph):
+            (init,) = [t for t in model.graph.initializer if t.name == name]
+            model.graph.initializer.remove(init)
+            model.graph.input.append(
+                helper.make_tensor_value_info(name, init.data_type, list(init.dims))
+            )
+
+    path = edited_fixture("flint_ts17_fp16", tmp_path, feed_the_sinks, "flint_fed_sinks")
+    run = optimize(path, tmp_path)
+    check_output(run)
+    assert run.counts(GQA) == (2, 0)
+    reason = (
+        "the scores are not MatMul(query, key^T) with additive biases and a constant scale "
+        "(they come from Concat)"
+    )
+    assert reasons(run, GQA) == {reason: 2}
+
+
 def test_sink_scale_of_other_scores_keeps_the_attention(tmp_path: Path) -> None:
     """The log-sum-exp of scores other than those the Softmax reads (here the Add before the
     mask) is no sink: Granite-SWA's layer 0 then stays written out."""

@@ -15,6 +15,10 @@ whole input is cast anyway (the direct term), so no more elements are converted 
 The Casts stay below the head split and the key/value repeats, where the attention passes read
 a promoted attention's operands.
 
+rotate_every_two writes its pairs as a stack, an Unsqueeze of each part and a Concat, viewed
+back by a Reshape: the Cast moves over those views too, only where they view what a Concat, Neg
+or Slice computed (ERNIE 4.5 in float16), never over a head split's view.
+
 The other way round, a round trip through a wider type around an op that only moves elements
 is that op alone: the OpenAI privacy filter casts its float16 probabilities to float32, slices
 the attention sink's column off and casts back.
@@ -36,8 +40,12 @@ from fusectl.rewrite.registry import Category, FusionPass, PassSpec, register_pa
 # Floats only: a wider integer does not wrap where the narrow one does (Neg of int8's -128).
 _FLOATS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT})
 # Ops that move (input 0; Concat: every input) or negate elements, between a rotation's halves
-# and its Cast.
+# and its Cast (rotate_half: a Concat of a Neg and Slices).
 _MOVING = frozenset({"Slice", "Neg", "Concat"})
+# Views moved over too where they view what one of those computed: rotate_every_two stacks its
+# parts (an Unsqueeze each, a Concat) and views them back (Reshape). Elsewhere a Cast stays
+# below the views, where the attention passes read a promoted head split.
+_VIEWS = frozenset({"Unsqueeze", "Squeeze", "Reshape"})
 # Ops that only move elements: a round trip through a wider type around one is the op alone.
 _BACK = frozenset({"Slice", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 # Ops a widening Cast that they alone read moves below (the op's input is cast instead).
@@ -81,7 +89,8 @@ class WideningCastHoistPass(FusionPass):
     spec = PassSpec(
         name="WideningCastHoistPass",
         category=Category.GRAPH,
-        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x), "
+        description="Cast(Concat/Neg/Slice(x)) widening a float -> the op of Cast(x) (also "
+        "over a view of those: rotate_every_two's stack), "
         "Cast back(Slice(Cast wider(x))) -> Slice(x) and Transpose(Cast wider(x)) -> "
         "Cast(Transpose(x)): exact; a promoted float16 rotary reads one tensor (OLMo-2), a sink "
         "sliced off in float32 is sliced in float16, the scores read promoted heads (GPT-J)",
@@ -130,7 +139,13 @@ class WideningCastHoistPass(FusionPass):
     def _hoist(self, cast: ir.Node, ctx: PassContext) -> bool:
         to = _widening(cast, ctx)
         mover = cast.inputs[0].producer() if to is not None else None
-        if mover is None or mover.op_type not in _MOVING or mover.domain not in DEFAULT_DOMAINS:
+        if mover is None or mover.domain not in DEFAULT_DOMAINS:
+            return False
+        if mover.op_type in _VIEWS:
+            viewed = mover.inputs[0].producer() if mover.inputs[0] is not None else None
+            if viewed is None or viewed.op_type not in _MOVING:
+                return False
+        elif mover.op_type not in _MOVING:
             return False
         if not _read_only_by(mover.outputs[0], cast):
             return False

@@ -1,7 +1,7 @@
 """WideningCastHoistPass: a widening Cast moved above the Concat, Neg and Slice it follows
-(OLMo-2's float16 exports), a round trip through float32 around a Slice dropped (the OpenAI
-privacy filter's float16 exports; both ``make_arch_matrix.py --half --only NAME``), and the Casts
-it must leave where they are."""
+(OLMo-2's float16 exports) and the views of them (ERNIE 4.5's stacked pairs), a round trip
+through float32 around a Slice dropped (the OpenAI privacy filter's float16 exports; all
+``make_arch_matrix.py --half --only NAME``), and the Casts it must leave where they are."""
 
 from __future__ import annotations
 
@@ -46,6 +46,30 @@ def test_olmo2_half_precision_rotary_reads_one_tensor(name: str, tmp_path: Path)
     (tmp_path / "off").mkdir()
     off = optimize(fixture_path(name), tmp_path / "off", "--disable_pass", HOIST)
     assert off.counts(ROTARY) == (0, 0) and off.op_counts()["RotaryEmbedding"] == 0
+
+
+def test_ernie_half_precision_rotate_every_two_reads_one_tensor(tmp_path: Path) -> None:
+    """ERNIE 4.5 (dynamo, float16) rotates pair by pair: Cast(x) * cos + Cast(Reshape(stack(
+    -x[..., 1::2], x[..., 0::2]))) * sin, the stack an Unsqueeze of each part and a Concat.
+    The Cast moves over the view back (Reshape), the Concat, both Unsqueezes, the Neg and both
+    Slices, so both terms read one Cast(x) and the rotary fuses (0/4 before: "no pass
+    recognized this spelling"). The attention's own head split stays below its Casts: both
+    layers still fuse."""
+    name = "ernie4_5_moe_dynamo_fp16"
+    run = optimize(fixture_path(name), tmp_path)
+    check_output(run)
+    assert_same_outputs(fixture_path(name), run.output, atol=1e-2, rtol=1e-2)
+    assert pattern_counts(run, HOIST) == {
+        "CastAboveReshape": (4, 4),
+        "CastAboveConcat": (4, 4),
+        "CastAboveUnsqueeze": (8, 8),
+        "CastAboveNeg": (4, 4),
+        "CastAboveSlice": (8, 8),
+    }
+    assert run.counts(ROTARY) == (4, 4) and run.counts(GQA) == (2, 2)
+    (tmp_path / "off").mkdir()
+    off = optimize(fixture_path(name), tmp_path / "off", "--disable_pass", HOIST)
+    assert off.counts(ROTARY) == (0, 0)
 
 
 @pytest.mark.parametrize(

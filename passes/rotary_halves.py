@@ -26,6 +26,7 @@ from fusectl.rewrite.axes import last_axis_positions
 from fusectl.rewrite.context import PassContext
 from fusectl.rewrite.graph import (
     DEFAULT_DOMAINS,
+    lossless,
     new_constant,
     node_label,
     producer_of,
@@ -46,12 +47,31 @@ def _products(value: ir.Value) -> list[tuple[ir.Value, ir.Value]] | None:
     return [(a, b), (b, a)]
 
 
+def _widened_parts(
+    ctx: PassContext, low: ir.Value, high: ir.Value
+) -> tuple[ir.Value, ir.Value, ir.DataType | None, list[ir.Node]]:
+    """The parts behind one widening Cast each, to one type (a float16 partial rotary whose
+    halves are cast to float32 one by one: dots.llm3), with that type and the Casts; else
+    the parts themselves. Casting the whole of x converts the same elements, exactly."""
+    casts = [producer_of(part, "Cast") for part in (low, high)]
+    if casts[0] is None or casts[1] is None or None in (casts[0].inputs[0], casts[1].inputs[0]):
+        return low, high, None, []
+    types = {ir.DataType(cast.attributes.get_int("to", 0)) for cast in casts}  # type: ignore[union-attr]
+    sources = [cast.inputs[0] for cast in casts]  # type: ignore[union-attr]
+    to = types.pop() if len(types) == 1 else None
+    if to is None or any(not lossless(ctx.dtype(v), to) for v in sources):  # type: ignore[arg-type]
+        return low, high, None, []
+    return sources[0], sources[1], to, casts  # type: ignore[return-value]
+
+
 def _selection(
     ctx: PassContext, low: ir.Value, high: ir.Value
-) -> tuple[ir.Value, list[int]] | None:
-    """(x, order) where ``low`` and ``high`` are equal parts of x's last axis that together
-    take every element once: x[..., order] is Concat(low, high). The two halves (an even
-    Split, two Slices) take them in order; DeepSeek's x[..., 0::2] and x[..., 1::2] do not."""
+) -> tuple[ir.Value, list[int], ir.DataType | None, list[ir.Node]] | None:
+    """(x, order, cast, casts) where ``low`` and ``high`` are equal parts of x's last axis
+    that together take every element once: x[..., order] is Concat(low, high), each part
+    possibly widened to ``cast`` by its own Cast (``casts``). The two halves (an even Split,
+    two Slices) take them in order; DeepSeek's x[..., 0::2] and x[..., 1::2] do not."""
+    low, high, to, casts = _widened_parts(ctx, low, high)
     parts = [last_axis_positions(ctx, part) for part in (low, high)]
     if parts[0] is None or parts[1] is None or parts[0][0] is not parts[1][0]:
         return None
@@ -59,10 +79,10 @@ def _selection(
     size = ctx.shape(x)[-1]  # type: ignore[index]  (static: last_axis_positions proved it)
     if len(parts[0][1]) != len(parts[1][1]) or sorted(order) != list(range(size)):
         return None
-    return x, order
+    return x, order, to, casts
 
 
-_Rotation = tuple[ir.Value, list[int], ir.Value, ir.Value, list[ir.Node]]
+_Rotation = tuple[ir.Value, list[int], ir.DataType | None, ir.Value, ir.Value, list[ir.Node]]
 
 
 def _rotation_in(ctx: PassContext, concat: ir.Node) -> tuple[int, _Rotation | str] | None:
@@ -77,9 +97,9 @@ def _rotation_in(ctx: PassContext, concat: ir.Node) -> tuple[int, _Rotation | st
 
 
 def _rotation(ctx: PassContext, first: ir.Value, second: ir.Value) -> _Rotation | str | None:
-    """(x, order, c, s, matched nodes) of the two Concat parts x1*c - x2*s and x2*c + x1*s,
-    x1 and x2 the two parts of x[..., order]; why not, where it is that sum of products but
-    x1, x2 are not such parts of one x."""
+    """(x, order, cast, c, s, matched nodes) of the two Concat parts x1*c - x2*s and
+    x2*c + x1*s, x1 and x2 the two parts of x[..., order] (each cast to ``cast`` where not
+    None); why not, where it is that sum of products but x1, x2 are not such parts of one x."""
     sub, add = producer_of(first, "Sub"), producer_of(second, "Add")
     if sub is None or add is None or None in (*sub.inputs, *add.inputs):
         return None
@@ -99,8 +119,9 @@ def _rotation(ctx: PassContext, first: ir.Value, second: ir.Value) -> _Rotation 
                         "the rotated parts are not one tensor's last axis taken in two equal "
                         "parts, each element once"
                     )
+                x, order, to, casts = selection
                 muls = [v.producer() for v in (*sub.inputs, *add.inputs)]
-                return *selection, c, s, [sub, add, *muls]  # type: ignore[list-item]
+                return x, order, to, c, s, [sub, add, *muls, *casts]  # type: ignore[list-item]
     return None
 
 
@@ -136,7 +157,7 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
             if isinstance(found, str):
                 stats.decline(found, node_label(concat))
                 continue
-            x, order, c, s, nodes = found
+            x, order, to, c, s, nodes = found
             half = len(order) // 2
             reason = uses_outside([concat, *nodes], concat.outputs)
             for angle in (c, s):
@@ -146,7 +167,7 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
             if reason is not None:
                 stats.decline(reason, node_label(concat))
                 continue
-            built = self._whole(ctx, graph, concat, x, order, c, s)
+            built = self._whole(ctx, graph, concat, x, order, to, c, s)
             if len(concat.inputs) > 2:  # the other parts around the rotation stay
                 parts = list(concat.inputs)
                 parts[index : index + 2] = [built[-1].outputs[0]]
@@ -170,11 +191,14 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
         concat: ir.Node,
         source: ir.Value,
         order: list[int],
+        to: ir.DataType | None,
         c: ir.Value,
         s: ir.Value,
     ) -> list[ir.Node]:
         """x * Concat(c, c) + Concat(-x[..., H/2:], x[..., :H/2]) * Concat(s, s), where x is
-        the source with its last axis in ``order`` (a Gather, unless that is the identity)."""
+        the source with its last axis in ``order`` (a Gather, unless that is the identity),
+        cast to ``to`` first where the parts were (widening is exact, and commutes with the
+        moves)."""
         name = f"{self.spec.name}/{node_label(concat)}"
         half = len(order) // 2
 
@@ -183,10 +207,14 @@ class RotaryHalvesCanonicalizationPass(FusionPass):
 
         dtype, shape = ctx.dtype(source), ctx.shape(source)
         ordered: list[ir.Node] = []
+        if to is not None:
+            widen = ir.node("Cast", [source], attributes={"to": to})
+            ordered, dtype = [widen], to
+            source = typed(widen.outputs[0], to, shape)
         x = source
         if order != sorted(order):
             gather = ir.node("Gather", [source, ints("order", order)], attributes={"axis": -1})
-            ordered, x = [gather], typed(gather.outputs[0], dtype, shape)
+            ordered, x = [*ordered, gather], typed(gather.outputs[0], dtype, shape)
 
         last, middle = ints("axis", [-1]), ints("half", [half])
         low = ir.node("Slice", [x, ints("zero", [0]), middle, last])

@@ -187,3 +187,73 @@ def test_deepseek_even_and_odd_elements_fused_in_every_layer(tmp_path: Path, exp
     assert run.counts(ROTARY) == (4, 4)
     assert run.report["coverage"]["rotary"] == {"fused": 4, "total": 4, "unfused": []}
     assert run.op_counts()["RotaryEmbedding"] == 4
+
+
+def _cast_halves(path: Path, *, second: str = "x") -> Path:
+    """A float16 x [B, N, S, H] whose halves are each cast to float32 and rotated with
+    float32 angles (dots.llm3's partial rotary in half precision); ``second`` names the
+    tensor the second half is taken from."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Unsqueeze", ["positions", "last"], ["p"]),
+        helper.make_node("Mul", ["p", "frequencies"], ["f"]),
+        helper.make_node("Cos", ["f"], ["c3"]),
+        helper.make_node("Sin", ["f"], ["s3"]),
+        helper.make_node("Unsqueeze", ["c3", "heads_axis"], ["c"]),
+        helper.make_node("Unsqueeze", ["s3", "heads_axis"], ["s"]),
+        helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1h"]),
+        helper.make_node("Slice", [second, "half", "end", "last"], ["x2h"]),
+        helper.make_node("Cast", ["x1h"], ["x1"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Cast", ["x2h"], ["x2"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Mul", ["x1", "c"], ["a"]),
+        helper.make_node("Mul", ["x2", "s"], ["b"]),
+        helper.make_node("Sub", ["a", "b"], ["first"]),
+        helper.make_node("Mul", ["x2", "c"], ["d"]),
+        helper.make_node("Mul", ["x1", "s"], ["e"]),
+        helper.make_node("Add", ["d", "e"], ["second"]),
+        helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
+    ]
+    initializers = [
+        const("frequencies", rng.uniform(0.1, 1.0, size=HALF)),
+        const("last", [-1], np.int64),
+        const("heads_axis", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("half", [HALF], np.int64),
+        const("end", [2**62], np.int64),
+    ]
+    half = onnx.TensorProto.FLOAT16
+    inputs = [value("x", ["batch", HEADS, "seq", HEAD], half), value("positions", [1, "seq"])]
+    if second != "x":
+        inputs.append(value(second, ["batch", HEADS, "seq", HEAD], half))
+    outputs = [value("y", ["batch", HEADS, "seq", HEAD])]
+    return save_model(path, nodes, inputs, outputs, initializers, opset=18)
+
+
+def test_halves_cast_one_by_one_are_the_whole_cast(tmp_path: Path) -> None:
+    """Each half of a float16 x widened by its own Cast: x cast once converts the same
+    elements, exactly, and the rotation reads it whole and fuses (dots.llm3's float16 dynamo
+    export: rotary 2/4 -> 4/4). Compared bit for bit with the rotary fusion off."""
+    model = _cast_halves(tmp_path / "cast_halves.onnx")
+    feeds = _feeds()
+    feeds["x"] = feeds["x"].astype(np.float16)
+    run = optimize_checked(model, tmp_path, compare=False)
+    assert pattern_counts(run, HALVES) == {"RotaryHalves": (1, 1)}
+    assert run.counts(ROTARY) == (1, 1)
+    assert run.op_counts()["Cast"] == 1
+    compare_on_feeds(model, run.output, feeds)
+    (tmp_path / "off").mkdir()
+    off = optimize_checked(model, tmp_path / "off", "--disable_pass", ROTARY, compare=False)
+    (want,), (got,) = run_model(model, feeds), run_model(off.output, feeds)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_halves_cast_from_two_tensors_are_a_near_miss(tmp_path: Path) -> None:
+    """Near miss: the second half cast from another tensor is no half of x."""
+    model = _cast_halves(tmp_path / "two_tensors.onnx", second="other")
+    run = optimize_checked(model, tmp_path, compare=False)
+    reason = (
+        "the rotated parts are not one tensor's last axis taken in two equal parts, "
+        "each element once"
+    )
+    assert reasons(run, HALVES) == {reason: 1}
+    assert run.counts(ROTARY) == (0, 0)

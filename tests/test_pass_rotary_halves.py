@@ -54,6 +54,18 @@ PARTS = {
 }
 
 
+def _angle_constants(rng: np.random.Generator, angles: int) -> list[onnx.TensorProto]:
+    """The frequencies of ``angles`` angles and the axes and bounds the models slice with."""
+    return [
+        const("frequencies", rng.uniform(0.1, 1.0, size=angles)),
+        const("last", [-1], np.int64),
+        const("heads_axis", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("half", [HALF], np.int64),
+        const("end", [2**62], np.int64),
+    ]
+
+
 def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool = False) -> Path:
     """x [B, N, S, H] rotated half by half with angles of width ``angles`` from positions, its
     two parts taken as PARTS[parts] says; ``swap`` puts sin where cos belongs in the second
@@ -87,12 +99,7 @@ def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool =
         helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
     ]
     initializers = [
-        const("frequencies", rng.uniform(0.1, 1.0, size=angles)),
-        const("last", [-1], np.int64),
-        const("heads_axis", [1], np.int64),
-        const("zero", [0], np.int64),
-        const("half", [HALF], np.int64),
-        const("end", [2**62], np.int64),
+        *_angle_constants(rng, angles),
         const("one", [1], np.int64),
         const("two", [2], np.int64),
         const("five", [5], np.int64),
@@ -213,14 +220,7 @@ def _cast_halves(path: Path, *, second: str = "x") -> Path:
         helper.make_node("Add", ["d", "e"], ["second"]),
         helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
     ]
-    initializers = [
-        const("frequencies", rng.uniform(0.1, 1.0, size=HALF)),
-        const("last", [-1], np.int64),
-        const("heads_axis", [1], np.int64),
-        const("zero", [0], np.int64),
-        const("half", [HALF], np.int64),
-        const("end", [2**62], np.int64),
-    ]
+    initializers = _angle_constants(rng, HALF)
     half = onnx.TensorProto.FLOAT16
     inputs = [value("x", ["batch", HEADS, "seq", HEAD], half), value("positions", [1, "seq"])]
     if second != "x":

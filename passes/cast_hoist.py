@@ -16,8 +16,8 @@ The Casts stay below the head split and the key/value repeats, where the attenti
 a promoted attention's operands.
 
 rotate_every_two writes its pairs as a stack, an Unsqueeze of each part and a Concat, viewed
-back by a Reshape: the Cast moves over those views too, only where they view what a Concat, Neg
-or Slice computed (ERNIE 4.5 in float16), never over a head split's view.
+back by a Reshape: the Cast moves over that stack's views too (ERNIE 4.5 in float16), and over
+no other view (a head split's, a partial rotary's join).
 
 The other way round, a round trip through a wider type around an op that only moves elements
 is that op alone: the OpenAI privacy filter casts its float16 probabilities to float32, slices
@@ -42,10 +42,7 @@ _FLOATS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOA
 # Ops that move (input 0; Concat: every input) or negate elements, between a rotation's halves
 # and its Cast (rotate_half: a Concat of a Neg and Slices).
 _MOVING = frozenset({"Slice", "Neg", "Concat"})
-# Views moved over too where they view what one of those computed: rotate_every_two stacks its
-# parts (an Unsqueeze each, a Concat) and views them back (Reshape). Elsewhere a Cast stays
-# below the views, where the attention passes read a promoted head split.
-_VIEWS = frozenset({"Unsqueeze", "Squeeze", "Reshape"})
+
 # Ops that only move elements: a round trip through a wider type around one is the op alone.
 _BACK = frozenset({"Slice", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 # Ops a widening Cast that they alone read moves below (the op's input is cast instead).
@@ -59,6 +56,22 @@ def _widening(cast: ir.Node, ctx: PassContext) -> ir.DataType | None:
     to = ir.DataType(cast.attributes.get_int("to", 0))
     source = ctx.dtype(cast.inputs[0])
     return to if source in _FLOATS and lossless(source, to) else None  # type: ignore[arg-type]
+
+
+def _stacking(view: ir.Node) -> bool:
+    """Whether a view is part of rotate_every_two's stack of the rotated parts: an Unsqueeze
+    of a Neg or Slice, or the Reshape of a Concat of Unsqueezes back to the heads. Any other
+    view keeps its Cast after it (a head split's, where the attention passes read the
+    promoted operands; a partial rotary's join, which a fused op's output feeds)."""
+    source = view.inputs[0].producer() if view.inputs[0] is not None else None
+    if source is None or source.domain not in DEFAULT_DOMAINS:
+        return False
+    if view.op_type == "Unsqueeze":
+        return source.op_type in ("Neg", "Slice")
+    if view.op_type == "Reshape" and source.op_type == "Concat":
+        parts = [part.producer() if part is not None else None for part in source.inputs]
+        return all(part is not None and part.op_type == "Unsqueeze" for part in parts)
+    return False
 
 
 def _read_only_by(value: ir.Value, reader: ir.Node) -> bool:
@@ -141,11 +154,7 @@ class WideningCastHoistPass(FusionPass):
         mover = cast.inputs[0].producer() if to is not None else None
         if mover is None or mover.domain not in DEFAULT_DOMAINS:
             return False
-        if mover.op_type in _VIEWS:
-            viewed = mover.inputs[0].producer() if mover.inputs[0] is not None else None
-            if viewed is None or viewed.op_type not in _MOVING:
-                return False
-        elif mover.op_type not in _MOVING:
+        if mover.op_type not in _MOVING and not _stacking(mover):
             return False
         if not _read_only_by(mover.outputs[0], cast):
             return False

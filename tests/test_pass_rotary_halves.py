@@ -54,23 +54,22 @@ PARTS = {
 }
 
 
-def _angle_constants(rng: np.random.Generator, angles: int) -> list[onnx.TensorProto]:
-    """The frequencies of ``angles`` angles and the axes and bounds the models slice with."""
-    return [
-        const("frequencies", rng.uniform(0.1, 1.0, size=angles)),
-        const("last", [-1], np.int64),
-        const("heads_axis", [1], np.int64),
-        const("zero", [0], np.int64),
-        const("half", [HALF], np.int64),
-        const("end", [2**62], np.int64),
-    ]
-
-
-def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool = False) -> Path:
+def _model(
+    path: Path,
+    *,
+    parts: str = "split",
+    angles: int = HALF,
+    swap: bool = False,
+    widened: bool = False,
+    second_source: str = "x",
+) -> Path:
     """x [B, N, S, H] rotated half by half with angles of width ``angles`` from positions, its
     two parts taken as PARTS[parts] says; ``swap`` puts sin where cos belongs in the second
-    half (no rotation)."""
+    half (no rotation). ``widened``: x is float16 and each part is cast to float32 on its own
+    (dots.llm3's partial rotary in half precision); ``second_source`` names the tensor the
+    second part is taken from."""
     rng = np.random.default_rng(0)
+    taken = ("x1h", "x2h") if widened else ("x1", "x2")
     nodes = [
         helper.make_node("Unsqueeze", ["positions", "last"], ["p"]),
         helper.make_node("Mul", ["p", "frequencies"], ["f"]),
@@ -81,12 +80,17 @@ def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool =
     ]
     op, low, high = PARTS[parts]
     if op == "Split":
-        nodes.append(helper.make_node("Split", ["x"], ["x1", "x2"], axis=-1, num_outputs=2))
+        nodes.append(helper.make_node("Split", ["x"], list(taken), axis=-1, num_outputs=2))
     else:
         axis = {"axis": -1} if op == "Gather" else {}
         nodes += [
-            helper.make_node(op, ["x", *low], ["x1"], **axis),
-            helper.make_node(op, ["x", *high], ["x2"], **axis),
+            helper.make_node(op, ["x", *low], [taken[0]], **axis),
+            helper.make_node(op, [second_source, *high], [taken[1]], **axis),
+        ]
+    if widened:
+        nodes += [
+            helper.make_node("Cast", [part], [part[:2]], to=onnx.TensorProto.FLOAT)
+            for part in taken
         ]
     second = ("s", "c") if swap else ("c", "s")
     nodes += [
@@ -99,14 +103,22 @@ def _model(path: Path, *, parts: str = "split", angles: int = HALF, swap: bool =
         helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
     ]
     initializers = [
-        *_angle_constants(rng, angles),
+        const("frequencies", rng.uniform(0.1, 1.0, size=angles)),
+        const("last", [-1], np.int64),
+        const("heads_axis", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("half", [HALF], np.int64),
+        const("end", [2**62], np.int64),
         const("one", [1], np.int64),
         const("two", [2], np.int64),
         const("five", [5], np.int64),
         const("low_order", [5, 0, 3, 6], np.int64),
         const("high_order", [1, -1, 2, 4], np.int64),
     ]
-    inputs = [value("x", ["batch", HEADS, "seq", HEAD]), value("positions", [1, "seq"])]
+    kind = onnx.TensorProto.FLOAT16 if widened else onnx.TensorProto.FLOAT
+    inputs = [value("x", ["batch", HEADS, "seq", HEAD], kind), value("positions", [1, "seq"])]
+    if second_source != "x":
+        inputs.append(value(second_source, ["batch", HEADS, "seq", HEAD], kind))
     outputs = [value("y", ["batch", HEADS, "seq", HEAD])]
     return save_model(path, nodes, inputs, outputs, initializers, opset=18)
 
@@ -196,44 +208,11 @@ def test_deepseek_even_and_odd_elements_fused_in_every_layer(tmp_path: Path, exp
     assert run.op_counts()["RotaryEmbedding"] == 4
 
 
-def _cast_halves(path: Path, *, second: str = "x") -> Path:
-    """A float16 x [B, N, S, H] whose halves are each cast to float32 and rotated with
-    float32 angles (dots.llm3's partial rotary in half precision); ``second`` names the
-    tensor the second half is taken from."""
-    rng = np.random.default_rng(0)
-    nodes = [
-        helper.make_node("Unsqueeze", ["positions", "last"], ["p"]),
-        helper.make_node("Mul", ["p", "frequencies"], ["f"]),
-        helper.make_node("Cos", ["f"], ["c3"]),
-        helper.make_node("Sin", ["f"], ["s3"]),
-        helper.make_node("Unsqueeze", ["c3", "heads_axis"], ["c"]),
-        helper.make_node("Unsqueeze", ["s3", "heads_axis"], ["s"]),
-        helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1h"]),
-        helper.make_node("Slice", [second, "half", "end", "last"], ["x2h"]),
-        helper.make_node("Cast", ["x1h"], ["x1"], to=onnx.TensorProto.FLOAT),
-        helper.make_node("Cast", ["x2h"], ["x2"], to=onnx.TensorProto.FLOAT),
-        helper.make_node("Mul", ["x1", "c"], ["a"]),
-        helper.make_node("Mul", ["x2", "s"], ["b"]),
-        helper.make_node("Sub", ["a", "b"], ["first"]),
-        helper.make_node("Mul", ["x2", "c"], ["d"]),
-        helper.make_node("Mul", ["x1", "s"], ["e"]),
-        helper.make_node("Add", ["d", "e"], ["second"]),
-        helper.make_node("Concat", ["first", "second"], ["y"], axis=-1),
-    ]
-    initializers = _angle_constants(rng, HALF)
-    half = onnx.TensorProto.FLOAT16
-    inputs = [value("x", ["batch", HEADS, "seq", HEAD], half), value("positions", [1, "seq"])]
-    if second != "x":
-        inputs.append(value(second, ["batch", HEADS, "seq", HEAD], half))
-    outputs = [value("y", ["batch", HEADS, "seq", HEAD])]
-    return save_model(path, nodes, inputs, outputs, initializers, opset=18)
-
-
 def test_halves_cast_one_by_one_are_the_whole_cast(tmp_path: Path) -> None:
     """Each half of a float16 x widened by its own Cast: x cast once converts the same
     elements, exactly, and the rotation reads it whole and fuses (dots.llm3's float16 dynamo
     export: rotary 2/4 -> 4/4). Compared bit for bit with the rotary fusion off."""
-    model = _cast_halves(tmp_path / "cast_halves.onnx")
+    model = _model(tmp_path / "cast_halves.onnx", parts="slices", widened=True)
     feeds = _feeds()
     feeds["x"] = feeds["x"].astype(np.float16)
     run = optimize_checked(model, tmp_path, compare=False)
@@ -249,7 +228,9 @@ def test_halves_cast_one_by_one_are_the_whole_cast(tmp_path: Path) -> None:
 
 def test_halves_cast_from_two_tensors_are_a_near_miss(tmp_path: Path) -> None:
     """Near miss: the second half cast from another tensor is no half of x."""
-    model = _cast_halves(tmp_path / "two_tensors.onnx", second="other")
+    model = _model(
+        tmp_path / "two_tensors.onnx", parts="slices", widened=True, second_source="other"
+    )
     run = optimize_checked(model, tmp_path, compare=False)
     reason = (
         "the rotated parts are not one tensor's last axis taken in two equal parts, "
